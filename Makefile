@@ -1,0 +1,54 @@
+# kuberl developer commands. `make test` and `make demo` work on a fresh machine: they create
+# .venv and install everything first (torch's CPU wheel before the rest, so no CUDA build is pulled).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kuberl-setup
+EXTRAS := buffer,reward,rollout,trainer,weight-sync,local,dev
+
+.PHONY: setup test lint mypy format protos demo clean help
+
+help:
+	@echo "make setup   - create .venv and install kuberl with every extra (idempotent)"
+	@echo "make test    - lint, type-check and run the whole test suite"
+	@echo "make lint    - ruff (lint + format check) and mypy on services/"
+	@echo "make format  - apply ruff's formatting and fixes"
+	@echo "make protos  - regenerate the gRPC Python code from protos/"
+
+$(STAMP): pyproject.toml setup.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
+	$(PY) -m pip install --quiet torch==2.13.0
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+lint: setup
+	$(VENV)/bin/ruff check services tests benchmarks protos/generate.py
+	$(VENV)/bin/ruff format --check services tests benchmarks protos/generate.py
+	@$(MAKE) --no-print-directory mypy
+
+# mypy cannot map services/weight-sync to kuberl.weight_sync, so it checks a tree of symlinks
+# that spells the installed package layout (.venv/mypy-path/kuberl/...).
+MYPY_TREE := $(VENV)/mypy-path/kuberl
+mypy: setup
+	@rm -rf $(MYPY_TREE) && mkdir -p $(MYPY_TREE)
+	@for entry in services/*; do \
+		name=$$(basename $$entry | tr - _); ln -s $$PWD/$$entry $(MYPY_TREE)/$$name; \
+	done
+	@ln -s $$PWD/protos/kuberl $(MYPY_TREE)/api
+	cd $(VENV)/mypy-path && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p kuberl
+
+format: setup
+	$(VENV)/bin/ruff check --fix services tests benchmarks protos/generate.py
+	$(VENV)/bin/ruff format services tests benchmarks protos/generate.py
+
+test: lint
+	$(PY) -m pytest -q
+
+protos: setup
+	$(PY) protos/generate.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

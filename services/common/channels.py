@@ -1,0 +1,54 @@
+"""Client side of the gRPC runtime: channels with the same limits as servers, and readiness waits.
+
+Every service that calls another (rollout -> buffer, trainer -> weight-sync, the supervisor ->
+everyone) opens its channels here, so message-size limits and keepalive agree on both ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kuberl.common.server import grpc_options
+
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
+def aio_channel(
+    address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=grpc_options(max_message_bytes))
+
+
+def sync_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=grpc_options(max_message_bytes))
+
+
+def health_status(channel: grpc.Channel, service: str = "", timeout: float = 2.0) -> str:
+    """SERVING / NOT_SERVING / UNKNOWN / SERVICE_UNKNOWN, or UNAVAILABLE when unreachable."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    except grpc.RpcError as exc:
+        return "UNAVAILABLE" if exc.code() is not grpc.StatusCode.NOT_FOUND else "SERVICE_UNKNOWN"
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+
+def wait_serving(address: str, timeout: float = 60.0, service: str = "") -> None:
+    """Block until the server at address reports SERVING; TimeoutError says what it last saw."""
+    deadline = time.monotonic() + timeout
+    last = "UNAVAILABLE"
+    with sync_channel(address) as channel:
+        while time.monotonic() < deadline:
+            last = health_status(channel, service)
+            if last == "SERVING":
+                return
+            time.sleep(0.05)
+    raise TimeoutError(f"{address} not SERVING after {timeout:.0f}s (last status {last})")
+
+
+async def wait_serving_async(address: str, timeout: float = 60.0, service: str = "") -> None:
+    await asyncio.to_thread(wait_serving, address, timeout, service)

@@ -1,0 +1,470 @@
+"""The job file: one YAML document describing a whole kuberl run, and its schema.
+
+Every service reads the same file (a ConfigMap on Kubernetes) with `load_job_config` and takes its
+own section. The pydantic models below are the schema and their field docs are the reference
+documentation; Helm's `values.schema.json` for the job section is generated from `JobConfig`.
+Environment variables `KUBERL_<SECTION>__<FIELD>[__<SUBFIELD>...]` override the file (values are
+parsed as YAML scalars, so `KUBERL_TRAINER__ZERO_STAGE=2` is an int). Unknown fields are errors,
+and every error names the field path and what was expected.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ENV_PREFIX = "KUBERL_"
+
+
+class Section(BaseModel):
+    """Base of every config model: unknown fields are errors, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ServerConfig(Section):
+    """How one service listens."""
+
+    host: str = Field("0.0.0.0", description="Address the gRPC server binds to.")
+    port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 picks a free port.")
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free port."
+    )
+    max_message_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=1024,
+        description="Largest gRPC message sent or received (gRPC's own default is only 4 MiB).",
+    )
+    grace_seconds: float = Field(
+        10.0, ge=0, description="On SIGTERM, how long in-flight calls may run before cancellation."
+    )
+
+
+def _server(port: int, metrics_port: int) -> Any:
+    return Field(
+        default_factory=lambda: ServerConfig(port=port, metrics_port=metrics_port),
+        description="gRPC and metrics listeners of this service.",
+    )
+
+
+class JobMeta(Section):
+    name: str = Field(
+        "kuberl",
+        pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$",
+        description="Job name (a DNS label); prefixes every Redis key as kuberl:{name}:...",
+    )
+    seed: int = Field(0, description="Seed for data shuffling, sampling and initialisation.")
+    run_dir: str = Field("runs", description="Where local runs write their run folder.")
+
+
+class Endpoints(Section):
+    """Where each service is reached (host:port). Kubernetes sets these to Service DNS names."""
+
+    buffer: str = "127.0.0.1:50051"
+    reward: str = "127.0.0.1:50052"
+    weight_sync: str = "127.0.0.1:50053"
+    trainer: str = "127.0.0.1:50054"
+
+
+class RedisConfig(Section):
+    url: str | None = Field(
+        None,
+        description="redis:// or rediss:// URL of the job's Redis; null starts an embedded "
+        "server (local mode only).",
+    )
+    password_env: str = Field(
+        "REDIS_PASSWORD", description="Environment variable holding the Redis password, if any."
+    )
+    embedded_dir: str = Field(
+        ".kuberl/redis", description="Data folder of the embedded server (AOF lives there)."
+    )
+
+
+class BuildModelConfig(Section):
+    """A small model of a real architecture built locally (no downloads)."""
+
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    size: Literal["tiny", "small"] = Field(
+        "tiny", description="tiny is ~1M parameters, small ~10M."
+    )
+    tokenizer: Literal["digits", "bpe"] = Field(
+        "digits",
+        description="digits: a character tokenizer for arithmetic tasks; bpe: trained "
+        "on the job's training data with the `tokenizers` library.",
+    )
+
+
+class ModelConfig(Section):
+    path: str | None = Field(
+        None, description="Local HF model folder (weights + tokenizer). Null builds one (`build`)."
+    )
+    build: BuildModelConfig = Field(default_factory=BuildModelConfig)
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Training and rollout dtype (float32 on CPU)."
+    )
+    chat_template: bool = Field(
+        False, description="Apply the tokenizer's chat template to prompts before generation."
+    )
+
+
+class ColumnsConfig(Section):
+    prompt: str = "prompt"
+    answer: str = "answer"
+    metadata: list[str] = Field(
+        default_factory=list, description="Columns kept as metadata; empty keeps every other one."
+    )
+
+
+class DatasetConfig(Section):
+    path: str = Field(description="A .jsonl or .parquet file.")
+    name: str | None = Field(None, description="Name in the job; defaults to the file stem.")
+    columns: ColumnsConfig = Field(default_factory=ColumnsConfig)
+    limit: int = Field(0, ge=0, description="Use only the first N rows (0 = all).")
+    verifiers: dict[str, float] | None = Field(
+        None, description="Reward verifiers and weights for this dataset (default: reward's)."
+    )
+
+
+class DataConfig(Section):
+    train: list[DatasetConfig] = Field(default_factory=list)
+    eval: list[DatasetConfig] = Field(default_factory=list)
+    num_epochs: int = Field(1, ge=1, description="Passes over the training prompts.")
+
+
+class BufferConfig(Section):
+    server: ServerConfig = _server(50051, 9101)
+    lease_timeout_seconds: float = Field(
+        120.0, gt=0, description="A leased prompt not completed within this is re-delivered."
+    )
+    max_inflight_groups: int = Field(
+        64,
+        ge=1,
+        description="Backpressure: leasing is refused while this many groups are leased or "
+        "generated but not yet trained.",
+    )
+    batch_ack_timeout_seconds: float = Field(
+        300.0, gt=0, description="An un-acked batch is re-delivered after this (trainer crash)."
+    )
+    requeue_stale: bool = Field(
+        True, description="Re-queue the prompts of groups dropped as stale (else count and drop)."
+    )
+    dynamic_sampling: bool = Field(
+        False, description="DAPO dynamic sampling: drop groups whose rewards all agree."
+    )
+    filters: list[str] = Field(
+        default_factory=list,
+        description="Custom group filters as module:function, called (group) -> bool (keep).",
+    )
+
+
+class VerifierSpec(Section):
+    """A custom verifier loaded from a dotted path."""
+
+    function: str = Field(description="module:function taking (sample) and returning a float.")
+    description: str = ""
+
+
+class SandboxConfig(Section):
+    cpu_seconds: int = Field(5, ge=1)
+    memory_bytes: int = Field(512 * 1024 * 1024, ge=16 * 1024 * 1024)
+    max_processes: int = Field(16, ge=1)
+    max_file_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_open_files: int = Field(64, ge=8)
+    wall_seconds: float = Field(10.0, gt=0)
+    max_output_bytes: int = Field(1024 * 1024, ge=1024)
+
+
+class RewardModelConfig(Section):
+    path: str = Field(description="Local HF sequence-classification model folder.")
+    batch_size: int = Field(16, ge=1)
+    device: str = "cpu"
+
+
+class RewardConfig(Section):
+    server: ServerConfig = _server(50052, 9102)
+    verifiers: dict[str, float] = Field(
+        default_factory=lambda: {"gsm8k": 1.0},
+        description="Verifier name -> weight; the reward is the weighted sum of their scores.",
+    )
+    custom: dict[str, VerifierSpec] = Field(
+        default_factory=dict, description="Extra verifiers by name, usable in `verifiers`."
+    )
+    timeout_seconds: float = Field(10.0, gt=0, description="Per-sample scoring timeout.")
+    fallback_reward: float = Field(
+        0.0, description="Reward of a sample whose verifier raised, hung or returned NaN."
+    )
+    workers: int = Field(2, ge=1, description="Processes scoring CPU-bound verifiers.")
+    length_soft_limit: int = Field(
+        0, ge=0, description="DAPO overlong penalty starts here (0 = max_new_tokens - buffer)."
+    )
+    length_penalty_buffer: int = Field(
+        0, ge=0, description="Tokens over which the penalty grows linearly from 0 to -1."
+    )
+    format_pattern: str = Field(
+        r"(?s)<think>.*</think>.*\S", description="Regex the `format` verifier requires."
+    )
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    reward_model: RewardModelConfig | None = None
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(1.0, ge=0, description="0 is greedy.")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    max_new_tokens: int = Field(256, ge=1)
+    stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    stop_token_ids: list[int] = Field(default_factory=list)
+
+
+class TorchEngineConfig(Section):
+    kind: Literal["torch"] = "torch"
+    device: str = Field("cpu", description="cpu or cuda[:N].")
+    max_batch_size: int = Field(64, ge=1, description="Sequences generated together.")
+
+
+class SGLangEngineConfig(Section):
+    kind: Literal["sglang"] = "sglang"
+    url: str = Field("http://127.0.0.1:30000", description="Base URL of the SGLang server.")
+    launch: bool = Field(
+        False, description="Start `python -m sglang.launch_server` beside the replica."
+    )
+    tp_size: int = Field(1, ge=1)
+    mem_fraction_static: float = Field(0.8, gt=0, le=1)
+    request_timeout_seconds: float = Field(600.0, gt=0)
+    max_retries: int = Field(3, ge=0)
+
+
+EngineConfig = Annotated[TorchEngineConfig | SGLangEngineConfig, Field(discriminator="kind")]
+
+
+class MultiTurnConfig(Section):
+    enabled: bool = False
+    max_turns: int = Field(4, ge=1)
+    tools: list[str] = Field(
+        default_factory=lambda: ["calculator"],
+        description="Built-in tool names (calculator, python) or module:function.",
+    )
+
+
+class RolloutConfig(Section):
+    server: ServerConfig = _server(50060, 9110)
+    engine: EngineConfig = Field(default_factory=TorchEngineConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    group_size: int = Field(8, ge=1, description="Samples generated per prompt (GRPO's n).")
+    prompts_per_batch: int = Field(8, ge=1, description="Prompts leased per engine batch.")
+    batches_in_flight: int = Field(2, ge=1, description="Engine batches kept in flight.")
+    rollout_function: str | None = Field(
+        None, description="module:function replacing the built-in rollout (slime-style)."
+    )
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+    on_weight_update: Literal["finish", "abort"] = Field(
+        "finish",
+        description="In-flight generations when new weights arrive: finish on the old "
+        "weights, or abort and re-queue.",
+    )
+    mode: Literal["rl", "eval", "rejection_sampling"] = "rl"
+    rejection_threshold: float = Field(
+        1.0, description="rejection_sampling keeps samples with reward >= this."
+    )
+
+
+class KLConfig(Section):
+    coef: float = Field(0.0, ge=0, description="0 disables the reference model.")
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    in_reward: bool = Field(False, description="Subtract the KL from the reward instead of loss.")
+
+
+class ImportanceConfig(Section):
+    """Correction of the train-inference mismatch using the rollout engine's logprobs."""
+
+    mode: Literal["none", "tis", "mis"] = "tis"
+    cap: float = Field(2.0, gt=0, description="TIS: per-token weight min(ratio, cap).")
+    threshold: float = Field(
+        2.0, gt=0, description="MIS: drop tokens (or sequences) whose ratio exceeds this."
+    )
+    level: Literal["token", "sequence"] = "token"
+
+
+class AlgorithmConfig(Section):
+    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "gae"] = "grpo"
+    normalize_std: bool = Field(True, description="GRPO: divide by the group's std.")
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.2, ge=0, description="> clip_low is DAPO clip-higher.")
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c (e.g. 3).")
+    loss_agg: Literal["token_mean", "seq_mean", "token_sum"] = "token_mean"
+    entropy_coef: float = 0.0
+    kl: KLConfig = Field(default_factory=KLConfig)
+    importance: ImportanceConfig = Field(default_factory=ImportanceConfig)
+    ppo_epochs: int = Field(1, ge=1)
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per batch and epoch.")
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    recompute_old_logprobs: bool = Field(
+        False, description="Recompute old logprobs with the trainer (else use the rollout's)."
+    )
+
+
+class OptimizerConfig(Section):
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+
+
+class TrainerConfig(Section):
+    server: ServerConfig = _server(50054, 9104)
+    mode: Literal["rl", "sft", "eval"] = "rl"
+    total_steps: int = Field(100, ge=1)
+    groups_per_step: int = Field(8, ge=1, description="Whole groups per optimizer batch.")
+    micro_batch_tokens: int = Field(
+        8192, ge=16, description="Token budget of one micro-batch (gradient accumulation)."
+    )
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    gradient_checkpointing: bool = False
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    max_staleness: int = Field(1, ge=-1, description="0 = strictly on-policy; -1 = unbounded.")
+    publish_every: int = Field(1, ge=1, description="Publish weights every k optimizer steps.")
+    checkpoint_every: int = Field(50, ge=0, description="0 disables periodic checkpoints.")
+    checkpoint_dir: str = "checkpoints"
+    eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0 = start and end).")
+    sft_data: str | None = Field(None, description="JSONL of prompt/response pairs (sft mode).")
+    sft_steps: int = Field(0, ge=0, description="SFT warm-start steps before RL.")
+
+
+TransportName = Literal["nccl", "gloo", "cuda_ipc", "snapshot", "shm"]
+
+
+class WeightSyncConfig(Section):
+    server: ServerConfig = _server(50053, 9103)
+    transports: list[TransportName] = Field(
+        default_factory=lambda: list[TransportName](["gloo", "snapshot"]),
+        description="Transports offered to engines, in order of preference.",
+    )
+    bucket_bytes: int = Field(256 * 1024 * 1024, ge=1024 * 1024)
+    heartbeat_seconds: float = Field(2.0, gt=0)
+    missed_heartbeats: int = Field(3, ge=1, description="Drop an engine after this many.")
+    broadcast_timeout_seconds: float = Field(60.0, gt=0)
+    snapshot_chunk_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024)
+    snapshot_dir: str = ".kuberl/snapshots"
+
+
+class JobConfig(Section):
+    """A whole kuberl job. Each service reads its own section and `endpoints`."""
+
+    job: JobMeta = Field(default_factory=JobMeta)
+    endpoints: Endpoints = Field(default_factory=Endpoints)
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobConfig:
+        if self.trainer.algorithm.advantage in ("grpo", "drgrpo", "rloo") and (
+            self.rollout.group_size < 2
+        ):
+            raise ValueError(
+                f"rollout.group_size must be >= 2 for advantage "
+                f"{self.trainer.algorithm.advantage!r} (got {self.rollout.group_size})"
+            )
+        return self
+
+
+SECTIONS = tuple(JobConfig.model_fields)
+
+
+class ConfigError(ValueError):
+    """The job file or an override is wrong; the message lists every problem by field path."""
+
+
+def _set_path(data: dict[str, Any], path: list[str], value: Any, origin: str) -> None:
+    node = data
+    for key in path[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{origin}: {'.'.join(path)}: {key} is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def env_overrides(env: Mapping[str, str]) -> list[tuple[list[str], Any, str]]:
+    """The `KUBERL_<SECTION>__<FIELD>` variables in env as (path, parsed value, variable name)."""
+    found = []
+    for name, raw in sorted(env.items()):
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__")]
+        if path[0] not in SECTIONS:
+            raise ConfigError(
+                f"environment {name}: unknown section {path[0]!r}; expected one of "
+                f"{', '.join(SECTIONS)}"
+            )
+        found.append((path, yaml.safe_load(raw) if raw != "" else "", name))
+    return found
+
+
+def _describe(err: dict[str, Any], origins: dict[str, str]) -> str:
+    loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
+    where = f" (from {origins[loc]})" if loc in origins else ""
+    got = err.get("input")
+    got_text = "" if err["type"] == "missing" or isinstance(got, dict) else f" (got {got!r})"
+    return f"{loc or '<job>'}: {err['msg']}{got_text}{where}"
+
+
+def parse_job_config(
+    data: Mapping[str, Any] | None,
+    env: Mapping[str, str] | None = None,
+    source: str = "<job>",
+) -> JobConfig:
+    """Validate a job document after applying env overrides; raise ConfigError on any problem."""
+    if not isinstance(data, Mapping | type(None)):
+        raise ConfigError(f"{source}: the job file must be a mapping of sections")
+    doc: dict[str, Any] = dict(data or {})
+    origins: dict[str, str] = {}
+    for path, value, name in env_overrides(os.environ if env is None else env):
+        _set_path(doc, path, value, f"environment {name}")
+        origins[".".join(path)] = f"environment {name}"
+    try:
+        return JobConfig.model_validate(doc)
+    except ValidationError as exc:
+        lines = [_describe(dict(e), origins) for e in exc.errors()]
+        raise ConfigError(
+            f"{source}: invalid job configuration:\n  " + "\n  ".join(lines)
+        ) from None
+
+
+def load_job_config(path: str | Path | None, env: Mapping[str, str] | None = None) -> JobConfig:
+    """Read a job YAML file (None: defaults only) and validate it with env overrides."""
+    if path is None:
+        return parse_job_config({}, env, "<defaults>")
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read the job file: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(
+            f"{p}: the job file must be a mapping of sections, got {type(data).__name__}"
+        )
+    return parse_job_config(data, env, str(p))
+
+
+def dump_job_config(config: JobConfig) -> str:
+    """The resolved job as YAML (what a run folder records)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

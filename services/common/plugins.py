@@ -1,0 +1,71 @@
+"""Loading extension points named by a dotted path, `package.module:function`.
+
+Every extension point of a job (reward functions, rollout functions, buffer filters, tools) is a
+string in the job file loaded by `load_plugin`, slime-style. Failures are `PluginError`s that say
+which of the three things went wrong: the module cannot be imported, it has no such attribute, or
+the callable does not accept the arguments kuberl will pass.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+class PluginError(ValueError):
+    """A `module:function` spec that cannot be used; the message says why and what is expected."""
+
+
+def load_plugin(
+    spec: str, *, kind: str = "plugin", params: Sequence[str] | None = None
+) -> Callable[..., Any]:
+    """Import `module:attr` (attr may be dotted, e.g. `mod:Class.method`) and return the callable.
+
+    `params` names the positional arguments kuberl will pass; the callable's signature must
+    accept exactly that many positionally (extra parameters need defaults).
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise PluginError(f"{kind} {spec!r}: expected 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or module_name
+        raise PluginError(
+            f"{kind} {spec!r}: module {missing!r} not found (is it installed or on PYTHONPATH?)"
+        ) from None
+    except Exception as exc:  # the plugin's own import-time error
+        raise PluginError(
+            f"{kind} {spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
+        ) from exc
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            public = sorted(n for n in dir(obj) if not n.startswith("_"))
+            raise PluginError(
+                f"{kind} {spec!r}: {module_name!r} has no attribute {attr!r}"
+                f" (it has: {', '.join(public[:20]) or 'nothing public'})"
+            )
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise PluginError(f"{kind} {spec!r}: {attr!r} is a {type(obj).__name__}, not callable")
+    if params is not None:
+        check_signature(obj, params, f"{kind} {spec!r}")
+    return obj
+
+
+def check_signature(fn: Callable[..., Any], params: Sequence[str], what: str) -> None:
+    """Raise PluginError unless fn can be called with len(params) positional arguments."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins without signatures: trust them
+    try:
+        sig.bind(*params)
+    except TypeError:
+        raise PluginError(
+            f"{what}: wrong signature {fn.__name__}{sig}; kuberl calls it as "
+            f"{fn.__name__}({', '.join(params)})"
+        ) from None

@@ -1,0 +1,255 @@
+"""The gRPC server bootstrap every kuberl service runs under (`kuberl serve <service>`).
+
+A service subclasses `Service`: it registers its servicers, gets ready in `start()` (connect to
+Redis, load a model...) and cleans up in `stop()`. `serve()` does the rest the same way for all:
+grpc.aio with explicit message-size limits; the standard health service reporting NOT_SERVING
+until `start()` has returned (so Kubernetes readiness probes and the local supervisor wait for
+real readiness); server reflection; one interceptor that turns exceptions into status codes and
+counts requests, errors and latency; a Prometheus /metrics endpoint; and a graceful drain on
+SIGTERM: health flips to NOT_SERVING, new calls are refused, in-flight calls get
+`grace_seconds` to finish, then `stop()` runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from pydantic import ValidationError
+
+from kuberl.common import metrics
+from kuberl.common.config import ServerConfig
+from kuberl.common.errors import ServiceError
+from kuberl.common.logs import get_logger
+
+log = get_logger(__name__)
+
+RETRY_AFTER_KEY = "retry-after-seconds"
+
+
+class Service:
+    """One deployable service as the bootstrap runs it. Subclasses override what they need."""
+
+    #: Short name ("buffer", "weight_sync"): metric prefix and log field.
+    name: str = "service"
+    #: Fully-qualified gRPC service names, for health and reflection.
+    service_names: Sequence[str] = ()
+
+    def register(self, server: grpc.aio.Server) -> None:
+        """Add this service's servicers to the server."""
+
+    async def start(self) -> None:
+        """Become ready to serve (connect dependencies). Health says SERVING after it returns."""
+
+    async def stop(self) -> None:
+        """Release resources after in-flight calls have drained."""
+
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """Channel/server options shared by servers and clients: explicit size limits, keepalive."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a caller sees for an exception raised by a handler."""
+    if isinstance(exc, ServiceError):
+        return exc.code, exc.message
+    if isinstance(exc, ValidationError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
+    if isinstance(exc, NotImplementedError):
+        return grpc.StatusCode.UNIMPLEMENTED, str(exc) or "not implemented"
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions to status codes and records per-method request counts and latency."""
+
+    def __init__(self, service: str) -> None:
+        self.requests = metrics.counter(
+            f"kuberl_{service}_rpc_requests_total", "gRPC calls handled", ["method", "code"]
+        )
+        self.errors = metrics.counter(
+            f"kuberl_{service}_rpc_errors_total", "gRPC calls that failed", ["method", "code"]
+        )
+        self.latency = metrics.histogram(
+            f"kuberl_{service}_rpc_seconds", "gRPC call latency", ["method"]
+        )
+
+    def _record(self, method: str, code: grpc.StatusCode, started: float) -> None:
+        self.requests.labels(method, code.name).inc()
+        if code is not grpc.StatusCode.OK:
+            self.errors.labels(method, code.name).inc()
+        self.latency.labels(method).observe(time.perf_counter() - started)
+
+    async def _fail(
+        self, method: str, exc: Exception, context: grpc.aio.ServicerContext, started: float
+    ) -> None:
+        code, message = status_for(exc)
+        if code is grpc.StatusCode.INTERNAL:
+            log.exception("rpc.internal_error", method=method)
+        else:
+            log.info("rpc.rejected", method=method, code=code.name, reason=message)
+        retry = getattr(exc, "retry_after_seconds", None)
+        if retry is not None:
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{retry:.3f}"),))
+        self._record(method, code, started)
+        await context.abort(code, message)
+
+    def _wrap_unary(
+        self, method: str, behavior: Callable[..., Any]
+    ) -> Callable[..., Awaitable[Any]]:
+        async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started = time.perf_counter()
+            try:
+                result = behavior(request, context)
+                if inspect.isawaitable(result):
+                    result = await result
+            except grpc.aio.AbortError:
+                self._record(method, context.code() or grpc.StatusCode.UNKNOWN, started)
+                raise
+            except Exception as exc:
+                await self._fail(method, exc, context, started)
+                return None
+            self._record(method, grpc.StatusCode.OK, started)
+            return result
+
+        return handler
+
+    def _wrap_stream(
+        self, method: str, behavior: Callable[..., Any]
+    ) -> Callable[..., AsyncIterator[Any]]:
+        async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            started = time.perf_counter()
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            except grpc.aio.AbortError:
+                self._record(method, context.code() or grpc.StatusCode.UNKNOWN, started)
+                raise
+            except Exception as exc:
+                await self._fail(method, exc, context, started)
+                return
+            self._record(method, grpc.StatusCode.OK, started)
+
+        return handler
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        kw = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(method, handler.unary_unary), **kw
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                self._wrap_unary(method, handler.stream_unary), **kw
+            )
+        # Streaming handlers are either async generators or coroutines that call context.write
+        # (grpc's own health Watch does); each keeps its style when wrapped.
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_any(method, handler.unary_stream), **kw
+            )
+        return grpc.stream_stream_rpc_method_handler(
+            self._wrap_any(method, handler.stream_stream), **kw
+        )
+
+    def _wrap_any(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.isasyncgenfunction(behavior):
+            return self._wrap_stream(method, behavior)
+        return self._wrap_unary(method, behavior)
+
+
+def _write_port_file(path: str, ports: dict[str, int]) -> None:
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(ports))
+    os.replace(tmp, path)
+
+
+async def serve(
+    service: Service,
+    config: ServerConfig,
+    *,
+    port_file: str | None = None,
+    stop_event: asyncio.Event | None = None,
+) -> None:
+    """Run `service` until SIGTERM/SIGINT (or `stop_event`), then drain and stop it."""
+    server = grpc.aio.server(
+        options=grpc_options(config.max_message_bytes),
+        interceptors=[ErrorInterceptor(service.name)],
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(service.service_names)
+    for name in ("", *names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    service.register(server)
+    reflection.enable_server_reflection(
+        (
+            *names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise RuntimeError(f"{service.name}: cannot bind {config.host}:{config.port}")
+    metrics_port = metrics.start_metrics_server(config.metrics_port, config.host)
+    await server.start()
+    log.info("server.listening", port=port, metrics_port=metrics_port)
+    if port_file:
+        _write_port_file(port_file, {"port": port, "metrics_port": metrics_port})
+
+    stop = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    ready_task = asyncio.create_task(service.start())
+    stop_task = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({ready_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    if ready_task in done:
+        ready_task.result()  # a failed start ends the process with its error
+        for name in ("", *names):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("server.ready")
+        await stop_task
+    else:
+        ready_task.cancel()
+
+    log.info("server.draining", grace_seconds=config.grace_seconds)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(config.grace_seconds)
+    await service.stop()
+    log.info("server.stopped")

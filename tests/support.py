@@ -1,0 +1,102 @@
+"""Helpers for tests that run real kuberl processes: start a server in a subprocess, find its
+ports, wait for health, stop it, and show its log when something fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class ServiceProcess:
+    """A server process started with `--port-file`; `address` is host:port once it listens."""
+
+    def __init__(
+        self, args: list[str], workdir: Path, name: str, env: dict[str, str] | None = None
+    ):
+        self.name = name
+        self.port_file = workdir / f"{name}.ports.json"
+        self.log_path = workdir / f"{name}.log"
+        self.port_file.unlink(missing_ok=True)
+        self._log = self.log_path.open("wb")
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(
+            [*args, "--port-file", str(self.port_file)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=REPO,
+            start_new_session=True,
+        )
+        self.port = 0
+        self.metrics_port = 0
+
+    @classmethod
+    def kuberl(
+        cls,
+        service: str,
+        config: Path,
+        workdir: Path,
+        name: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> ServiceProcess:
+        """`kuberl serve <service> --config <config>` in a subprocess."""
+        args = [sys.executable, "-m", "kuberl.cli", "serve", service, "--config", str(config)]
+        return cls(args, workdir, name or service, env)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def wait_listening(self, timeout: float = 60.0) -> ServiceProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
+            if self.port_file.exists():
+                ports = json.loads(self.port_file.read_text())
+                self.port, self.metrics_port = ports["port"], ports["metrics_port"]
+                return self
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name} did not listen within {timeout}s:\n{self.log()}")
+
+    def wait_serving(self, timeout: float = 60.0) -> ServiceProcess:
+        from kuberl.common.channels import wait_serving
+
+        self.wait_listening(timeout)
+        wait_serving(self.address, timeout)
+        return self
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM, wait, SIGKILL the process group if it does not exit; return its exit code."""
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServiceProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.stop()
+        else:
+            self._log.close()
