@@ -24,7 +24,9 @@ $(STAMP): pyproject.toml setup.py
 
 setup: $(STAMP)
 
-lint: setup
+# lint and mypy assume `make setup` has run (test does it first); they never install anything,
+# so several can run at once.
+lint:
 	$(VENV)/bin/ruff check services tests benchmarks protos/generate.py
 	$(VENV)/bin/ruff format --check services tests benchmarks protos/generate.py
 	@$(MAKE) --no-print-directory mypy
@@ -32,7 +34,7 @@ lint: setup
 # mypy cannot map services/weight-sync to kuberl.weight_sync, so it checks a tree of symlinks
 # that spells the installed package layout (.venv/mypy-path/kuberl/...).
 MYPY_TREE := $(VENV)/mypy-path/kuberl
-mypy: setup
+mypy:
 	@rm -rf $(MYPY_TREE) && mkdir -p $(MYPY_TREE)
 	@for entry in services/*; do \
 		name=$$(basename $$entry | tr - _); ln -s $$PWD/$$entry $(MYPY_TREE)/$$name; \
@@ -44,7 +46,8 @@ format: setup
 	$(VENV)/bin/ruff check --fix services tests benchmarks protos/generate.py
 	$(VENV)/bin/ruff format services tests benchmarks protos/generate.py
 
-test: lint
+test: setup
+	@$(MAKE) --no-print-directory lint
 	$(PY) -m pytest -q
 
 protos: setup
