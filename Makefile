@@ -31,16 +31,14 @@ lint:
 	$(VENV)/bin/ruff format --check services tests benchmarks protos/generate.py
 	@$(MAKE) --no-print-directory mypy
 
-# mypy cannot map services/weight-sync to kuberl.weight_sync, so it checks a tree of symlinks
-# that spells the installed package layout (.venv/mypy-path/kuberl/...).
-MYPY_TREE := $(VENV)/mypy-path/kuberl
+# mypy cannot map services/weight-sync to kuberl.weight_sync, so it checks a temporary tree of
+# symlinks that spells the installed package layout (kuberl/common -> services/common, ...).
 mypy:
-	@rm -rf $(MYPY_TREE) && mkdir -p $(MYPY_TREE)
-	@for entry in services/*; do \
-		name=$$(basename $$entry | tr - _); ln -s $$PWD/$$entry $(MYPY_TREE)/$$name; \
-	done
-	@ln -s $$PWD/protos/kuberl $(MYPY_TREE)/api
-	cd $(VENV)/mypy-path && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p kuberl
+	@tree=$$(mktemp -d) && mkdir $$tree/kuberl && \
+	for entry in services/*; do ln -s $$PWD/$$entry $$tree/kuberl/$$(basename $$entry | tr - _); done && \
+	ln -s $$PWD/protos/kuberl $$tree/kuberl/api && \
+	(cd $$tree && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml \
+		--cache-dir $(CURDIR)/.mypy_cache -p kuberl); rc=$$?; rm -rf $$tree; exit $$rc
 
 format: setup
 	$(VENV)/bin/ruff check --fix services tests benchmarks protos/generate.py
