@@ -12,6 +12,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# The shared data folder that sits beside the project (GSM8K train/test).
+SHARED_DATA = REPO.parent / "shared" / "data"
+GSM8K_TRAIN = SHARED_DATA / "gsm8k" / "train.jsonl"
+GSM8K_TEST = SHARED_DATA / "gsm8k" / "test.jsonl"
 
 
 class ServiceProcess:
