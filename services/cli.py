@@ -19,7 +19,7 @@ from kuberl import __version__
 
 SERVICES = ("buffer", "reward", "rollout", "trainer", "weight_sync")
 # Packages that may contribute subcommands through a `cli` module.
-COMMAND_PROVIDERS = ("buffer", "reward", "rollout", "trainer", "weight_sync", "local")
+COMMAND_PROVIDERS = ("common", "buffer", "reward", "rollout", "trainer", "weight_sync", "local")
 
 
 def _service_name(value: str) -> str:
