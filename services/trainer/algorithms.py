@@ -1,0 +1,679 @@
+"""The RL algorithms of the trainer as pure tensor functions: advantages (GRPO, Dr.GRPO, RLOO,
+REINFORCE++, PPO with GAE), policy and value losses (PPO clip with clip-higher and dual-clip, GSPO),
+KL to the reference policy (k1/k2/k3) and the train-inference mismatch correction (TIS/MIS).
+
+The training loop calls three functions per batch; everything else here is their building blocks,
+each usable and tested on its own (no I/O, no state, shapes beside each line that changes them):
+
+    advantages, returns = compute_advantages(
+        config, rewards, mask, group_size, values=None, old_logprobs=None, ref_logprobs=None)
+    loss, metrics = policy_loss_and_metrics(
+        config, logprobs, old_logprobs, rollout_logprobs, advantages, mask,
+        ref_logprobs=None, entropy=None, global_count=None)
+    value_loss, value_metrics = value_loss_and_metrics(     # PPO's critic (advantage "gae")
+        config, values, old_values, returns, mask, global_count=None)
+
+`config` is `kuberl.common.config.AlgorithmConfig`. Shapes: B sequences, T the padded response
+length. `rewards` is `[B]` (one scalar per sequence) and the batch holds whole groups: rows
+`g * group_size ... (g + 1) * group_size - 1` are the samples of prompt g. Every `[B, T]` tensor
+is right-padded and `mask` is 1 (or True) on the policy's own response tokens and 0 on padding and
+on tokens the policy did not choose (tool output in multi-turn); values at mask 0 are never read,
+so padding may hold anything, even NaN. Log-probabilities are of the sampled tokens.
+
+- `old_logprobs` is the trainer's log-probability under the policy that generated the batch. Pass
+  the recomputed ones (`recompute_old_logprobs`), or None when the batch gets exactly one optimizer
+  step: then the current `logprobs` are the old ones (detached), which is on-policy and free. With
+  several updates per batch and no recomputation, pass `rollout_logprobs` as `old_logprobs`
+  ("bypass": the PPO ratio is then against the engine itself and TIS/MIS see no mismatch).
+- `global_count` makes gradient accumulation exact: the number of tokens (`token_mean`) or
+  sequences (`seq_mean`, `token_sum`) in the whole optimizer step, so that the losses of its
+  micro-batches add up to the loss of the whole batch. None uses this batch's own count.
+- `metrics` is a flat `dict[str, float]` (one device sync): loss terms, clip fractions, ratio
+  stats, approximate KL to the old policy, entropy, KL to the reference, advantage stats and the
+  mismatch figures `mismatch/*` (always reported, whatever the correction mode).
+
+GAE is parallel over time and exact: see `compute_gae` and `discounted_suffix_sum`.
+docs/algorithms.md has the formulas, the conventions and measured speed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kuberl.common.config import AlgorithmConfig
+
+# exp() of a log-ratio beyond this would overflow fp32 (and bf16) or give inf*0 = NaN gradients.
+LOG_RATIO_LIMIT = 20.0
+
+__all__ = [
+    "aggregate_loss",
+    "compute_advantages",
+    "compute_gae",
+    "discounted_returns",
+    "discounted_suffix_sum",
+    "drgrpo_advantages",
+    "grpo_advantages",
+    "gspo_policy_loss",
+    "importance_weights",
+    "kl_estimate",
+    "masked_mean",
+    "masked_whiten",
+    "mismatch_metrics",
+    "policy_loss_and_metrics",
+    "ppo_policy_loss",
+    "reinforce_pp_advantages",
+    "rloo_advantages",
+    "token_level_rewards",
+    "value_loss_and_metrics",
+]
+
+
+# ----------------------------------------------------------------- masked reductions
+
+
+def _valid(mask: Tensor) -> Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def _check_same_shape(mask: Tensor, **tensors: Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.shape != mask.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} but mask has {tuple(mask.shape)}; every "
+                "per-token tensor must be [B, T] like mask"
+            )
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Sum of x where mask is set (x elsewhere may be anything, even NaN)."""
+    zeroed = torch.where(_valid(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return zeroed.sum() if dim is None else zeroed.sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of x where mask is set; 0 where nothing is set."""
+    count = _valid(mask).sum() if dim is None else _valid(mask).sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp_min(1)
+
+
+def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-6) -> Tensor:
+    """(x - mean) / (std + eps) over the masked elements (unbiased std); 0 elsewhere."""
+    valid = _valid(mask)
+    mean = masked_mean(x, valid)  # []
+    centered = torch.where(valid, x - mean, torch.zeros((), dtype=x.dtype, device=x.device))
+    var = (centered**2).sum() / (valid.sum() - 1).clamp_min(1)  # []
+    return centered / (var.sqrt() + eps)  # [B, T]
+
+
+def aggregate_loss(
+    loss: Tensor,
+    mask: Tensor,
+    mode: str,
+    global_count: float | None = None,
+    norm_tokens: int | None = None,
+) -> Tensor:
+    """Reduce a per-token loss [B, T] to a scalar.
+
+    token_mean: sum / tokens (DAPO). seq_mean: mean over sequences of each sequence's token mean
+    (original GRPO, GSPO). token_sum: sum / (sequences * norm_tokens), Dr.GRPO's constant
+    normaliser (norm_tokens defaults to T). `global_count` replaces the token (token_mean) or
+    sequence (seq_mean, token_sum) count, for gradient accumulation over micro-batches.
+    """
+    valid = _valid(mask)
+    if mode == "token_mean":
+        count = valid.sum().clamp_min(1) if global_count is None else global_count
+        return masked_sum(loss, valid) / count
+    if mode == "seq_mean":
+        seq_loss = masked_sum(loss, valid, dim=-1) / valid.sum(-1).clamp_min(1)  # [B]
+        return seq_loss.sum() / (loss.shape[0] if global_count is None else global_count)
+    if mode == "token_sum":
+        n_seqs = loss.shape[0] if global_count is None else global_count
+        return masked_sum(loss, valid) / (n_seqs * (norm_tokens or loss.shape[-1]))
+    raise ValueError(
+        f"unknown loss aggregation {mode!r}; expected token_mean, seq_mean or token_sum"
+    )
+
+
+# ----------------------------------------------------------------- advantages
+
+
+def _groups(rewards: Tensor, group_size: int) -> Tensor:
+    if rewards.dim() != 1:
+        raise ValueError(
+            f"rewards must be [B] (one per sequence), got shape {tuple(rewards.shape)}"
+        )
+    if group_size < 2 or rewards.shape[0] % group_size:
+        raise ValueError(
+            f"group_size must be >= 2 and divide the batch; got group_size={group_size} for "
+            f"{rewards.shape[0]} sequences (a batch holds whole groups)"
+        )
+    return rewards.view(-1, group_size)  # [G, n]
+
+
+def grpo_advantages(
+    rewards: Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """GRPO: (r - group mean) / (group std + eps), std unbiased as in verl and TRL. [B] -> [B]."""
+    grouped = _groups(rewards, group_size)  # [G, n]
+    centered = grouped - grouped.mean(dim=1, keepdim=True)  # [G, n]
+    if normalize_std:
+        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)  # [G, n]
+    return centered.reshape(-1)  # [B]
+
+
+def drgrpo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """Dr.GRPO: r - group mean (no std). Its loss is not length-normalised either: use
+    loss_agg token_sum with loss_norm_tokens = the generation budget. [B] -> [B]."""
+    return grpo_advantages(rewards, group_size, normalize_std=False)
+
+
+def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """RLOO: r_i - mean of the other n - 1 rewards of the group. [B] -> [B]."""
+    grouped = _groups(rewards, group_size)  # [G, n]
+    others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # [G, n]
+    return (grouped - others).reshape(-1)  # [B]
+
+
+def token_level_rewards(
+    rewards: Tensor, mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0
+) -> Tensor:
+    """The sequence reward on each row's last response token, minus kl_coef * kl on every response
+    token. A row without response tokens gets nothing. [B], [B, T] -> [B, T]."""
+    valid = _valid(mask)
+    B, T = valid.shape
+    positions = torch.arange(T, device=valid.device).expand(B, T)  # [B, T]
+    last = torch.where(valid, positions, -1).amax(dim=-1)  # [B]
+    out = torch.zeros(B, T, dtype=rewards.dtype, device=rewards.device)  # [B, T]
+    has = last >= 0  # [B]
+    out[has, last[has]] = rewards[has]
+    if kl is not None and kl_coef:
+        out = out - kl_coef * torch.where(
+            valid, kl, torch.zeros((), dtype=kl.dtype, device=kl.device)
+        )
+    return out  # [B, T]
+
+
+def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """G_t = sum_k gamma^k r over this and later response tokens (GAE, V = 0, lam = 1). [B, T]."""
+    return compute_gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)[1]
+
+
+def reinforce_pp_advantages(
+    token_rewards: Tensor, mask: Tensor, gamma: float = 1.0, eps: float = 1e-6
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++: discounted token returns, normalised over all response tokens of the batch.
+    Returns (advantages, returns), both [B, T]."""
+    returns = discounted_returns(token_rewards, mask, gamma)  # [B, T]
+    return masked_whiten(returns, mask, eps), returns
+
+
+def compute_advantages(
+    config: AlgorithmConfig,
+    rewards: Tensor,
+    mask: Tensor,
+    group_size: int,
+    values: Tensor | None = None,
+    old_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Advantages and returns, both [B, T] and 0 off the mask, by `config.advantage`.
+
+    rewards [B] per sequence; values [B, T] the critic's V(s_t) (gae only). With
+    `config.kl.in_reward` the KL of the sampling policy (`old_logprobs`, [B, T]) to the reference
+    (`ref_logprobs`) is subtracted from the reward: per token for reinforce_pp and gae, summed over
+    the response for grpo, drgrpo and rloo. `returns` are the critic's targets for gae, the
+    discounted token returns for reinforce_pp, and the (KL-adjusted) sequence reward broadcast
+    over the response for the group estimators.
+    """
+    valid = _valid(mask)
+    _check_same_shape(valid, values=values, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
+    if rewards.shape != valid.shape[:1]:
+        raise ValueError(
+            f"rewards must be [B] = [{valid.shape[0]}] (one per sequence), "
+            f"got {tuple(rewards.shape)}"
+        )
+    rewards = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+    kl = None
+    if config.kl.in_reward and config.kl.coef > 0:
+        if old_logprobs is None or ref_logprobs is None:
+            raise ValueError("kl.in_reward needs old_logprobs and ref_logprobs ([B, T] each)")
+        kl = kl_estimate(old_logprobs, ref_logprobs, config.kl.estimator, valid)  # [B, T]
+
+    kind = config.advantage
+    if kind in ("grpo", "drgrpo", "rloo"):
+        if kl is not None:
+            rewards = rewards - config.kl.coef * masked_sum(kl, valid, dim=-1)  # [B]
+        if kind == "grpo":
+            seq_adv = grpo_advantages(rewards, group_size, config.normalize_std, config.std_eps)
+        elif kind == "drgrpo":
+            seq_adv = drgrpo_advantages(rewards, group_size)
+        else:
+            seq_adv = rloo_advantages(rewards, group_size)  # [B]
+        advantages = torch.where(valid, seq_adv[:, None], zero)  # [B, T]
+        returns = torch.where(valid, rewards[:, None], zero)  # [B, T]
+        return advantages, returns
+    token_rewards = token_level_rewards(rewards, valid, kl, config.kl.coef)  # [B, T]
+    if kind == "reinforce_pp":
+        return reinforce_pp_advantages(token_rewards, valid, config.gamma, config.std_eps)
+    if kind == "gae":
+        if values is None:
+            raise ValueError("advantage 'gae' needs the critic's values ([B, T])")
+        advantages, returns = compute_gae(token_rewards, values, valid, config.gamma, config.lam)
+        if config.whiten_advantages:
+            advantages = masked_whiten(advantages, valid, config.std_eps)  # [B, T]
+        return advantages, returns
+    raise ValueError(
+        f"unknown advantage estimator {kind!r}; expected grpo, drgrpo, rloo, reinforce_pp or gae"
+    )
+
+
+# ----------------------------------------------------------------- GAE, parallel and exact
+
+
+def _block_suffix_sums(blocks: Tensor, powers: Tensor, use_matmul: bool) -> Tensor:
+    """Per block of the last dim: y[t] = sum_{s >= t} c^(s - t) x[s]. [..., C] -> [..., C]."""
+    C = blocks.shape[-1]
+    if use_matmul:
+        offset = torch.arange(C, device=blocks.device)
+        diff = offset[:, None] - offset[None, :]  # [C, C]: s - t
+        decay = torch.where(diff >= 0, powers[diff.clamp_min(0)], 0)  # [C, C]: c^(s-t), s >= t
+        return blocks @ decay  # [..., C]
+    # Hillis-Steele doubling, for when a matmul would not be exact (TF32 on CUDA).
+    out, k = blocks, 1
+    while k < C:
+        out = out + powers[k] * F.pad(out[..., k:], (0, k))  # [..., C]
+        k *= 2
+    return out
+
+
+def discounted_suffix_sum(x: Tensor, discount: float, block: int = 32) -> Tensor:
+    """y[..., t] = sum_{s >= t} discount^(s - t) x[..., s] along the last dim, 0 <= discount <= 1.
+
+    Parallel and exact: the sequence is cut into blocks of `block`; each block's own suffix sums
+    are one matmul with the [block, block] matrix of powers discount^k, k < block; the blocks are
+    then joined by the same problem one level up (the block sums with discount^block), so the
+    depth is log_block(T) and every power ever used is a plain power in [0, 1] computed in float64:
+    nothing is divided, so nothing overflows, and an underflow to 0 is the true value's own. The
+    error is that of a pairwise-like sum of at most `block` terms per level. [..., T] -> [..., T].
+    """
+    if not 0.0 <= discount <= 1.0:
+        raise ValueError(f"discount must be in [0, 1], got {discount}")
+    *lead, T = x.shape
+    if T == 0:
+        return x.clone()
+    rows = x.reshape(-1, T)  # [R, T]
+    C = min(block, T)
+    n_blocks = -(-T // C)
+    blocks = F.pad(rows, (0, n_blocks * C - T)).view(rows.shape[0], n_blocks, C)  # [R, N, C]
+    exponents = torch.arange(C + 1, dtype=torch.float64, device=x.device)
+    powers = (discount**exponents).to(x.dtype)  # [C + 1]: c^0 .. c^C
+    # TF32 would round the matmul's inputs to 10 mantissa bits; doubling is exact there.
+    tf32 = x.is_cuda and x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    local = _block_suffix_sums(blocks, powers[:C], use_matmul=not tf32)  # [R, N, C]
+    if n_blocks > 1:
+        starts = discounted_suffix_sum(local[:, :, 0], discount**C, block)  # [R, N]
+        after = F.pad(starts[:, 1:], (0, 1))  # [R, N]: the sum from the next block's start
+        local = local + after[:, :, None] * powers.flip(0)[:C]  # [R, N, C]: + c^(C - t) * after
+    return local.reshape(rows.shape[0], n_blocks * C)[:, :T].reshape(*lead, T)  # [..., T]
+
+
+def compute_gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation, parallel over time. All [B, T]; returns (adv, returns).
+
+    Definition (the sequential one it is tested against): the MDP steps of a row are its positions
+    with mask 1, in order, t_1 < ... < t_n (holes, e.g. tool output, are skipped, not steps);
+    rewards and values at mask 0 are ignored; the value after the last step is 0 (terminal).
+        delta_k = r[t_k] + gamma * V[t_{k+1}] - V[t_k],      V[t_{n+1}] = 0
+        A_k     = delta_k + gamma * lam * A_{k+1},           A_{n+1} = 0
+        returns = A + V;   advantages and returns are 0 where mask is 0.
+    Computed, with c = gamma * lam and S_c(x)[k] = sum_{j >= k} c^(j - k) x[j], as
+        returns_k = S_c(r)[k] + gamma * (1 - lam) * S_c(V)[k + 1],   A_k = returns_k - V_k
+    (the same sums, regrouped): it never forms the deltas, so for lam = 1 the values telescope
+    exactly instead of accumulating 2n rounding errors. Fp32 in, fp32 out (at least), any device.
+    """
+    _check_same_shape(mask, rewards=rewards, values=values)
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"gamma and lam must be in [0, 1], got gamma={gamma}, lam={lam}")
+    dtype = torch.promote_types(torch.promote_types(rewards.dtype, values.dtype), torch.float32)
+    valid = _valid(mask)
+    B, T = valid.shape
+    zero = torch.zeros((), dtype=dtype, device=rewards.device)
+    r = torch.where(valid, rewards.to(dtype), zero)  # [B, T]
+    v = torch.where(valid, values.to(dtype), zero)  # [B, T]
+    # Move each row's steps to its front (order kept) so the recursion has constant coefficients
+    # and a zero tail; a row whose mask is already a prefix (no hole) is left as it is.
+    packed = T > 1 and bool((valid[:, 1:] & ~valid[:, :-1]).any())
+    if packed:
+        slot = torch.where(valid, valid.long().cumsum(-1) - 1, T)  # [B, T]: step index, T = drop
+        r = torch.zeros(B, T + 1, dtype=dtype, device=r.device).scatter_(1, slot, r)[:, :T]
+        v = torch.zeros(B, T + 1, dtype=dtype, device=v.device).scatter_(1, slot, v)[:, :T]
+    c = gamma * lam
+    weight = gamma * (1.0 - lam)
+    if weight:
+        sums = discounted_suffix_sum(torch.stack([r, v]), c)  # [2, B, T]
+        returns = sums[0] + weight * F.pad(sums[1][:, 1:], (0, 1))  # [B, T]
+    else:
+        returns = discounted_suffix_sum(r, c)  # [B, T]
+    advantages = returns - v  # [B, T]
+    if packed:
+        back = slot.clamp_max(T - 1)  # [B, T]
+        advantages, returns = advantages.gather(1, back), returns.gather(1, back)  # [B, T]
+    return torch.where(valid, advantages, zero), torch.where(valid, returns, zero)
+
+
+# ----------------------------------------------------------------- KL and mismatch
+
+
+def kl_estimate(
+    logprobs: Tensor, ref_logprobs: Tensor, estimator: str, mask: Tensor | None = None
+) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (Schulman's k1/k2/k3).
+
+    With log_r = log pi_ref - log pi:  k1 = -log_r (unbiased, can be < 0);
+    k2 = log_r^2 / 2 (biased, low variance; its gradient is the KL's);
+    k3 = exp(log_r) - 1 - log_r (unbiased, >= 0). 0 where mask is 0. [B, T] -> [B, T].
+    """
+    log_r = ref_logprobs - logprobs  # [B, T]
+    if mask is not None:
+        log_r = torch.where(
+            _valid(mask), log_r, torch.zeros((), dtype=log_r.dtype, device=log_r.device)
+        )
+    log_r = log_r.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r**2
+    if estimator == "k3":
+        return torch.expm1(log_r) - log_r
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected k1, k2 or k3")
+
+
+def _importance_ratio(
+    train_logprobs: Tensor, rollout_logprobs: Tensor, valid: Tensor, level: str
+) -> Tensor:
+    """pi_train / pi_rollout per token, or its per-sequence geometric mean. [B, T] -> [B, T]."""
+    zero = torch.zeros((), dtype=train_logprobs.dtype, device=train_logprobs.device)
+    log_ratio = torch.where(valid, train_logprobs.detach() - rollout_logprobs, zero)  # [B, T]
+    if level == "sequence":
+        log_ratio = masked_mean(log_ratio, valid, dim=-1)[:, None].expand_as(log_ratio)  # [B, T]
+    elif level != "token":
+        raise ValueError(f"unknown importance level {level!r}; expected token or sequence")
+    return log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()  # [B, T]
+
+
+def importance_weights(
+    train_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    mask: Tensor,
+    mode: str,
+    cap: float = 2.0,
+    threshold: float = 2.0,
+    level: str = "token",
+) -> Tensor:
+    """Detached per-token weights correcting the train-inference mismatch. [B, T] -> [B, T].
+
+    ratio = pi_train / pi_rollout per token, or per sequence the geometric mean of its tokens'
+    ratios exp(mean log ratio) (level "sequence", the same for all its tokens).
+    tis: min(ratio, cap). mis: 1 if 1/threshold <= ratio <= threshold else 0 (the token, or the
+    whole sequence, is dropped; it still counts in the loss normaliser). none: 1. 0 off the mask.
+    """
+    valid = _valid(mask)
+    zero = torch.zeros((), dtype=train_logprobs.dtype, device=train_logprobs.device)
+    ratio = _importance_ratio(train_logprobs, rollout_logprobs, valid, level)  # [B, T]
+    if mode == "tis":
+        weights = ratio.clamp_max(cap)
+    elif mode == "mis":
+        weights = ((ratio <= threshold) & (ratio >= 1.0 / threshold)).to(ratio.dtype)
+    elif mode == "none":
+        weights = torch.ones_like(ratio)
+    else:
+        raise ValueError(f"unknown importance mode {mode!r}; expected none, tis or mis")
+    return torch.where(valid, weights, zero)  # [B, T]
+
+
+def _percentiles(sorted_values: Tensor, qs: tuple[float, ...]) -> list[Tensor]:
+    """Linear-interpolated percentiles (numpy's default) of an ascending 1-D tensor."""
+    n = sorted_values.numel()
+    out = []
+    for q in qs:
+        pos = q * (n - 1)
+        lo, hi = math.floor(pos), math.ceil(pos)
+        out.append(sorted_values[lo] + (pos - lo) * (sorted_values[hi] - sorted_values[lo]))
+    return out
+
+
+def mismatch_metrics(
+    train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor
+) -> dict[str, Tensor]:
+    """How far the rollout engine's token probabilities are from the trainer's, over the mask.
+
+    kl: KL(pi_rollout || pi_train) per token, k3-estimated from the engine's samples; kl_k1 the
+    plain log-ratio mean; ratio_* = percentiles of pi_train / pi_rollout. 0-dim tensors.
+    """
+    valid = _valid(mask)
+    log_ratio = (train_logprobs.detach() - rollout_logprobs)[valid].float()  # [N]
+    if log_ratio.numel() == 0:
+        zero = torch.zeros((), device=log_ratio.device)
+        names = ("kl", "kl_k1", "ratio_min", "ratio_p50", "ratio_p90", "ratio_p99", "ratio_max")
+        return {f"mismatch/{k}": zero for k in names}
+    log_ratio = log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    ratio = log_ratio.sort().values.exp()  # [N] ascending
+    p50, p90, p99 = _percentiles(ratio, (0.5, 0.9, 0.99))
+    return {
+        "mismatch/kl": (torch.expm1(log_ratio) - log_ratio).mean(),
+        "mismatch/kl_k1": (-log_ratio).mean(),
+        "mismatch/ratio_min": ratio[0],
+        "mismatch/ratio_p50": p50,
+        "mismatch/ratio_p90": p90,
+        "mismatch/ratio_p99": p99,
+        "mismatch/ratio_max": ratio[-1],
+    }
+
+
+# ----------------------------------------------------------------- policy and value losses
+
+
+def ppo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped surrogate per token, with DAPO's asymmetric clip [1 - low, 1 + high] and
+    optionally dual-clip (for A < 0 the loss is at most -A * c). [B, T] -> [B, T] loss and
+    [B, T] indicators: ratio, clipped (the clipped term won, no gradient), dual_clipped."""
+    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)  # [B, T]
+    ratio = log_ratio.exp()  # [B, T]
+    unclipped = -advantages * ratio  # [B, T]
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]
+    loss = torch.maximum(unclipped, clipped)  # [B, T]
+    stats = {"ratio": ratio.detach(), "clipped": (clipped > unclipped).detach()}
+    if dual_clip is not None:
+        bound = -advantages * dual_clip  # [B, T]
+        dual = (advantages < 0) & (loss > bound)  # [B, T]
+        loss = torch.where(dual, bound, loss)  # [B, T]
+        stats["dual_clipped"] = dual.detach()
+    return loss, stats
+
+
+def gspo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO: one ratio per sequence, s = exp(mean over its tokens of log(pi / pi_old)), clipped to
+    [1 - low, 1 + high]. Written per token as s_t = sg(s) * pi_t / sg(pi_t) (GSPO-token): the value
+    is s on every token and, with loss_agg seq_mean, the gradient is exactly GSPO's
+    s * mean_t grad log pi_t. [B, T] -> [B, T] loss and indicators like `ppo_policy_loss`."""
+    valid = _valid(mask)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    token_log_ratio = torch.where(valid, logprobs - old_logprobs, zero)  # [B, T]
+    seq_log_ratio = masked_mean(token_log_ratio, valid, dim=-1).detach()  # [B]
+    seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    log_ratio = seq_log_ratio[:, None] + logprobs - logprobs.detach()  # [B, T]
+    ratio = log_ratio.exp()  # [B, T]: the sequence ratio, with each token's own gradient
+    unclipped = -advantages * ratio  # [B, T]
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]
+    loss = torch.maximum(unclipped, clipped)  # [B, T]
+    return loss, {"ratio": ratio.detach(), "clipped": (clipped > unclipped).detach()}
+
+
+def _floats(metrics: dict[str, Tensor]) -> dict[str, float]:
+    """All metrics to Python floats with a single device sync."""
+    if not metrics:
+        return {}
+    values = torch.stack([m.detach().float().reshape(()) for m in metrics.values()]).tolist()
+    return dict(zip(metrics, values, strict=True))
+
+
+def policy_loss_and_metrics(
+    config: AlgorithmConfig,
+    logprobs: Tensor,
+    old_logprobs: Tensor | None,
+    rollout_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    ref_logprobs: Tensor | None = None,
+    entropy: Tensor | None = None,
+    global_count: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The policy's loss for one (micro-)batch and its metrics. All inputs [B, T].
+
+    loss = agg(w * pg) - entropy_coef * agg(entropy) + kl.coef * agg(kl(pi || pi_ref))
+    where pg is the PPO (or GSPO) surrogate against `old_logprobs` (None: the detached current
+    logprobs, see the module docstring), w the TIS/MIS weight from pi_old / pi_rollout, agg the
+    configured aggregation. The KL term is absent when kl.coef is 0 or kl.in_reward is set.
+    """
+    valid = _valid(mask)
+    _check_same_shape(
+        valid,
+        logprobs=logprobs,
+        old_logprobs=old_logprobs,
+        rollout_logprobs=rollout_logprobs,
+        advantages=advantages,
+        ref_logprobs=ref_logprobs,
+        entropy=entropy,
+    )
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+
+    def clean(x: Tensor) -> Tensor:  # padding may hold -inf or NaN: make it a harmless 0
+        return torch.where(valid, x, zero)
+
+    logprobs, advantages = clean(logprobs), clean(advantages)
+    old = clean(old_logprobs).detach() if old_logprobs is not None else logprobs.detach()
+    rollout = clean(rollout_logprobs).detach()
+
+    def agg(x: Tensor) -> Tensor:
+        return aggregate_loss(x, valid, config.loss_agg, global_count, config.loss_norm_tokens)
+
+    imp = config.importance
+    weights = importance_weights(old, rollout, valid, imp.mode, imp.cap, imp.threshold, imp.level)
+    if config.policy_loss == "ppo":
+        pg, stats = ppo_policy_loss(
+            logprobs, old, advantages, config.clip_low, config.clip_high, config.dual_clip
+        )
+    elif config.policy_loss == "gspo":
+        pg, stats = gspo_policy_loss(
+            logprobs, old, advantages, valid, config.clip_low, config.clip_high
+        )
+    else:
+        raise ValueError(f"unknown policy loss {config.policy_loss!r}; expected ppo or gspo")
+    pg_loss = agg(pg * weights)  # []
+    loss = pg_loss
+    ratio = stats["ratio"]
+    log_ratio = torch.where(valid, logprobs.detach() - old, zero)  # [B, T]
+    m: dict[str, Tensor] = {
+        "loss/policy": pg_loss,
+        "policy/clip_frac": masked_mean(stats["clipped"].to(ratio.dtype), valid),
+        "policy/clip_frac_low": masked_mean(
+            (stats["clipped"] & (ratio < 1)).to(ratio.dtype), valid
+        ),
+        "policy/clip_frac_high": masked_mean(
+            (stats["clipped"] & (ratio > 1)).to(ratio.dtype), valid
+        ),
+        "policy/approx_kl": masked_mean(torch.expm1(-log_ratio) + log_ratio, valid),
+        "policy/ratio_mean": masked_mean(ratio, valid),
+        "policy/ratio_min": torch.where(valid, ratio, torch.inf).amin() if valid.any() else zero,
+        "policy/ratio_max": torch.where(valid, ratio, -torch.inf).amax() if valid.any() else zero,
+        "advantages/mean": masked_mean(advantages.detach(), valid),
+        "advantages/abs_max": advantages.detach().abs().amax() if advantages.numel() else zero,
+    }
+    if "dual_clipped" in stats:
+        m["policy/dual_clip_frac"] = masked_mean(stats["dual_clipped"].to(ratio.dtype), valid)
+    if entropy is not None:
+        entropy_mean = agg(clean(entropy) if config.entropy_coef else clean(entropy).detach())
+        if config.entropy_coef:
+            loss = loss - config.entropy_coef * entropy_mean
+        m["entropy"] = entropy_mean
+    kl_in_loss = config.kl.coef > 0 and not config.kl.in_reward
+    if kl_in_loss and ref_logprobs is None:
+        raise ValueError("kl.coef > 0 (in the loss) needs ref_logprobs ([B, T])")
+    if ref_logprobs is not None:
+        kl = kl_estimate(logprobs, clean(ref_logprobs).detach(), config.kl.estimator, valid)
+        kl_loss = agg(kl if kl_in_loss else kl.detach())
+        if kl_in_loss:
+            loss = loss + config.kl.coef * kl_loss
+        m["kl/ref"] = kl_loss
+    m.update(mismatch_metrics(old, rollout, valid))
+    # What TIS and MIS would do at this batch, reported whichever correction is on.
+    is_ratio = _importance_ratio(old, rollout, valid, imp.level)  # [B, T]
+    outside = (is_ratio > imp.threshold) | (is_ratio < 1.0 / imp.threshold)  # [B, T]
+    m["mismatch/weight_mean"] = masked_mean(weights, valid)
+    m["mismatch/truncated_frac"] = masked_mean((is_ratio > imp.cap).to(ratio.dtype), valid)
+    m["mismatch/outside_threshold_frac"] = masked_mean(outside.to(ratio.dtype), valid)
+    m["mismatch/masked_frac"] = masked_mean((valid & (weights == 0)).to(ratio.dtype), valid)
+    m["loss/total"] = loss
+    return loss, _floats(m)
+
+
+def value_loss_and_metrics(
+    config: AlgorithmConfig,
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    global_count: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The critic's loss, 0.5 * (V - R)^2, clipped PPO-style when `config.value_clip` is set:
+    0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2). All inputs [B, T]."""
+    valid = _valid(mask)
+    _check_same_shape(valid, values=values, old_values=old_values, returns=returns)
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    values = torch.where(valid, values, zero)
+    old_values = torch.where(valid, old_values, zero).detach()
+    returns = torch.where(valid, returns, zero).detach()
+    loss = 0.5 * (values - returns) ** 2  # [B, T]
+    clip_frac = zero
+    if config.value_clip is not None:
+        clipped_values = old_values + (values - old_values).clamp(
+            -config.value_clip, config.value_clip
+        )
+        clipped_loss = 0.5 * (clipped_values - returns) ** 2  # [B, T]
+        clip_frac = masked_mean((clipped_loss > loss).to(values.dtype), valid)
+        loss = torch.maximum(loss, clipped_loss)  # [B, T]
+    value_loss = aggregate_loss(loss, valid, config.loss_agg, global_count, config.loss_norm_tokens)
+    residual_var = (
+        masked_mean((returns - values.detach()) ** 2, valid)
+        - masked_mean(returns - values.detach(), valid) ** 2
+    )
+    returns_var = masked_mean(returns**2, valid) - masked_mean(returns, valid) ** 2
+    m = {
+        "loss/value": value_loss,
+        "value/clip_frac": clip_frac,
+        "value/mean": masked_mean(values.detach(), valid),
+        "value/returns_mean": masked_mean(returns, valid),
+        "value/explained_variance": 1 - residual_var / returns_var.clamp_min(1e-12),
+    }
+    return value_loss, _floats(m)
