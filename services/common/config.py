@@ -399,17 +399,55 @@ TransportName = Literal["nccl", "gloo", "cuda_ipc", "snapshot", "shm"]
 
 
 class WeightSyncConfig(Section):
+    """The weight-sync service (`kuberl.weight_sync`) and its clients (`kuberl.common.weights`).
+
+    The trainer hands each version to the service (shared memory on the same host, else a
+    checked gRPC upload) and returns; the service relays it to every engine over the first
+    transport in `transports` that the engine also offers (see docs/weight-sync.md)."""
+
     server: ServerConfig = _server(50053, 9103)
     transports: list[TransportName] = Field(
-        default_factory=lambda: list[TransportName](["gloo", "snapshot"]),
-        description="Transports offered to engines, in order of preference.",
+        default_factory=lambda: list[TransportName](["shm", "gloo", "snapshot"]),
+        description="Transports the relay offers engines, in order of preference. shm is used "
+        "only for engines on the service's host; snapshot is always available for catch-up.",
     )
-    bucket_bytes: int = Field(256 * 1024 * 1024, ge=1024 * 1024)
+    bucket_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="Broadcast bucket size: tensors are packed back to back into buckets of at "
+        "most this many bytes (a larger tensor travels alone), one broadcast per bucket.",
+    )
     heartbeat_seconds: float = Field(2.0, gt=0)
     missed_heartbeats: int = Field(3, ge=1, description="Drop an engine after this many.")
-    broadcast_timeout_seconds: float = Field(60.0, gt=0)
+    broadcast_timeout_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="An engine that has not received and loaded a version within this is timed "
+        "out of that version (it catches up later by snapshot); nobody else waits for it.",
+    )
     snapshot_chunk_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024)
-    snapshot_dir: str = ".kuberl/snapshots"
+    snapshot_dir: str = Field(
+        ".kuberl/snapshots",
+        description="Where versions are kept when shm_dir is unusable (no /dev/shm).",
+    )
+    shm_dir: str = Field(
+        "/dev/shm/kuberl-weight-sync",
+        description="Shared-memory folder holding the retained versions (and where a trainer on "
+        "the same host writes a version directly).",
+    )
+    retain_versions: int = Field(
+        2, ge=1, description="Complete versions kept (older ones are deleted once superseded)."
+    )
+    advertise_host: str | None = Field(
+        None,
+        description="Address engines use to reach this service's broadcast groups (the pod IP "
+        "on Kubernetes); null uses the host's name resolved, 127.0.0.1 as a last resort.",
+    )
+    notify_engines: bool = Field(
+        True,
+        description="Also push each update to the replica's RolloutService.NotifyWeightsUpdate "
+        "(best effort; engines always learn of updates through their heartbeat).",
+    )
 
 
 class JobConfig(Section):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'kuberl/weight_sync/v1/weight_sync.proto\x12\x15kuberl.weight_sync.v1\"h\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06\x62ucket\x18\x04 \x01(\x05\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\"~\n\x08Manifest\x12\x32\n\x07tensors\x18\x01 \x03(\x0b\x32!.kuberl.weight_sync.v1.TensorSpec\x12\x14\n\x0c\x62ucket_bytes\x18\x02 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x13\n\x0bnum_buckets\x18\x04 \x01(\x05\"v\n\x0e\x42roadcastGroup\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x16\n\x0emaster_address\x18\x03 \x01(\t\x12\x13\n\x0bmaster_port\x18\x04 \x01(\x05\x12\x12\n\nworld_size\x18\x05 \x01(\x05\"\x9b\x02\n\x11UpdateInstruction\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x33\n\ttransport\x18\x02 \x01(\x0e\x32 .kuberl.weight_sync.v1.Transport\x12\x31\n\x08manifest\x18\x03 \x01(\x0b\x32\x1f.kuberl.weight_sync.v1.Manifest\x12\x34\n\x05group\x18\x04 \x01(\x0b\x32%.kuberl.weight_sync.v1.BroadcastGroup\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\x19\n\x11snapshot_endpoint\x18\x06 \x01(\t\x12\x14\n\x0chandles_json\x18\x07 \x01(\t\x12\x18\n\x10\x64\x65\x61\x64line_seconds\x18\x08 \x01(\x01\"\xb8\x01\n\nEngineInfo\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x34\n\ntransports\x18\x03 \x03(\x0e\x32 .kuberl.weight_sync.v1.Transport\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x0c\n\x04host\x18\x05 \x01(\t\x12\x16\n\x0eloaded_version\x18\x06 \x01(\x03\x12\x19\n\x11last_seen_seconds\x18\x07 \x01(\x01\"J\n\x15RegisterEngineRequest\x12\x31\n\x06\x65ngine\x18\x01 \x01(\x0b\x32!.kuberl.weight_sync.v1.EngineInfo\"\x9a\x01\n\x16RegisterEngineResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x19\n\x11heartbeat_seconds\x18\x02 \x01(\x01\x12\x39\n\x07pending\x18\x03 \x01(\x0b\x32(.kuberl.weight_sync.v1.UpdateInstruction\x12\x17\n\x0f\x63urrent_version\x18\x04 \x01(\x03\"=\n\x10HeartbeatRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x16\n\x0eloaded_version\x18\x02 \x01(\x03\"v\n\x11HeartbeatResponse\x12\x17\n\x0f\x63urrent_version\x18\x01 \x01(\x03\x12\x39\n\x07pending\x18\x02 \x01(\x0b\x32(.kuberl.weight_sync.v1.UpdateInstruction\x12\r\n\x05known\x18\x03 \x01(\x08\"\'\n\x12LeaveEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"\x15\n\x13LeaveEngineResponse\"j\n\x13ReportLoadedRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x14\n\x0cload_seconds\x18\x05 \x01(\x01\"\x16\n\x14ReportLoadedResponse\"\xa0\x01\n\x0ePublishRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x31\n\x08manifest\x18\x02 \x01(\x0b\x32\x1f.kuberl.weight_sync.v1.Manifest\x12\x34\n\ntransports\x18\x03 \x03(\x0e\x32 .kuberl.weight_sync.v1.Transport\x12\x14\n\x0ctrainer_host\x18\x04 \x01(\t\"\x87\x01\n\x0fPublishResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x36\n\x04send\x18\x02 \x01(\x0b\x32(.kuberl.weight_sync.v1.UpdateInstruction\x12\x17\n\x0fupload_snapshot\x18\x03 \x01(\x08\x12\x12\n\nengine_ids\x18\x04 \x03(\t\"\x9f\x01\n\rSnapshotChunk\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x04 \x01(\r\x12\x31\n\x08manifest\x18\x05 \x01(\x0b\x32\x1f.kuberl.weight_sync.v1.Manifest\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\x0c\n\x04last\x18\x07 \x01(\x08\"A\n\x16UploadSnapshotResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x03\"P\n\x15StreamSnapshotRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x05\"\x13\n\x11GetVersionRequest\"X\n\x12GetVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x31\n\x08manifest\x18\x02 \x01(\x0b\x32\x1f.kuberl.weight_sync.v1.Manifest\"\x12\n\x10GetStatusRequest\"\xf8\x01\n\x11GetStatusResponse\x12\x17\n\x0f\x63urrent_version\x18\x01 \x01(\x03\x12\x32\n\x07\x65ngines\x18\x02 \x03(\x0b\x32!.kuberl.weight_sync.v1.EngineInfo\x12\\\n\x13\x65ngines_per_version\x18\x03 \x03(\x0b\x32?.kuberl.weight_sync.v1.GetStatusResponse.EnginesPerVersionEntry\x1a\x38\n\x16\x45nginesPerVersionEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01*\x91\x01\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x12\n\x0eTRANSPORT_NCCL\x10\x01\x12\x12\n\x0eTRANSPORT_GLOO\x10\x02\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x03\x12\x16\n\x12TRANSPORT_SNAPSHOT\x10\x04\x12\x11\n\rTRANSPORT_SHM\x10\x05\x32\x9f\x07\n\x11WeightSyncService\x12m\n\x0eRegisterEngine\x12,.kuberl.weight_sync.v1.RegisterEngineRequest\x1a-.kuberl.weight_sync.v1.RegisterEngineResponse\x12^\n\tHeartbeat\x12\'.kuberl.weight_sync.v1.HeartbeatRequest\x1a(.kuberl.weight_sync.v1.HeartbeatResponse\x12\x64\n\x0bLeaveEngine\x12).kuberl.weight_sync.v1.LeaveEngineRequest\x1a*.kuberl.weight_sync.v1.LeaveEngineResponse\x12g\n\x0cReportLoaded\x12*.kuberl.weight_sync.v1.ReportLoadedRequest\x1a+.kuberl.weight_sync.v1.ReportLoadedResponse\x12X\n\x07Publish\x12%.kuberl.weight_sync.v1.PublishRequest\x1a&.kuberl.weight_sync.v1.PublishResponse\x12g\n\x0eUploadSnapshot\x12$.kuberl.weight_sync.v1.SnapshotChunk\x1a-.kuberl.weight_sync.v1.UploadSnapshotResponse(\x01\x12\x66\n\x0eStreamSnapshot\x12,.kuberl.weight_sync.v1.StreamSnapshotRequest\x1a$.kuberl.weight_sync.v1.SnapshotChunk0\x01\x12\x61\n\nGetVersion\x12(.kuberl.weight_sync.v1.GetVersionRequest\x1a).kuberl.weight_sync.v1.GetVersionResponse\x12^\n\tGetStatus\x12\'.kuberl.weight_sync.v1.GetStatusRequest\x1a(.kuberl.weight_sync.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'kuberl/weight_sync/v1/weight_sync.proto\x12\x15kuberl.weight_sync.v1\"h\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06\x62ucket\x18\x04 \x01(\x05\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\"~\n\x08Manifest\x12\x32\n\x07tensors\x18\x01 \x03(\x0b\x32!.kuberl.weight_sync.v1.TensorSpec\x12\x14\n\x0c\x62ucket_bytes\x18\x02 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x13\n\x0bnum_buckets\x18\x04 \x01(\x05\"v\n\x0e\x42roadcastGroup\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x16\n\x0emaster_address\x18\x03 \x01(\t\x12\x13\n\x0bmaster_port\x18\x04 \x01(\x05\x12\x12\n\nworld_size\x18\x05 \x01(\x05\"\x9b\x02\n\x11UpdateInstruction\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x33\n\ttransport\x18\x02 \x01(\x0e\x32 .kuberl.weight_sync.v1.Transport\x12\x31\n\x08manifest\x18\x03 \x01(\x0b\x32\x1f.kuberl.weight_sync.v1.Manifest\x12\x34\n\x05group\x18\x04 \x01(\x0b\x32%.kuberl.weight_sync.v1.BroadcastGroup\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\x19\n\x11snapshot_endpoint\x18\x06 \x01(\t\x12\x14\n\x0chandles_json\x18\x07 \x01(\t\x12\x18\n\x10\x64\x65\x61\x64line_seconds\x18\x08 \x01(\x01\"\xb8\x01\n\nEngineInfo\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x34\n\ntransports\x18\x03 \x03(\x0e\x32 .kuberl.weight_sync.v1.Transport\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x0c\n\x04host\x18\x05 \x01(\t\x12\x16\n\x0eloaded_version\x18\x06 \x01(\x03\x12\x19\n\x11last_seen_seconds\x18\x07 \x01(\x01\"J\n\x15RegisterEngineRequest\x12\x31\n\x06\x65ngine\x18\x01 \x01(\x0b\x32!.kuberl.weight_sync.v1.EngineInfo\"\x9a\x01\n\x16RegisterEngineResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x19\n\x11heartbeat_seconds\x18\x02 \x01(\x01\x12\x39\n\x07pending\x18\x03 \x01(\x0b\x32(.kuberl.weight_sync.v1.UpdateInstruction\x12\x17\n\x0f\x63urrent_version\x18\x04 \x01(\x03\"S\n\x10HeartbeatRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x16\n\x0eloaded_version\x18\x02 \x01(\x03\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01\"v\n\x11HeartbeatResponse\x12\x17\n\x0f\x63urrent_version\x18\x01 \x01(\x03\x12\x39\n\x07pending\x18\x02 \x01(\x0b\x32(.kuberl.weight_sync.v1.UpdateInstruction\x12\r\n\x05known\x18\x03 \x01(\x08\"\'\n\x12LeaveEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"\x15\n\x13LeaveEngineResponse\"j\n\x13ReportLoadedRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x14\n\x0cload_seconds\x18\x05 \x01(\x01\"\x16\n\x14ReportLoadedResponse\"\xa0\x01\n\x0ePublishRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x31\n\x08manifest\x18\x02 \x01(\x0b\x32\x1f.kuberl.weight_sync.v1.Manifest\x12\x34\n\ntransports\x18\x03 \x03(\x0e\x32 .kuberl.weight_sync.v1.Transport\x12\x14\n\x0ctrainer_host\x18\x04 \x01(\t\"\x87\x01\n\x0fPublishResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x36\n\x04send\x18\x02 \x01(\x0b\x32(.kuberl.weight_sync.v1.UpdateInstruction\x12\x17\n\x0fupload_snapshot\x18\x03 \x01(\x08\x12\x12\n\nengine_ids\x18\x04 \x03(\t\"\x9f\x01\n\rSnapshotChunk\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x04 \x01(\r\x12\x31\n\x08manifest\x18\x05 \x01(\x0b\x32\x1f.kuberl.weight_sync.v1.Manifest\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\x0c\n\x04last\x18\x07 \x01(\x08\"U\n\x16UploadSnapshotResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x03\x12\x12\n\nengine_ids\x18\x03 \x03(\t\"j\n\x14\x43ommitPublishRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x31\n\x08manifest\x18\x02 \x01(\x0b\x32\x1f.kuberl.weight_sync.v1.Manifest\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"<\n\x15\x43ommitPublishResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x12\n\nengine_ids\x18\x02 \x03(\t\"P\n\x15StreamSnapshotRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x05\"\x13\n\x11GetVersionRequest\"X\n\x12GetVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x31\n\x08manifest\x18\x02 \x01(\x0b\x32\x1f.kuberl.weight_sync.v1.Manifest\"\x12\n\x10GetStatusRequest\"\xf8\x01\n\x11GetStatusResponse\x12\x17\n\x0f\x63urrent_version\x18\x01 \x01(\x03\x12\x32\n\x07\x65ngines\x18\x02 \x03(\x0b\x32!.kuberl.weight_sync.v1.EngineInfo\x12\\\n\x13\x65ngines_per_version\x18\x03 \x03(\x0b\x32?.kuberl.weight_sync.v1.GetStatusResponse.EnginesPerVersionEntry\x1a\x38\n\x16\x45nginesPerVersionEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01*\x91\x01\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x12\n\x0eTRANSPORT_NCCL\x10\x01\x12\x12\n\x0eTRANSPORT_GLOO\x10\x02\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x03\x12\x16\n\x12TRANSPORT_SNAPSHOT\x10\x04\x12\x11\n\rTRANSPORT_SHM\x10\x05\x32\x8b\x08\n\x11WeightSyncService\x12m\n\x0eRegisterEngine\x12,.kuberl.weight_sync.v1.RegisterEngineRequest\x1a-.kuberl.weight_sync.v1.RegisterEngineResponse\x12^\n\tHeartbeat\x12\'.kuberl.weight_sync.v1.HeartbeatRequest\x1a(.kuberl.weight_sync.v1.HeartbeatResponse\x12\x64\n\x0bLeaveEngine\x12).kuberl.weight_sync.v1.LeaveEngineRequest\x1a*.kuberl.weight_sync.v1.LeaveEngineResponse\x12g\n\x0cReportLoaded\x12*.kuberl.weight_sync.v1.ReportLoadedRequest\x1a+.kuberl.weight_sync.v1.ReportLoadedResponse\x12X\n\x07Publish\x12%.kuberl.weight_sync.v1.PublishRequest\x1a&.kuberl.weight_sync.v1.PublishResponse\x12g\n\x0eUploadSnapshot\x12$.kuberl.weight_sync.v1.SnapshotChunk\x1a-.kuberl.weight_sync.v1.UploadSnapshotResponse(\x01\x12j\n\rCommitPublish\x12+.kuberl.weight_sync.v1.CommitPublishRequest\x1a,.kuberl.weight_sync.v1.CommitPublishResponse\x12\x66\n\x0eStreamSnapshot\x12,.kuberl.weight_sync.v1.StreamSnapshotRequest\x1a$.kuberl.weight_sync.v1.SnapshotChunk0\x01\x12\x61\n\nGetVersion\x12(.kuberl.weight_sync.v1.GetVersionRequest\x1a).kuberl.weight_sync.v1.GetVersionResponse\x12^\n\tGetStatus\x12\'.kuberl.weight_sync.v1.GetStatusRequest\x1a(.kuberl.weight_sync.v1.GetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETSTATUSRESPONSE_ENGINESPERVERSIONENTRY']._loaded_options = None
   _globals['_GETSTATUSRESPONSE_ENGINESPERVERSIONENTRY']._serialized_options = b'8\001'
-  _globals['_TRANSPORT']._serialized_start=2500
-  _globals['_TRANSPORT']._serialized_end=2645
+  _globals['_TRANSPORT']._serialized_start=2712
+  _globals['_TRANSPORT']._serialized_end=2857
   _globals['_TENSORSPEC']._serialized_start=66
   _globals['_TENSORSPEC']._serialized_end=170
   _globals['_MANIFEST']._serialized_start=172
@@ -50,37 +50,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERENGINERESPONSE']._serialized_start=970
   _globals['_REGISTERENGINERESPONSE']._serialized_end=1124
   _globals['_HEARTBEATREQUEST']._serialized_start=1126
-  _globals['_HEARTBEATREQUEST']._serialized_end=1187
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1189
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1307
-  _globals['_LEAVEENGINEREQUEST']._serialized_start=1309
-  _globals['_LEAVEENGINEREQUEST']._serialized_end=1348
-  _globals['_LEAVEENGINERESPONSE']._serialized_start=1350
-  _globals['_LEAVEENGINERESPONSE']._serialized_end=1371
-  _globals['_REPORTLOADEDREQUEST']._serialized_start=1373
-  _globals['_REPORTLOADEDREQUEST']._serialized_end=1479
-  _globals['_REPORTLOADEDRESPONSE']._serialized_start=1481
-  _globals['_REPORTLOADEDRESPONSE']._serialized_end=1503
-  _globals['_PUBLISHREQUEST']._serialized_start=1506
-  _globals['_PUBLISHREQUEST']._serialized_end=1666
-  _globals['_PUBLISHRESPONSE']._serialized_start=1669
-  _globals['_PUBLISHRESPONSE']._serialized_end=1804
-  _globals['_SNAPSHOTCHUNK']._serialized_start=1807
-  _globals['_SNAPSHOTCHUNK']._serialized_end=1966
-  _globals['_UPLOADSNAPSHOTRESPONSE']._serialized_start=1968
-  _globals['_UPLOADSNAPSHOTRESPONSE']._serialized_end=2033
-  _globals['_STREAMSNAPSHOTREQUEST']._serialized_start=2035
-  _globals['_STREAMSNAPSHOTREQUEST']._serialized_end=2115
-  _globals['_GETVERSIONREQUEST']._serialized_start=2117
-  _globals['_GETVERSIONREQUEST']._serialized_end=2136
-  _globals['_GETVERSIONRESPONSE']._serialized_start=2138
-  _globals['_GETVERSIONRESPONSE']._serialized_end=2226
-  _globals['_GETSTATUSREQUEST']._serialized_start=2228
-  _globals['_GETSTATUSREQUEST']._serialized_end=2246
-  _globals['_GETSTATUSRESPONSE']._serialized_start=2249
-  _globals['_GETSTATUSRESPONSE']._serialized_end=2497
-  _globals['_GETSTATUSRESPONSE_ENGINESPERVERSIONENTRY']._serialized_start=2441
-  _globals['_GETSTATUSRESPONSE_ENGINESPERVERSIONENTRY']._serialized_end=2497
-  _globals['_WEIGHTSYNCSERVICE']._serialized_start=2648
-  _globals['_WEIGHTSYNCSERVICE']._serialized_end=3575
+  _globals['_HEARTBEATREQUEST']._serialized_end=1209
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1211
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1329
+  _globals['_LEAVEENGINEREQUEST']._serialized_start=1331
+  _globals['_LEAVEENGINEREQUEST']._serialized_end=1370
+  _globals['_LEAVEENGINERESPONSE']._serialized_start=1372
+  _globals['_LEAVEENGINERESPONSE']._serialized_end=1393
+  _globals['_REPORTLOADEDREQUEST']._serialized_start=1395
+  _globals['_REPORTLOADEDREQUEST']._serialized_end=1501
+  _globals['_REPORTLOADEDRESPONSE']._serialized_start=1503
+  _globals['_REPORTLOADEDRESPONSE']._serialized_end=1525
+  _globals['_PUBLISHREQUEST']._serialized_start=1528
+  _globals['_PUBLISHREQUEST']._serialized_end=1688
+  _globals['_PUBLISHRESPONSE']._serialized_start=1691
+  _globals['_PUBLISHRESPONSE']._serialized_end=1826
+  _globals['_SNAPSHOTCHUNK']._serialized_start=1829
+  _globals['_SNAPSHOTCHUNK']._serialized_end=1988
+  _globals['_UPLOADSNAPSHOTRESPONSE']._serialized_start=1990
+  _globals['_UPLOADSNAPSHOTRESPONSE']._serialized_end=2075
+  _globals['_COMMITPUBLISHREQUEST']._serialized_start=2077
+  _globals['_COMMITPUBLISHREQUEST']._serialized_end=2183
+  _globals['_COMMITPUBLISHRESPONSE']._serialized_start=2185
+  _globals['_COMMITPUBLISHRESPONSE']._serialized_end=2245
+  _globals['_STREAMSNAPSHOTREQUEST']._serialized_start=2247
+  _globals['_STREAMSNAPSHOTREQUEST']._serialized_end=2327
+  _globals['_GETVERSIONREQUEST']._serialized_start=2329
+  _globals['_GETVERSIONREQUEST']._serialized_end=2348
+  _globals['_GETVERSIONRESPONSE']._serialized_start=2350
+  _globals['_GETVERSIONRESPONSE']._serialized_end=2438
+  _globals['_GETSTATUSREQUEST']._serialized_start=2440
+  _globals['_GETSTATUSREQUEST']._serialized_end=2458
+  _globals['_GETSTATUSRESPONSE']._serialized_start=2461
+  _globals['_GETSTATUSRESPONSE']._serialized_end=2709
+  _globals['_GETSTATUSRESPONSE_ENGINESPERVERSIONENTRY']._serialized_start=2653
+  _globals['_GETSTATUSRESPONSE_ENGINESPERVERSIONENTRY']._serialized_end=2709
+  _globals['_WEIGHTSYNCSERVICE']._serialized_start=2860
+  _globals['_WEIGHTSYNCSERVICE']._serialized_end=3895
 # @@protoc_insertion_point(module_scope)

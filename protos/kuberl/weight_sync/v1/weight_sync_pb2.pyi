@@ -121,12 +121,14 @@ class RegisterEngineResponse(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ..., pending: _Optional[_Union[UpdateInstruction, _Mapping]] = ..., current_version: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("engine_id", "loaded_version")
+    __slots__ = ("engine_id", "loaded_version", "wait_seconds")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LOADED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     loaded_version: int
-    def __init__(self, engine_id: _Optional[str] = ..., loaded_version: _Optional[int] = ...) -> None: ...
+    wait_seconds: float
+    def __init__(self, engine_id: _Optional[str] = ..., loaded_version: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("current_version", "pending", "known")
@@ -209,12 +211,32 @@ class SnapshotChunk(_message.Message):
     def __init__(self, version: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., sha256: _Optional[str] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class UploadSnapshotResponse(_message.Message):
-    __slots__ = ("version", "bytes_received")
+    __slots__ = ("version", "bytes_received", "engine_ids")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
     version: int
     bytes_received: int
-    def __init__(self, version: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+    engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., bytes_received: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CommitPublishRequest(_message.Message):
+    __slots__ = ("version", "manifest", "sha256")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    manifest: Manifest
+    sha256: str
+    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class CommitPublishResponse(_message.Message):
+    __slots__ = ("version", "engine_ids")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StreamSnapshotRequest(_message.Message):
     __slots__ = ("version", "engine_id", "chunk_bytes")

@@ -64,6 +64,11 @@ class WeightSyncServiceStub:
                 request_serializer=kuberl_dot_weight__sync_dot_v1_dot_weight__sync__pb2.SnapshotChunk.SerializeToString,
                 response_deserializer=kuberl_dot_weight__sync_dot_v1_dot_weight__sync__pb2.UploadSnapshotResponse.FromString,
                 _registered_method=True)
+        self.CommitPublish = channel.unary_unary(
+                '/kuberl.weight_sync.v1.WeightSyncService/CommitPublish',
+                request_serializer=kuberl_dot_weight__sync_dot_v1_dot_weight__sync__pb2.CommitPublishRequest.SerializeToString,
+                response_deserializer=kuberl_dot_weight__sync_dot_v1_dot_weight__sync__pb2.CommitPublishResponse.FromString,
+                _registered_method=True)
         self.StreamSnapshot = channel.unary_stream(
                 '/kuberl.weight_sync.v1.WeightSyncService/StreamSnapshot',
                 request_serializer=kuberl_dot_weight__sync_dot_v1_dot_weight__sync__pb2.StreamSnapshotRequest.SerializeToString,
@@ -111,14 +116,23 @@ class WeightSyncServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Publish(self, request, context):
-        """The trainer announces version v with its manifest; the answer says how to send the bytes.
+        """The trainer announces version v (strictly greater than every version announced before,
+        else FAILED_PRECONDITION); the answer says how to send the bytes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UploadSnapshot(self, request_iterator, context):
-        """The trainer streams the bytes of a published version (snapshot transport and the relay).
+        """The trainer streams the bytes of a published version to the relay. The last chunk (with
+        the SHA-256 and, when not sent on the first, the manifest) commits the version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitPublish(self, request, context):
+        """Commits a version whose bytes the trainer wrote where PublishResponse.send said (SHM).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -176,6 +190,11 @@ def add_WeightSyncServiceServicer_to_server(servicer, server):
                     servicer.UploadSnapshot,
                     request_deserializer=kuberl_dot_weight__sync_dot_v1_dot_weight__sync__pb2.SnapshotChunk.FromString,
                     response_serializer=kuberl_dot_weight__sync_dot_v1_dot_weight__sync__pb2.UploadSnapshotResponse.SerializeToString,
+            ),
+            'CommitPublish': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitPublish,
+                    request_deserializer=kuberl_dot_weight__sync_dot_v1_dot_weight__sync__pb2.CommitPublishRequest.FromString,
+                    response_serializer=kuberl_dot_weight__sync_dot_v1_dot_weight__sync__pb2.CommitPublishResponse.SerializeToString,
             ),
             'StreamSnapshot': grpc.unary_stream_rpc_method_handler(
                     servicer.StreamSnapshot,
@@ -355,6 +374,33 @@ class WeightSyncService:
             '/kuberl.weight_sync.v1.WeightSyncService/UploadSnapshot',
             kuberl_dot_weight__sync_dot_v1_dot_weight__sync__pb2.SnapshotChunk.SerializeToString,
             kuberl_dot_weight__sync_dot_v1_dot_weight__sync__pb2.UploadSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitPublish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kuberl.weight_sync.v1.WeightSyncService/CommitPublish',
+            kuberl_dot_weight__sync_dot_v1_dot_weight__sync__pb2.CommitPublishRequest.SerializeToString,
+            kuberl_dot_weight__sync_dot_v1_dot_weight__sync__pb2.CommitPublishResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,256 @@
+"""Engine side of weight sync: the client a rollout replica runs beside its engine.
+
+`EngineClient` registers the engine with the weight-sync service, keeps it alive with heartbeats
+(long polls, so an update is learnt of at once), receives each version over the transport the
+service instructs and hands the whole version to the engine in one call, `load(tensors, version)`
+— an engine never holds a mix of two versions because it swaps after the last byte arrived — then
+reports it loaded. Engines that receive by themselves (an SGLang server joining the broadcast
+group natively) pass `apply(instruction)` instead of `load`. Updates also pushed to the replica
+(RolloutService.NotifyWeightsUpdate) go through `submit(instruction)`; duplicates are ignored.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+import torch
+
+from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
+from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
+from kuberl.common.channels import DEFAULT_MAX_MESSAGE_BYTES, sync_channel
+from kuberl.common.logs import get_logger
+from kuberl.common.weights.chunks import DEFAULT_CHUNK_BYTES
+from kuberl.common.weights.manifest import Manifest
+from kuberl.common.weights.transports import (
+    download_snapshot,
+    make_receiver,
+    transport_name,
+    transport_value,
+)
+
+log = get_logger(__name__)
+
+#: `load(named_tensors, version)`: swap the engine's weights to these tensors (all at once).
+LoadFn = Callable[[dict[str, torch.Tensor], int], None]
+#: `apply(instruction)`: receive and load a version by the engine's own means (SGLang).
+ApplyFn = Callable[[pb.UpdateInstruction], None]
+
+
+class EngineClient:
+    """One engine's membership in the weight-sync pool. Thread-safe; call `start()` once."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        load: LoadFn | None = None,
+        apply: ApplyFn | None = None,
+        engine_id: str = "",
+        endpoint: str = "",
+        transports: Sequence[str] = ("shm", "gloo", "snapshot"),
+        device: str = "cpu",
+        host: str | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        if (load is None) == (apply is None):
+            raise ValueError("give exactly one of load (tensors in this process) or apply")
+        self.address = address
+        self.engine_id = engine_id
+        self.endpoint = endpoint
+        self.transports = [transport_value(t) for t in transports]
+        self.device = device
+        self.host = host or socket.gethostname()
+        self.chunk_bytes = chunk_bytes
+        self.heartbeat_seconds = 2.0
+        self._load, self._apply = load, apply
+        self._channel = sync_channel(address, max(max_message_bytes, 2 * chunk_bytes))
+        self._stub = pb_grpc.WeightSyncServiceStub(self._channel)
+        self._cond = threading.Condition()
+        self._version = 0
+        self._busy = 0  # version being received, 0 when idle
+        self._queued: pb.UpdateInstruction | None = None
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        #: Last error of a failed update (for the replica's status page).
+        self.last_error = ""
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def version(self) -> int:
+        """The version the engine holds now (0 before the first); stamp it on trajectories."""
+        return self._version
+
+    def register(self) -> int:
+        """Join the pool; returns the service's current version (the engine catches up to it)."""
+        info = pb.EngineInfo(
+            engine_id=self.engine_id,
+            endpoint=self.endpoint,
+            transports=self.transports,
+            device=self.device,
+            host=self.host,
+            loaded_version=self._version,
+        )
+        answer = self._stub.RegisterEngine(pb.RegisterEngineRequest(engine=info), timeout=30)
+        self.engine_id = answer.engine_id
+        self.heartbeat_seconds = answer.heartbeat_seconds or self.heartbeat_seconds
+        log.info("engine.registered", engine_id=self.engine_id, current=answer.current_version)
+        if answer.HasField("pending"):
+            self.submit(answer.pending)
+        return int(answer.current_version)
+
+    def start(self) -> int:
+        """Register, then heartbeat and receive updates in background threads."""
+        current = self.register()
+        for target, name in ((self._heartbeat_loop, "heartbeat"), (self._work_loop, "receive")):
+            thread = threading.Thread(target=target, name=f"weight-sync-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return current
+
+    def wait_for_version(self, version: int, timeout: float | None = None) -> bool:
+        """Block until the engine holds `version` or later; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._version < version:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def submit(self, instruction: pb.UpdateInstruction) -> bool:
+        """Queue an update (from a heartbeat or a push); False if it is not newer than what the
+        engine holds or is already receiving. A newer queued update replaces an older one."""
+        with self._cond:
+            newest = max(self._version, self._busy, self._queued.version if self._queued else 0)
+            if instruction.version <= newest:
+                return False
+            self._queued = instruction
+            self._cond.notify_all()
+            return True
+
+    def sync_now(self, timeout: float | None = None) -> int:
+        """Download and load the latest version by snapshot right now (blocking); returns it."""
+        version, manifest, flat = download_snapshot(
+            self.address, 0, engine_id=self.engine_id, chunk_bytes=self.chunk_bytes,
+            timeout_s=timeout,
+        )  # fmt: skip
+        if version > self._version:
+            self._deliver(version, manifest, flat)
+        return self._version
+
+    def stop(self, leave: bool = True) -> None:
+        """Stop the background threads; `leave` tells the service the engine is going."""
+        self._stopping.set()
+        with self._cond:
+            self._cond.notify_all()
+        if leave and self.engine_id:
+            try:
+                self._stub.LeaveEngine(pb.LeaveEngineRequest(engine_id=self.engine_id), timeout=5)
+            except grpc.RpcError as exc:
+                log.warning("engine.leave_failed", code=exc.code().name)
+        for thread in self._threads:
+            thread.join(timeout=self.heartbeat_seconds + 5)
+        self._channel.close()
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ internals
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                answer = self._stub.Heartbeat(
+                    pb.HeartbeatRequest(
+                        engine_id=self.engine_id,
+                        loaded_version=self._version,
+                        wait_seconds=self.heartbeat_seconds,
+                    ),
+                    timeout=self.heartbeat_seconds + 10,
+                )
+                if not answer.known:
+                    log.warning("engine.unknown_to_service", engine_id=self.engine_id)
+                    self.register()
+                elif answer.HasField("pending"):
+                    self.submit(answer.pending)
+            except grpc.RpcError as exc:
+                if self._stopping.is_set():
+                    return
+                log.warning("engine.heartbeat_failed", code=exc.code().name)
+                self._stopping.wait(self.heartbeat_seconds)
+
+    def _work_loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._queued is None and not self._stopping.is_set():
+                    self._cond.wait()
+                if self._stopping.is_set():
+                    return
+                instruction, self._queued = self._queued, None
+                assert instruction is not None
+                self._busy = instruction.version
+            try:
+                self._update(instruction)
+            finally:
+                with self._cond:
+                    self._busy = 0
+
+    def _update(self, instruction: pb.UpdateInstruction) -> None:
+        name = transport_name(instruction.transport)
+        started = time.perf_counter()
+        log.info("engine.update_started", version=instruction.version, transport=name)
+        try:
+            if self._apply is not None:
+                self._apply(instruction)
+                self._set_version(instruction.version)
+            else:
+                receiver = make_receiver(
+                    instruction.transport, device=self.device, engine_id=self.engine_id,
+                    chunk_bytes=self.chunk_bytes,
+                )  # fmt: skip
+                manifest, flat = receiver.receive(instruction)
+                self._deliver(instruction.version, manifest, flat)
+            ok, error = True, ""
+        except Exception as exc:  # any failure is reported; the service retries by snapshot
+            ok, error = False, f"{type(exc).__name__}: {exc}"
+            self.last_error = error
+            log.warning("engine.update_failed", version=instruction.version, error=error)
+        seconds = time.perf_counter() - started
+        try:
+            self._stub.ReportLoaded(
+                pb.ReportLoadedRequest(
+                    engine_id=self.engine_id,
+                    version=instruction.version,
+                    ok=ok,
+                    error=error,
+                    load_seconds=seconds,
+                ),
+                timeout=30,
+            )
+        except grpc.RpcError as exc:
+            log.warning("engine.report_failed", code=exc.code().name)
+        if ok:
+            log.info(
+                "engine.update_loaded", version=instruction.version, transport=name,
+                seconds=round(seconds, 4),
+            )  # fmt: skip
+
+    def _deliver(self, version: int, manifest: Manifest, flat: torch.Tensor) -> None:
+        assert self._load is not None
+        self._load(manifest.views(flat), version)
+        self._set_version(version)
+
+    def _set_version(self, version: int) -> None:
+        with self._cond:
+            self._version = max(self._version, version)
+            self._cond.notify_all()

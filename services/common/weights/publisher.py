@@ -1,0 +1,160 @@
+"""Trainer side of weight sync: hand each new policy version to the weight-sync service.
+
+`WeightPublisher.publish(version, named_tensors)` takes an iterator of (name, tensor) — the trainer
+feeds ZeRO-3-gathered parameters one bucket at a time — and never holds more than one tensor of
+it: on the service's host each tensor is written straight into the shared-memory file the service
+names (`shm`), elsewhere it is cut into CRC32C-checked chunks of a gRPC upload (`snapshot`). The
+call returns once the bytes have left the trainer; the service relays them to the engines, so a
+slow or dead engine never blocks training. Versions must increase: a version not above every one
+published before raises `VersionConflict` (the service's FAILED_PRECONDITION).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
+from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
+from kuberl.common.channels import DEFAULT_MAX_MESSAGE_BYTES, sync_channel
+from kuberl.common.logs import get_logger
+from kuberl.common.weights.chunks import DEFAULT_CHUNK_BYTES, iter_chunks
+from kuberl.common.weights.manifest import ManifestBuilder
+from kuberl.common.weights.transports import ShmWriter, transport_name, transport_value
+
+log = get_logger(__name__)
+
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+
+
+class VersionConflict(RuntimeError):
+    """The service refused the version (not above the latest one): FAILED_PRECONDITION."""
+
+
+@dataclass
+class PublishResult:
+    version: int
+    #: How the bytes left the trainer: "shm" or "snapshot" (the gRPC upload).
+    transport: str
+    total_bytes: int
+    num_tensors: int
+    seconds: float
+    #: Engines the service started relaying the version to.
+    engine_ids: list[str] = field(default_factory=list)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A tensor's raw little-endian bytes on the host (copied from the GPU if needed)."""
+    data = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
+    return memoryview(data.numpy())
+
+
+class WeightPublisher:
+    """Publishes versions to the weight-sync service at `address` (host:port)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        transports: Sequence[str] = ("shm", "snapshot"),
+        host: str | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        timeout_s: float = 600.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.address = address
+        self.transports = [transport_value(t) for t in transports]
+        self.host = host or socket.gethostname()
+        self.chunk_bytes = chunk_bytes
+        self.timeout_s = timeout_s
+        self._channel = sync_channel(address, max(max_message_bytes, 2 * chunk_bytes))
+        self._stub = pb_grpc.WeightSyncServiceStub(self._channel)
+
+    def current_version(self) -> int:
+        """The latest complete version the service holds (0 before the first)."""
+        return int(self._stub.GetVersion(pb.GetVersionRequest(), timeout=30).version)
+
+    def publish(
+        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> PublishResult:
+        """Send every (name, tensor) as `version`; returns once the service has the bytes."""
+        started = time.perf_counter()
+        try:
+            answer = self._stub.Publish(
+                pb.PublishRequest(
+                    version=version, transports=self.transports, trainer_host=self.host
+                ),
+                timeout=30,
+            )
+        except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
+                raise VersionConflict(exc.details()) from None
+            raise
+        builder = ManifestBuilder(answer.send.manifest.bucket_bytes or DEFAULT_BUCKET_BYTES)
+        count = 0
+        if answer.send.transport == pb.TRANSPORT_SHM:
+            path = json.loads(answer.send.handles_json)["path"]
+            writer = ShmWriter(path)
+            try:
+                for name, tensor in named_tensors:
+                    entry = builder.add(name, tensor.dtype, tensor.shape)
+                    writer.write(entry.flat_offset, tensor)
+                    count += 1
+                writer.close()
+                manifest = builder.build()
+                done = self._stub.CommitPublish(
+                    pb.CommitPublishRequest(version=version, manifest=manifest.to_proto()),
+                    timeout=self.timeout_s,
+                )
+            except BaseException:
+                writer.abort()
+                raise
+            engine_ids = list(done.engine_ids)
+        else:
+
+            def pieces() -> Iterator[memoryview]:
+                nonlocal count
+                for name, tensor in named_tensors:
+                    builder.add(name, tensor.dtype, tensor.shape)
+                    count += 1
+                    yield tensor_bytes(tensor)
+
+            chunks = iter_chunks(
+                version, pieces(), chunk_bytes=self.chunk_bytes, manifest_last=builder.build
+            )
+            uploaded = self._stub.UploadSnapshot(chunks, timeout=self.timeout_s)
+            manifest = builder.build()
+            engine_ids = list(uploaded.engine_ids)
+        result = PublishResult(
+            version=version,
+            transport=transport_name(answer.send.transport),
+            total_bytes=manifest.total_bytes,
+            num_tensors=count,
+            seconds=time.perf_counter() - started,
+            engine_ids=engine_ids,
+        )
+        log.info(
+            "weights.published",
+            version=version,
+            transport=result.transport,
+            bytes=result.total_bytes,
+            tensors=count,
+            seconds=round(result.seconds, 4),
+            engines=len(engine_ids),
+        )
+        return result
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> WeightPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
