@@ -132,7 +132,7 @@ class GetBatchRequest(_message.Message):
     def __init__(self, num_groups: _Optional[int] = ..., max_staleness: _Optional[int] = ..., current_version: _Optional[int] = ..., consumer: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., kind: _Optional[_Union[_trajectory_pb2.StreamKind, str]] = ...) -> None: ...
 
 class GetBatchResponse(_message.Message):
-    __slots__ = ("batch_id", "groups", "dropped", "redelivered")
+    __slots__ = ("batch_id", "groups", "dropped", "redelivered", "exhausted")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -144,11 +144,13 @@ class GetBatchResponse(_message.Message):
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     REDELIVERED_FIELD_NUMBER: _ClassVar[int]
+    EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     groups: _containers.RepeatedCompositeFieldContainer[_trajectory_pb2.Group]
     dropped: _containers.ScalarMap[str, int]
     redelivered: bool
-    def __init__(self, batch_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[_trajectory_pb2.Group, _Mapping]]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., redelivered: _Optional[bool] = ...) -> None: ...
+    exhausted: bool
+    def __init__(self, batch_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[_trajectory_pb2.Group, _Mapping]]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., redelivered: _Optional[bool] = ..., exhausted: _Optional[bool] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("batch_id",)
@@ -179,7 +181,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("job", "policy_version", "epoch", "cursor", "prompts_total", "prompts_leased", "groups_pending", "batches_unacked", "counters")
+    __slots__ = ("job", "policy_version", "epoch", "cursor", "prompts_total", "prompts_leased", "groups_pending", "batches_unacked", "counters", "exhausted")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +198,7 @@ class GetStatsResponse(_message.Message):
     GROUPS_PENDING_FIELD_NUMBER: _ClassVar[int]
     BATCHES_UNACKED_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
     job: str
     policy_version: int
     epoch: int
@@ -205,4 +208,21 @@ class GetStatsResponse(_message.Message):
     groups_pending: int
     batches_unacked: int
     counters: _containers.ScalarMap[str, int]
-    def __init__(self, job: _Optional[str] = ..., policy_version: _Optional[int] = ..., epoch: _Optional[int] = ..., cursor: _Optional[int] = ..., prompts_total: _Optional[int] = ..., prompts_leased: _Optional[int] = ..., groups_pending: _Optional[int] = ..., batches_unacked: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    exhausted: bool
+    def __init__(self, job: _Optional[str] = ..., policy_version: _Optional[int] = ..., epoch: _Optional[int] = ..., cursor: _Optional[int] = ..., prompts_total: _Optional[int] = ..., prompts_leased: _Optional[int] = ..., groups_pending: _Optional[int] = ..., batches_unacked: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., exhausted: _Optional[bool] = ...) -> None: ...
+
+class StartEvalRequest(_message.Message):
+    __slots__ = ("round",)
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    def __init__(self, round: _Optional[int] = ...) -> None: ...
+
+class StartEvalResponse(_message.Message):
+    __slots__ = ("rounds", "num_prompts", "started")
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    rounds: int
+    num_prompts: int
+    started: bool
+    def __init__(self, rounds: _Optional[int] = ..., num_prompts: _Optional[int] = ..., started: _Optional[bool] = ...) -> None: ...

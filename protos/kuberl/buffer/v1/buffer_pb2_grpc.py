@@ -74,6 +74,11 @@ class BufferServiceStub:
                 request_serializer=kuberl_dot_buffer_dot_v1_dot_buffer__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=kuberl_dot_buffer_dot_v1_dot_buffer__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.StartEval = channel.unary_unary(
+                '/kuberl.buffer.v1.BufferService/StartEval',
+                request_serializer=kuberl_dot_buffer_dot_v1_dot_buffer__pb2.StartEvalRequest.SerializeToString,
+                response_deserializer=kuberl_dot_buffer_dot_v1_dot_buffer__pb2.StartEvalResponse.FromString,
+                _registered_method=True)
 
 
 class BufferServiceServicer:
@@ -136,6 +141,14 @@ class BufferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartEval(self, request, context):
+        """Queue evaluation rounds 0..round of the EVAL prompt stream (round 0 is queued when the
+        eval datasets are loaded). Idempotent: a round that exists is not queued again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BufferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -178,6 +191,11 @@ def add_BufferServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=kuberl_dot_buffer_dot_v1_dot_buffer__pb2.GetStatsRequest.FromString,
                     response_serializer=kuberl_dot_buffer_dot_v1_dot_buffer__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'StartEval': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartEval,
+                    request_deserializer=kuberl_dot_buffer_dot_v1_dot_buffer__pb2.StartEvalRequest.FromString,
+                    response_serializer=kuberl_dot_buffer_dot_v1_dot_buffer__pb2.StartEvalResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -396,6 +414,33 @@ class BufferService:
             '/kuberl.buffer.v1.BufferService/GetStats',
             kuberl_dot_buffer_dot_v1_dot_buffer__pb2.GetStatsRequest.SerializeToString,
             kuberl_dot_buffer_dot_v1_dot_buffer__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartEval(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kuberl.buffer.v1.BufferService/StartEval',
+            kuberl_dot_buffer_dot_v1_dot_buffer__pb2.StartEvalRequest.SerializeToString,
+            kuberl_dot_buffer_dot_v1_dot_buffer__pb2.StartEvalResponse.FromString,
             options,
             channel_credentials,
             insecure,
