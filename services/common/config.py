@@ -213,41 +213,76 @@ class RewardConfig(Section):
 
 
 class SamplingConfig(Section):
+    """Sampling parameters of every generation (SGLang's `sampling_params`)."""
+
     temperature: float = Field(1.0, ge=0, description="0 is greedy.")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     max_new_tokens: int = Field(256, ge=1)
     stop: list[str] = Field(default_factory=list, description="Stop strings.")
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(
+        default_factory=list, description="Token ids that end a response (besides EOS)."
+    )
+    ignore_eos: bool = Field(False, description="Keep generating after the EOS token.")
 
 
 class TorchEngineConfig(Section):
+    """The in-process HF transformers engine (local mode, CI, single-GPU tests)."""
+
     kind: Literal["torch"] = "torch"
     device: str = Field("cpu", description="cpu or cuda[:N].")
     max_batch_size: int = Field(64, ge=1, description="Sequences generated together.")
+    seed: int | None = Field(None, description="Seed of the sampling generator (null: job.seed).")
+    attn_implementation: Literal["sdpa", "eager"] = Field(
+        "sdpa", description="transformers attention kernel."
+    )
 
 
 class SGLangEngineConfig(Section):
+    """A client of an SGLang server's native HTTP API (pinned to sglang 0.5.23)."""
+
     kind: Literal["sglang"] = "sglang"
     url: str = Field("http://127.0.0.1:30000", description="Base URL of the SGLang server.")
     launch: bool = Field(
         False, description="Start `python -m sglang.launch_server` beside the replica."
     )
+    launch_args: list[str] = Field(
+        default_factory=list, description="Extra command-line arguments of launch_server."
+    )
     tp_size: int = Field(1, ge=1)
     mem_fraction_static: float = Field(0.8, gt=0, le=1)
     request_timeout_seconds: float = Field(600.0, gt=0)
-    max_retries: int = Field(3, ge=0)
+    connect_timeout_seconds: float = Field(10.0, gt=0)
+    startup_timeout_seconds: float = Field(
+        900.0, gt=0, description="How long to wait for /health_generate after launch."
+    )
+    max_retries: int = Field(3, ge=0, description="Retries of a call on 5xx / connect errors.")
+    retry_backoff_seconds: float = Field(
+        0.5, ge=0, description="First retry delay; doubled each attempt."
+    )
+    api_key_env: str | None = Field(
+        None, description="Environment variable holding the server's --api-key, if any."
+    )
 
 
 EngineConfig = Annotated[TorchEngineConfig | SGLangEngineConfig, Field(discriminator="kind")]
 
 
 class MultiTurnConfig(Section):
+    """Built-in multi-turn tool calling: `<tool_call>{json}</tool_call>` runs a tool."""
+
     enabled: bool = False
-    max_turns: int = Field(4, ge=1)
+    max_turns: int = Field(4, ge=1, description="Model turns per sample (tool turns between).")
     tools: list[str] = Field(
         default_factory=lambda: ["calculator"],
         description="Built-in tool names (calculator, python) or module:function.",
+    )
+    tool_timeout_seconds: float = Field(5.0, gt=0, description="Wall time of one tool call.")
+    max_tool_output_chars: int = Field(
+        1024, ge=16, description="Tool output is truncated to this before tokenization."
+    )
+    max_total_tokens: int = Field(
+        0, ge=0, description="Response budget over all turns (0 = sampling.max_new_tokens)."
     )
 
 
@@ -259,7 +294,9 @@ class RolloutConfig(Section):
     prompts_per_batch: int = Field(8, ge=1, description="Prompts leased per engine batch.")
     batches_in_flight: int = Field(2, ge=1, description="Engine batches kept in flight.")
     rollout_function: str | None = Field(
-        None, description="module:function replacing the built-in rollout (slime-style)."
+        None,
+        description="module:function replacing the built-in rollout (slime-style); called "
+        "as fn(context, prompt) and returns the group's samples.",
     )
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
     on_weight_update: Literal["finish", "abort"] = Field(
@@ -270,6 +307,31 @@ class RolloutConfig(Section):
     mode: Literal["rl", "eval", "rejection_sampling"] = "rl"
     rejection_threshold: float = Field(
         1.0, description="rejection_sampling keeps samples with reward >= this."
+    )
+    replica_id: str | None = Field(
+        None,
+        description="Consumer name at the buffer (the pod name); null uses the hostname "
+        "and process id.",
+    )
+    drain_seconds: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM or Drain, how long in-flight prompts may finish before they "
+        "are aborted and released to the buffer.",
+    )
+    rpc_timeout_seconds: float = Field(30.0, gt=0, description="Deadline of buffer/reward RPCs.")
+    retry_initial_seconds: float = Field(
+        0.2, gt=0, description="First backoff after a transient buffer/reward error."
+    )
+    retry_max_seconds: float = Field(10.0, gt=0, description="Longest backoff.")
+    max_attempts: int = Field(
+        6,
+        ge=1,
+        description="Attempts of a Score or PutTrajectories call before the batch's prompts "
+        "are released back to the buffer.",
+    )
+    idle_poll_seconds: float = Field(
+        1.0, gt=0, description="Wait between leases when the prompt stream is empty."
     )
 
 

@@ -1,0 +1,50 @@
+"""Rollout engines: the interface (`base`), the in-process `torch` engine and the `sglang` client.
+
+`create_engine` builds the one a job's `rollout.engine` section names; engines import their heavy
+dependencies (torch, transformers, httpx) only when built.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kuberl.common.config import JobConfig
+from kuberl.rollout.engine.base import (
+    Completion,
+    Engine,
+    EngineError,
+    EngineRejected,
+    EngineTimeout,
+    EngineUnavailable,
+    SamplingParams,
+)
+
+__all__ = [
+    "Completion",
+    "Engine",
+    "EngineError",
+    "EngineRejected",
+    "EngineTimeout",
+    "EngineUnavailable",
+    "SamplingParams",
+    "create_engine",
+]
+
+
+def create_engine(config: JobConfig, model_path: Path, tokenizer: object = None) -> Engine:
+    """The engine of `config.rollout.engine` serving the model at `model_path`."""
+    engine = config.rollout.engine
+    if engine.kind == "torch":
+        from kuberl.rollout.engine.torch_engine import TorchEngine
+
+        return TorchEngine.from_pretrained(
+            model_path,
+            device=engine.device,
+            dtype=config.model.dtype,
+            max_batch_size=engine.max_batch_size,
+            seed=config.job.seed if engine.seed is None else engine.seed,
+            attn_implementation=engine.attn_implementation,
+        )
+    from kuberl.rollout.engine.sglang import SGLangEngine
+
+    return SGLangEngine(engine, model_path=str(model_path))
