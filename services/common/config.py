@@ -163,38 +163,109 @@ class BufferConfig(Section):
 
 
 class VerifierSpec(Section):
-    """A custom verifier loaded from a dotted path."""
+    """A custom verifier loaded from a dotted path (`kuberl.reward.verifiers.custom`).
+
+    The function is called as `function(sample)` with a `kuberl.reward.sample.RewardSample` and
+    returns a number (bool and int count). A plain function runs in the reward service's worker
+    processes, so a hang is cut off by killing the worker; an `async def` runs on the service's
+    event loop (for I/O such as calling a judge model) and is cancelled at the timeout."""
 
     function: str = Field(description="module:function taking (sample) and returning a float.")
     description: str = ""
 
 
 class SandboxConfig(Section):
-    cpu_seconds: int = Field(5, ge=1)
-    memory_bytes: int = Field(512 * 1024 * 1024, ge=16 * 1024 * 1024)
-    max_processes: int = Field(16, ge=1)
-    max_file_bytes: int = Field(8 * 1024 * 1024, ge=1024)
-    max_open_files: int = Field(64, ge=8)
-    wall_seconds: float = Field(10.0, gt=0)
-    max_output_bytes: int = Field(1024 * 1024, ge=1024)
+    """Limits of the `code` verifier's sandbox (`kuberl.reward.sandbox`), per test program."""
+
+    cpu_seconds: int = Field(5, ge=1, description="RLIMIT_CPU of each test program.")
+    memory_bytes: int = Field(
+        512 * 1024 * 1024, ge=16 * 1024 * 1024, description="RLIMIT_AS of each test program."
+    )
+    max_processes: int = Field(
+        16,
+        ge=1,
+        description="RLIMIT_NPROC: processes (and threads) a test program may have at once.",
+    )
+    max_file_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="RLIMIT_FSIZE: largest file a program may write."
+    )
+    max_open_files: int = Field(64, ge=8, description="RLIMIT_NOFILE.")
+    wall_seconds: float = Field(
+        10.0, gt=0, description="Wall-clock limit of one test program; its processes are killed."
+    )
+    max_output_bytes: int = Field(
+        1024 * 1024,
+        ge=1024,
+        description="Stdout kept per test program; a program writing more is killed and fails.",
+    )
+    max_concurrent: int = Field(
+        2, ge=1, description="Sandboxed runs (samples) executing at the same time."
+    )
+    uid_base: int = Field(
+        61000,
+        ge=1000,
+        description="When the service runs as root, run i executes as uid/gid uid_base + slot "
+        "(slot < max_concurrent): these ids must belong to nobody else on the host.",
+    )
+    tmpfs_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="Size of the private /tmp (and working directory) of a run, where a mount "
+        "namespace is available.",
+    )
+    require_isolation: bool = Field(
+        False,
+        description="Refuse to start unless runs get their own network namespace and uid "
+        "(root, or a kernel allowing unprivileged user namespaces); else fall back to rlimits "
+        "and process-tree cleanup and log a warning.",
+    )
+    python: str | None = Field(
+        None, description="Interpreter for the programs (null: the service's own)."
+    )
 
 
 class RewardModelConfig(Section):
+    """A sequence-classification reward model (`kuberl.reward.verifiers.reward_model`)."""
+
     path: str = Field(description="Local HF sequence-classification model folder.")
     batch_size: int = Field(16, ge=1)
     device: str = "cpu"
+    max_length: int = Field(
+        4096, ge=8, description="Prompt + response tokens kept (the left end is cut)."
+    )
+    chat_template: bool = Field(
+        True,
+        description="Format (prompt, response) as a user/assistant chat with the tokenizer's "
+        "template when it has one; else the two texts are concatenated.",
+    )
+
+
+#: Verifiers built into the reward service; `custom` names must differ from these.
+BUILTIN_VERIFIERS = ("gsm8k", "math", "code", "format", "regex", "length", "rm")
 
 
 class RewardConfig(Section):
+    """The reward service (`kuberl.reward`): which verifiers score a sample and how.
+
+    The reward of a sample is sum(weight * score) over `verifiers` (or over the sample's own
+    `verifiers` list, see docs/reward.md); a verifier that raises, hangs past `timeout_seconds`
+    or returns NaN makes the sample's reward `fallback_reward` with the reason in its error."""
+
     server: ServerConfig = _server(50052, 9102)
     verifiers: dict[str, float] = Field(
         default_factory=lambda: {"gsm8k": 1.0},
-        description="Verifier name -> weight; the reward is the weighted sum of their scores.",
+        description="Verifier name -> weight; the reward is the weighted sum of their scores. "
+        "Names: gsm8k, math, code, format, regex, length, rm, or a key of `custom`.",
     )
     custom: dict[str, VerifierSpec] = Field(
         default_factory=dict, description="Extra verifiers by name, usable in `verifiers`."
     )
-    timeout_seconds: float = Field(10.0, gt=0, description="Per-sample scoring timeout.")
+    timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="Per-sample scoring timeout of each backend (the worker-process verifiers "
+        "of a sample together, one code run, one reward-model batch, one async custom call).",
+    )
     fallback_reward: float = Field(
         0.0, description="Reward of a sample whose verifier raised, hung or returned NaN."
     )
@@ -206,10 +277,37 @@ class RewardConfig(Section):
         0, ge=0, description="Tokens over which the penalty grows linearly from 0 to -1."
     )
     format_pattern: str = Field(
-        r"(?s)<think>.*</think>.*\S", description="Regex the `format` verifier requires."
+        r"(?s)\A\s*<think>.*?</think>\s*\S",
+        description="Regex the `format` verifier searches for (re.search; anchor it with \\A "
+        "to require it at the start). The default requires a closed <think> block first, then "
+        "a non-empty answer.",
     )
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     reward_model: RewardModelConfig | None = None
+
+    @model_validator(mode="after")
+    def _known_verifiers(self) -> RewardConfig:
+        import math
+        import re
+
+        shadowing = sorted(set(self.custom) & set(BUILTIN_VERIFIERS))
+        if shadowing:
+            raise ValueError(f"custom verifiers may not reuse built-in names: {shadowing}")
+        known = (*BUILTIN_VERIFIERS, *self.custom)
+        for name, weight in self.verifiers.items():
+            if name not in known:
+                raise ValueError(
+                    f"verifiers: unknown verifier {name!r}; expected one of {', '.join(known)}"
+                )
+            if not math.isfinite(weight):
+                raise ValueError(f"verifiers: weight of {name!r} must be finite (got {weight})")
+        if "rm" in self.verifiers and self.reward_model is None:
+            raise ValueError("verifiers: 'rm' needs a reward_model section (path of the model)")
+        try:
+            re.compile(self.format_pattern)
+        except re.error as exc:
+            raise ValueError(f"format_pattern is not a valid regex: {exc}") from None
+        return self
 
 
 class SamplingConfig(Section):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kuberl.api.common.v1 import trajectory_pb2 as kuberl_dot_common_dot_v1_dot_trajectory__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkuberl/reward/v1/reward.proto\x12\x10kuberl.reward.v1\x1a!kuberl/common/v1/trajectory.proto\"\xe4\x01\n\x06Sample\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x10\n\x08response\x18\x03 \x01(\t\x12\x34\n\x12response_token_ids\x18\x04 \x01(\x0b\x32\x18.kuberl.common.v1.Tensor\x12\x0e\n\x06\x61nswer\x18\x05 \x01(\t\x12\x15\n\rmetadata_json\x18\x06 \x01(\t\x12\x11\n\tverifiers\x18\x07 \x03(\t\x12\x35\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x1e.kuberl.common.v1.FinishReason\"9\n\x0cScoreRequest\x12)\n\x07samples\x18\x01 \x03(\x0b\x32\x18.kuberl.reward.v1.Sample\"\xb2\x01\n\x0bSampleScore\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12?\n\tbreakdown\x18\x03 \x03(\x0b\x32,.kuberl.reward.v1.SampleScore.BreakdownEntry\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x1a\x30\n\x0e\x42reakdownEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\">\n\rScoreResponse\x12-\n\x06scores\x18\x01 \x03(\x0b\x32\x1d.kuberl.reward.v1.SampleScore\"\x16\n\x14ListVerifiersRequest\"A\n\x0cVerifierInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\"J\n\x15ListVerifiersResponse\x12\x31\n\tverifiers\x18\x01 \x03(\x0b\x32\x1e.kuberl.reward.v1.VerifierInfo2\xbb\x01\n\rRewardService\x12H\n\x05Score\x12\x1e.kuberl.reward.v1.ScoreRequest\x1a\x1f.kuberl.reward.v1.ScoreResponse\x12`\n\rListVerifiers\x12&.kuberl.reward.v1.ListVerifiersRequest\x1a\'.kuberl.reward.v1.ListVerifiersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkuberl/reward/v1/reward.proto\x12\x10kuberl.reward.v1\x1a!kuberl/common/v1/trajectory.proto\"\xe4\x01\n\x06Sample\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x10\n\x08response\x18\x03 \x01(\t\x12\x34\n\x12response_token_ids\x18\x04 \x01(\x0b\x32\x18.kuberl.common.v1.Tensor\x12\x0e\n\x06\x61nswer\x18\x05 \x01(\t\x12\x15\n\rmetadata_json\x18\x06 \x01(\t\x12\x11\n\tverifiers\x18\x07 \x03(\t\x12\x35\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x1e.kuberl.common.v1.FinishReason\"9\n\x0cScoreRequest\x12)\n\x07samples\x18\x01 \x03(\x0b\x32\x18.kuberl.reward.v1.Sample\"\xc3\x01\n\x0bSampleScore\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12?\n\tbreakdown\x18\x03 \x03(\x0b\x32,.kuberl.reward.v1.SampleScore.BreakdownEntry\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0f\n\x07\x64\x65tails\x18\x05 \x01(\t\x1a\x30\n\x0e\x42reakdownEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\">\n\rScoreResponse\x12-\n\x06scores\x18\x01 \x03(\x0b\x32\x1d.kuberl.reward.v1.SampleScore\"\x16\n\x14ListVerifiersRequest\"A\n\x0cVerifierInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\"J\n\x15ListVerifiersResponse\x12\x31\n\tverifiers\x18\x01 \x03(\x0b\x32\x1e.kuberl.reward.v1.VerifierInfo2\xbb\x01\n\rRewardService\x12H\n\x05Score\x12\x1e.kuberl.reward.v1.ScoreRequest\x1a\x1f.kuberl.reward.v1.ScoreResponse\x12`\n\rListVerifiers\x12&.kuberl.reward.v1.ListVerifiersRequest\x1a\'.kuberl.reward.v1.ListVerifiersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,17 +39,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCOREREQUEST']._serialized_start=317
   _globals['_SCOREREQUEST']._serialized_end=374
   _globals['_SAMPLESCORE']._serialized_start=377
-  _globals['_SAMPLESCORE']._serialized_end=555
-  _globals['_SAMPLESCORE_BREAKDOWNENTRY']._serialized_start=507
-  _globals['_SAMPLESCORE_BREAKDOWNENTRY']._serialized_end=555
-  _globals['_SCORERESPONSE']._serialized_start=557
-  _globals['_SCORERESPONSE']._serialized_end=619
-  _globals['_LISTVERIFIERSREQUEST']._serialized_start=621
-  _globals['_LISTVERIFIERSREQUEST']._serialized_end=643
-  _globals['_VERIFIERINFO']._serialized_start=645
-  _globals['_VERIFIERINFO']._serialized_end=710
-  _globals['_LISTVERIFIERSRESPONSE']._serialized_start=712
-  _globals['_LISTVERIFIERSRESPONSE']._serialized_end=786
-  _globals['_REWARDSERVICE']._serialized_start=789
-  _globals['_REWARDSERVICE']._serialized_end=976
+  _globals['_SAMPLESCORE']._serialized_end=572
+  _globals['_SAMPLESCORE_BREAKDOWNENTRY']._serialized_start=524
+  _globals['_SAMPLESCORE_BREAKDOWNENTRY']._serialized_end=572
+  _globals['_SCORERESPONSE']._serialized_start=574
+  _globals['_SCORERESPONSE']._serialized_end=636
+  _globals['_LISTVERIFIERSREQUEST']._serialized_start=638
+  _globals['_LISTVERIFIERSREQUEST']._serialized_end=660
+  _globals['_VERIFIERINFO']._serialized_start=662
+  _globals['_VERIFIERINFO']._serialized_end=727
+  _globals['_LISTVERIFIERSRESPONSE']._serialized_start=729
+  _globals['_LISTVERIFIERSRESPONSE']._serialized_end=803
+  _globals['_REWARDSERVICE']._serialized_start=806
+  _globals['_REWARDSERVICE']._serialized_end=993
 # @@protoc_insertion_point(module_scope)

@@ -34,7 +34,7 @@ class ScoreRequest(_message.Message):
     def __init__(self, samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
 
 class SampleScore(_message.Message):
-    __slots__ = ("sample_id", "reward", "breakdown", "error")
+    __slots__ = ("sample_id", "reward", "breakdown", "error", "details")
     class BreakdownEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -46,11 +46,13 @@ class SampleScore(_message.Message):
     REWARD_FIELD_NUMBER: _ClassVar[int]
     BREAKDOWN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     reward: float
     breakdown: _containers.ScalarMap[str, float]
     error: str
-    def __init__(self, sample_id: _Optional[str] = ..., reward: _Optional[float] = ..., breakdown: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ...) -> None: ...
+    details: str
+    def __init__(self, sample_id: _Optional[str] = ..., reward: _Optional[float] = ..., breakdown: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., details: _Optional[str] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("scores",)

@@ -1,0 +1,201 @@
+"""Running untrusted code for the `code` verifier, from the reward service's event loop.
+
+`Sandbox.run` starts `sandbox_launcher.py` (see its docstring for the isolation: namespaces,
+dedicated uid, rlimits, process-tree cleanup) as a separate process in its own session with a
+scrubbed environment, sends it the program and its tests, and reads back one result per test.
+At most `max_concurrent` runs execute at once; each holds a slot, which is also its uid offset
+when the service runs as root, so runs never share a uid. The launcher enforces the per-test
+wall clock and the run's deadline itself; if it still overruns (it should not), the service
+kills its process group and every process of the run's uid, and the sample fails with a timeout.
+
+`Sandbox.probe` runs one trivial program at start-up and reports which isolation the host
+allows; with `require_isolation` a host without network namespaces or root refuses to start.
+
+Fallback where the kernel refuses namespaces (or without root): the code keeps the pod's
+network (deny egress with a NetworkPolicy on the reward pods), runs as the service's uid (so it
+could read what the service can read, and NPROC counts the service's processes too), and its
+processes are still limited and killed after every test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import stat
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kuberl.common.config import SandboxConfig
+from kuberl.common.logs import get_logger
+from kuberl.reward.verifiers import VerifierFailure
+
+log = get_logger(__name__)
+
+LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")
+# Seconds the launcher gets beyond the run's deadline to clean up and report before the
+# service stops trusting it.
+BACKSTOP_SECONDS = 3.0
+
+
+@dataclass
+class SandboxRun:
+    """Per-test results (`status`, `detail`) of one run and the isolation it had."""
+
+    results: list[dict[str, str]]
+    isolation: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def _world_executable(path: str) -> bool:
+    """True when a user with no rights but `other` bits can execute `path`."""
+    p = Path(path)
+    try:
+        if not p.stat().st_mode & stat.S_IXOTH:
+            return False
+        return all(parent.stat().st_mode & stat.S_IXOTH for parent in p.parents)
+    except OSError:
+        return False
+
+
+def default_python(dedicated_uid: bool) -> str:
+    """The interpreter for sandboxed programs when the job names none.
+
+    The service's own base interpreter if a dedicated uid can reach it (a pyenv under /root
+    cannot be), else the first `python3` on PATH that it can.
+    """
+    own = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    if not dedicated_uid:
+        return own
+    candidates = [own, shutil.which("python3") or "", "/usr/bin/python3", "/usr/local/bin/python3"]
+    for candidate in candidates:
+        if candidate and _world_executable(os.path.realpath(candidate)):
+            return os.path.realpath(candidate)
+    return own
+
+
+class Sandbox:
+    """Runs programs against tests with the job's `reward.sandbox` limits."""
+
+    def __init__(self, config: SandboxConfig) -> None:
+        self.config = config
+        self.root = os.geteuid() == 0
+        self.python = config.python or default_python(self.root)
+        self._slots: asyncio.Queue[int] = asyncio.Queue()
+        for slot in range(config.max_concurrent):
+            self._slots.put_nowait(slot)
+        self.isolation: dict[str, str] = {}
+
+    def _uid(self, slot: int) -> int | None:
+        return self.config.uid_base + slot if self.root else None
+
+    def _job(
+        self, code: str, tests: list[dict[str, str]], deadline: float, slot: int, workdir: str
+    ) -> dict[str, Any]:
+        c = self.config
+        return {
+            "mode": "run",
+            "uid": self._uid(slot),
+            "python": self.python,
+            "no_site": c.python is None,
+            "code": code,
+            "tests": tests,
+            "workdir": workdir,
+            "deadline_seconds": deadline,
+            "limits": {
+                "cpu_seconds": c.cpu_seconds,
+                "memory_bytes": c.memory_bytes,
+                "max_processes": c.max_processes,
+                "max_file_bytes": c.max_file_bytes,
+                "max_open_files": c.max_open_files,
+                "wall_seconds": c.wall_seconds,
+                "max_output_bytes": c.max_output_bytes,
+                "tmpfs_bytes": c.tmpfs_bytes,
+            },
+        }
+
+    async def _launch(self, job: dict[str, Any], timeout: float) -> dict[str, Any]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-I",
+            "-S",
+            str(LAUNCHER),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+            start_new_session=True,
+        )
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(json.dumps(job).encode()), timeout)
+        except BaseException:  # timeout or cancellation: nothing of the run may survive
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            if job.get("uid") is not None:
+                await self._reap(job["uid"])
+            raise
+        if proc.returncode != 0:
+            tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
+            raise VerifierFailure(
+                "sandbox", f"sandbox launcher failed (exit {proc.returncode}): {tail[0][:300]}"
+            )
+        return dict(json.loads(out))
+
+    async def _reap(self, uid: int) -> None:
+        """Kill every process of `uid` (after a launcher had to be killed)."""
+        reaper = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-I",
+            "-S",
+            str(LAUNCHER),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.DEVNULL,
+            env={},
+        )
+        await reaper.communicate(json.dumps({"mode": "reap", "uid": uid}).encode())
+
+    async def run(self, code: str, tests: list[dict[str, str]], timeout: float) -> SandboxRun:
+        """Run `code` against `tests` within `timeout` seconds (VerifierFailure otherwise)."""
+        slot = await self._slots.get()
+        started = time.monotonic()
+        workdir = tempfile.mkdtemp(prefix="kuberl-sandbox-")
+        try:
+            # The launcher stops starting tests at the deadline; the backstop is only for a
+            # launcher that does not come back.
+            deadline = max(timeout - 0.5, 0.1)
+            job = self._job(code, tests, deadline, slot, workdir)
+            try:
+                report = await self._launch(job, deadline + BACKSTOP_SECONDS)
+            except TimeoutError:
+                raise VerifierFailure(
+                    "timeout", f"sandbox did not finish within {timeout:g}s"
+                ) from None
+            return SandboxRun(report["results"], report["isolation"], time.monotonic() - started)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+            self._slots.put_nowait(slot)
+
+    async def probe(self) -> dict[str, str]:
+        """Run `print(1)` once; return (and remember) the isolation this host gives."""
+        run = await self.run("print(1)", [{"input": "", "output": "1"}], 30.0)
+        if run.results[0]["status"] != "passed":
+            raise RuntimeError(
+                f"the code sandbox cannot run {self.python}: {run.results[0]}; set "
+                "reward.sandbox.python to an interpreter the sandbox user can execute"
+            )
+        self.isolation = run.isolation
+        return run.isolation
+
+    @property
+    def fully_isolated(self) -> bool:
+        return self.isolation.get("network") == "namespace" and self.isolation.get("uid") == (
+            "dedicated"
+        )

@@ -1,0 +1,434 @@
+"""The sandbox's launcher: isolates one code run, executes its tests, reports what happened.
+
+`kuberl.reward.sandbox` starts this file as `python -I -S sandbox_launcher.py` (standard library
+only, nothing from the service's environment) in a new session, sends one JSON job on stdin and
+reads one JSON report from stdout. The launcher itself stays trusted: it never runs the untrusted
+code in its own process, and is not dumpable (other users cannot read its memory or open its
+file descriptors through /proc).
+
+Isolation, strongest available first (reported back in `isolation`):
+
+- network: a new network namespace (`unshare(CLONE_NEWNET)`, root or an unprivileged user
+  namespace) holding only a loopback interface that is down, so every connect fails; where the
+  kernel refuses, the code has the pod's network (deny egress with a NetworkPolicy);
+- files: as root, a new mount namespace with a private tmpfs on /tmp, /var/tmp and /dev/shm;
+  the code's working directory and the read-only copies of its source and tests live there;
+- identity: as root, every program runs as a dedicated uid/gid (the service's `uid_base` +
+  slot, no supplementary groups), so it cannot signal, ptrace or read /proc of the service, its
+  workers or other runs, and cannot write anywhere it was not given;
+- limits: each test program gets RLIMIT_CPU, AS, NPROC, FSIZE, NOFILE, CORE=0, no new privileges,
+  a parent-death SIGKILL, a scrubbed environment and a wall-clock deadline; stdout beyond
+  `max_output_bytes` kills it;
+- cleanup: after each program every process it left is killed: all processes of the run's uid
+  (`kill(-1)` as that uid) and every descendant of the launcher, which is a child subreaper so
+  processes that `setsid()` or double-fork still count as its descendants.
+
+Tests run one program each (a fresh interpreter per test), so one test cannot corrupt another's
+result. Without root (no dedicated uid), NPROC is set to the uid's current process count plus
+`max_processes`, and the code can read files its uid can read: use root in the reward container
+or keep `require_isolation` on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import resource
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
+
+STDERR_KEEP = 4096
+RUNNER = """\
+import os as _os, sys as _sys
+_report, _write = int(_sys.argv[1]), _os.write
+_ns = {"__name__": "solution", "__builtins__": __builtins__}
+with open(_sys.argv[2]) as _f:
+    exec(compile(_f.read(), "solution.py", "exec"), _ns)
+with open(_sys.argv[3]) as _f:
+    exec(compile(_f.read(), "test.py", "exec"), _ns)
+_write(_report, b"ok")
+"""
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _call(name: str, *args: Any) -> None:
+    if getattr(_libc, name)(*args) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{name}: {os.strerror(err)}")
+
+
+def _prctl(option: int, value: int) -> None:
+    _call("prctl", option, ctypes.c_ulong(value), 0, 0, 0)
+
+
+def _mount_tmpfs(target: str, size: int) -> None:
+    _call(
+        "mount",
+        b"tmpfs",
+        target.encode(),
+        b"tmpfs",
+        ctypes.c_ulong(MS_NOSUID | MS_NODEV),
+        f"size={size},mode=1777".encode(),
+    )
+
+
+def isolate(job: dict[str, Any]) -> tuple[dict[str, str], str]:
+    """Enter new namespaces where allowed; return the isolation report and the base folder."""
+    report = {"network": "none", "files": "shared", "uid": "shared"}
+    base = job["workdir"]
+    if os.geteuid() == 0:
+        try:
+            _call("unshare", CLONE_NEWNET)
+            report["network"] = "namespace"
+        except OSError as exc:
+            report["network_error"] = str(exc)
+        try:
+            _call("unshare", CLONE_NEWNS)
+            _call("mount", None, b"/", None, ctypes.c_ulong(MS_REC | MS_PRIVATE), None)
+            for target in ("/tmp", "/var/tmp", "/dev/shm"):
+                if os.path.isdir(target):
+                    _mount_tmpfs(target, job["limits"]["tmpfs_bytes"])
+            base = "/tmp"
+            report["files"] = "private"
+        except OSError as exc:
+            report["files_error"] = str(exc)
+        if job.get("uid") is not None:
+            report["uid"] = "dedicated"
+    else:
+        uid, gid = os.getuid(), os.getgid()
+        try:
+            _call("unshare", CLONE_NEWUSER | CLONE_NEWNET)
+            for name, text in (
+                ("setgroups", "deny"),
+                ("uid_map", f"{uid} {uid} 1"),
+                ("gid_map", f"{gid} {gid} 1"),
+            ):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+            report["network"] = "namespace"
+        except OSError as exc:
+            report["network_error"] = str(exc)
+    return report, base
+
+
+def _uid_task_count(uid: int) -> int:
+    """Processes and threads of `uid` (what RLIMIT_NPROC counts)."""
+    count = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        if int(fields.get("Uid", "-1 ").split()[0]) == uid:
+            count += int(fields.get("Threads", "1").strip())
+    return count
+
+
+def _live_descendants() -> list[int]:
+    """Pids of every non-zombie process below this one (orphans are reparented to us)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if fields and fields[0] != "Z":
+            parents[int(entry)] = int(fields[1])
+    me, found = os.getpid(), []
+    for pid in parents:
+        node, seen = pid, 0
+        while node in parents and seen < 64:
+            node, seen = parents[node], seen + 1
+            if node == me:
+                found.append(pid)
+                break
+    return found
+
+
+def kill_uid(uid: int) -> None:
+    """SIGKILL every process of `uid`: kill(-1) from a child that has become that uid."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            for _ in range(1000):
+                os.kill(-1, signal.SIGKILL)  # never signals the caller itself
+        except (ProcessLookupError, PermissionError):
+            pass
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def kill_leftovers(uid: int | None, reap: bool) -> None:
+    """Kill everything the last program left running; with `reap`, collect the zombies (only
+    once the program itself has been waited for, or its exit status would be lost)."""
+    if uid is not None:
+        kill_uid(uid)
+    for _ in range(200):
+        pids = _live_descendants()
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.002)
+    if not reap:
+        return
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+
+
+def _limits(job: dict[str, Any], nproc: int) -> Any:
+    lim = job["limits"]
+
+    def apply() -> None:  # runs in the child after fork (and after setuid as root)
+        cpu = lim["cpu_seconds"]
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (lim["memory_bytes"],) * 2)
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (lim["max_file_bytes"],) * 2)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lim["max_open_files"],) * 2)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        _prctl(PR_SET_NO_NEW_PRIVS, 1)
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    return apply
+
+
+class Program:
+    """One test program: started, fed, read with caps and a deadline, then cleaned up."""
+
+    def __init__(self, argv: list[str], job: dict[str, Any], ctx: dict[str, Any]) -> None:
+        self.argv, self.job, self.ctx = argv, job, ctx
+
+    def run(self, stdin: bytes | None, deadline: float, pass_fds: tuple[int, ...] = ()) -> dict:
+        lim, uid = self.job["limits"], self.ctx["uid"]
+        kwargs: dict[str, Any] = {}
+        if uid is not None:
+            kwargs = {"user": uid, "group": uid, "extra_groups": []}
+        proc = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=self.ctx["workdir"],
+            env=self.ctx["env"],
+            start_new_session=True,
+            close_fds=True,
+            pass_fds=pass_fds,
+            preexec_fn=_limits(self.job, self.ctx["nproc"]),
+            **kwargs,
+        )
+        out, err, status = bytearray(), bytearray(), ""
+        sel = selectors.DefaultSelector()
+        assert proc.stdout is not None and proc.stderr is not None
+        sel.register(proc.stdout, selectors.EVENT_READ, "out")
+        sel.register(proc.stderr, selectors.EVENT_READ, "err")
+        pending = memoryview(stdin or b"")
+        if proc.stdin is not None:
+            os.set_blocking(proc.stdin.fileno(), False)
+            sel.register(proc.stdin, selectors.EVENT_WRITE, "in")
+        pidfd = os.pidfd_open(proc.pid)
+        sel.register(pidfd, selectors.EVENT_READ, "exit")
+        exited = False
+        # Until the program exits its pidfd stays registered; after that, only the pipes are
+        # drained (their other writers have been killed, so EOF comes at once).
+        while not status and sel.get_map():
+            left = deadline - time.monotonic()
+            if exited:
+                left = min(left, 0.5)
+            if left <= 0:
+                status = "" if exited else "timeout"
+                break
+            events = sel.select(left)
+            if not events and exited:
+                break
+            for key, _ in events:
+                if key.data == "exit":
+                    sel.unregister(pidfd)
+                    exited = True
+                    kill_leftovers(uid, reap=False)  # nothing may outlive its program
+                elif key.data == "in":
+                    try:
+                        pending = pending[os.write(key.fd, pending[:65536]) :]
+                    except BrokenPipeError:
+                        pending = pending[:0]
+                    if not pending:
+                        sel.unregister(key.fileobj)
+                        key.fileobj.close()  # type: ignore[union-attr]
+                else:
+                    data = os.read(key.fd, 65536)
+                    if not data:
+                        sel.unregister(key.fileobj)
+                    elif key.data == "out":
+                        out += data
+                        if len(out) > lim["max_output_bytes"]:
+                            status = "output_limit"
+                    else:
+                        err = (err + data)[-STDERR_KEEP:]
+        sel.close()
+        if not exited:
+            kill_leftovers(uid, reap=False)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the shared-uid case has no kill_uid
+        # wait4, not proc.wait: the rusage tells a CPU-limit kill from any other SIGKILL.
+        _, raw, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(raw)
+        os.close(pidfd)
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        kill_leftovers(uid, reap=True)
+        return {
+            "status": status,
+            "returncode": proc.returncode,
+            "cpu_seconds": usage.ru_utime + usage.ru_stime,
+            "stdout": bytes(out),
+            "err": err,
+        }
+
+
+def _normalize(text: str) -> list[str]:
+    lines = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def _error_line(err: bytes) -> str:
+    lines = [ln for ln in err.decode("utf-8", "replace").splitlines() if ln.strip()]
+    return lines[-1][:200] if lines else ""
+
+
+def classify(run: dict, expected: str | None, reported_ok: bool, cpu_seconds: int) -> dict:
+    """The outcome of one test from what its program did."""
+    status, code, err = run["status"], run["returncode"], run["err"]
+    cpu_killed = code == -signal.SIGXCPU or (
+        code == -signal.SIGKILL and run["cpu_seconds"] >= cpu_seconds - 0.05
+    )
+    if status == "timeout":
+        return {"status": "timeout", "detail": "still running at the wall-clock limit"}
+    if cpu_killed and not status:
+        return {"status": "timeout", "detail": f"used its {cpu_seconds}s of CPU time"}
+    if status == "output_limit":
+        return {"status": "output_limit", "detail": "wrote more than max_output_bytes"}
+    if b"MemoryError" in err:
+        return {"status": "memory", "detail": _error_line(err)}
+    if expected is None:  # an assert test
+        if reported_ok and code == 0:
+            return {"status": "passed", "detail": ""}
+        kind = "wrong_answer" if b"AssertionError" in err else "runtime_error"
+        return {"status": kind, "detail": _error_line(err) or f"exit status {code}"}
+    if code != 0:
+        return {"status": "runtime_error", "detail": _error_line(err) or f"exit status {code}"}
+    got = run["stdout"].decode("utf-8", "replace")
+    if _normalize(got) == _normalize(expected):
+        return {"status": "passed", "detail": ""}
+    return {"status": "wrong_answer", "detail": f"expected {expected[:60]!r}, got {got[:60]!r}"}
+
+
+def _prepare(job: dict[str, Any], base: str) -> dict[str, Any]:
+    """Create the read-only harness folder and the code's writable working folder."""
+    uid = job.get("uid") if os.geteuid() == 0 else None
+    os.chmod(base, 0o1777 if base == "/tmp" else 0o711)
+    harness, work = os.path.join(base, "harness"), os.path.join(base, "work")
+    os.mkdir(harness, 0o755)
+    os.mkdir(work, 0o700)
+    if uid is not None:
+        os.chown(work, uid, uid)
+    for name, text in (("solution.py", job["code"]), ("runner.py", RUNNER)):
+        with open(os.path.join(harness, name), "w") as f:
+            f.write(text)
+        os.chmod(os.path.join(harness, name), 0o444)
+    nproc = job["limits"]["max_processes"]
+    if uid is None:  # NPROC counts every process of the shared uid, the service's included
+        nproc += _uid_task_count(os.getuid())
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "HOME": work,
+        "TMPDIR": work,
+    }
+    return {"uid": uid, "harness": harness, "workdir": work, "env": env, "nproc": nproc}
+
+
+def run_tests(job: dict[str, Any], ctx: dict[str, Any], started: float) -> list[dict]:
+    python = [job["python"], "-I", *(["-S"] if job.get("no_site", True) else [])]
+    solution = os.path.join(ctx["harness"], "solution.py")
+    deadline_all = started + job["deadline_seconds"]
+    results: list[dict] = []
+    for i, test in enumerate(job["tests"]):
+        now = time.monotonic()
+        if now >= deadline_all:
+            results.append({"status": "not_run", "detail": "the run's deadline passed"})
+            continue
+        deadline = min(now + job["limits"]["wall_seconds"], deadline_all)
+        if "assert" in test:
+            path = os.path.join(ctx["harness"], f"test_{i}.py")
+            with open(path, "w") as f:
+                f.write(test["assert"])
+            os.chmod(path, 0o444)
+            read, write = os.pipe()
+            argv = [*python, os.path.join(ctx["harness"], "runner.py"), str(write), solution, path]
+            try:
+                run = Program(argv, job, ctx).run(None, deadline, pass_fds=(write,))
+            finally:
+                os.close(write)
+            with os.fdopen(read, "rb") as f:
+                reported = f.read(16) == b"ok"
+            results.append(classify(run, None, reported, job["limits"]["cpu_seconds"]))
+        else:
+            run = Program([*python, solution], job, ctx).run(test["input"].encode(), deadline)
+            results.append(classify(run, test["output"], False, job["limits"]["cpu_seconds"]))
+    return results
+
+
+def main() -> None:
+    started = time.monotonic()
+    job = json.loads(sys.stdin.buffer.read())
+    if job["mode"] == "reap":
+        kill_uid(job["uid"])
+        sys.stdout.write(json.dumps({"reaped": job["uid"]}))
+        return
+    _prctl(PR_SET_DUMPABLE, 0)
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    isolation, base = isolate(job)
+    ctx = _prepare(job, base)
+    results = run_tests(job, ctx, started)
+    sys.stdout.write(json.dumps({"isolation": isolation, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
