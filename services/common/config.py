@@ -83,6 +83,12 @@ class RedisConfig(Section):
     embedded_dir: str = Field(
         ".kuberl/redis", description="Data folder of the embedded server (AOF lives there)."
     )
+    connect_timeout_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="How long a service waits for Redis at start, and how long a request keeps "
+        "retrying while Redis is unreachable (e.g. restarting) before answering UNAVAILABLE.",
+    )
 
 
 class BuildModelConfig(Section):
@@ -158,7 +164,17 @@ class BufferConfig(Section):
     )
     filters: list[str] = Field(
         default_factory=list,
-        description="Custom group filters as module:function, called (group) -> bool (keep).",
+        description="Custom group filters as module:function, called (group) -> bool (keep), "
+        "with a kuberl.common.trajectory.Group; applied to training groups only.",
+    )
+    backpressure_retry_seconds: float = Field(
+        1.0, gt=0, description="retry-after hint sent with RESOURCE_EXHAUSTED on LeasePrompts."
+    )
+    acked_batch_ttl_seconds: float = Field(
+        7 * 24 * 3600.0,
+        gt=0,
+        description="How long the record of an acknowledged batch is kept so that a repeated "
+        "Ack answers already_acked (afterwards it is NOT_FOUND).",
     )
 
 

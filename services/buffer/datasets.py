@@ -1,0 +1,135 @@
+"""Reading prompt datasets (JSONL or Parquet) into rows the buffer stores, and epoch shuffling.
+
+`read_dataset` turns a file and a column mapping into `PromptRow`s (prompt text, reference answer,
+metadata JSON); it is called by the buffer's LoadDataset (at start for `data.train` and
+`data.eval`, or on request). `epoch_order` is the seeded permutation of one epoch: the same seed
+and epoch always give the same order, so a restarted job replays its data in the same order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kuberl.common.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One prompt of a dataset as stored in Redis (`payload` is what LeasePrompts hands out)."""
+
+    text: str
+    answer: str
+    metadata_json: str
+
+    def payload(self) -> str:
+        return json.dumps(
+            {"t": self.text, "a": self.answer, "m": self.metadata_json}, ensure_ascii=False
+        )
+
+
+def _jsonable(value: Any) -> Any:
+    """Parquet cells (numpy scalars, arrays, NaN) as plain JSON values."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, np.ndarray):
+        return [_jsonable(v) for v in value.tolist()]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _records(path: Path, limit: int) -> Iterator[tuple[int, dict[str, Any]]]:
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        with path.open(encoding="utf-8") as f:
+            n = 0
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise InvalidArgument(f"{path}:{lineno}: not valid JSON: {exc.msg}") from None
+                if not isinstance(record, dict):
+                    raise InvalidArgument(f"{path}:{lineno}: expected a JSON object per line")
+                yield lineno, record
+                n += 1
+                if limit and n >= limit:
+                    return
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        if limit:
+            table = table.slice(0, limit)
+        for i, record in enumerate(table.to_pylist()):
+            yield i + 1, record
+    else:
+        raise InvalidArgument(
+            f"{path}: unsupported dataset format {suffix!r}; use .jsonl or .parquet"
+        )
+
+
+def read_dataset(
+    path: str | Path,
+    *,
+    prompt: str = "prompt",
+    answer: str = "answer",
+    metadata: Sequence[str] = (),
+    limit: int = 0,
+) -> list[PromptRow]:
+    """Rows of a .jsonl/.parquet file: `prompt` column as text, `answer` as the reference answer
+    (numbers are turned into text, a missing answer is ""), `metadata` columns (empty: every other
+    column) as a JSON object. InvalidArgument names the file, row and column on any problem."""
+    p = Path(path)
+    if not p.is_file():
+        raise InvalidArgument(f"dataset {p}: no such file (relative paths are from {Path.cwd()})")
+    rows: list[PromptRow] = []
+    for row_no, record in _records(p, limit):
+        if prompt not in record:
+            raise InvalidArgument(
+                f"{p} row {row_no}: no prompt column {prompt!r} (columns: {', '.join(record)})"
+            )
+        text = record[prompt]
+        if not isinstance(text, str) or not text:
+            raise InvalidArgument(
+                f"{p} row {row_no}: prompt column {prompt!r} must be non-empty text, "
+                f"got {type(text).__name__}"
+            )
+        ref = record.get(answer)
+        ref_text = (
+            "" if ref is None else ref if isinstance(ref, str) else json.dumps(_jsonable(ref))
+        )
+        if metadata:
+            missing = [c for c in metadata if c not in record]
+            if missing:
+                raise InvalidArgument(
+                    f"{p} row {row_no}: metadata columns {missing} not found "
+                    f"(columns: {', '.join(record)})"
+                )
+            meta = {c: _jsonable(record[c]) for c in metadata}
+        else:
+            meta = {k: _jsonable(v) for k, v in record.items() if k not in (prompt, answer)}
+        rows.append(PromptRow(text, ref_text, json.dumps(meta, ensure_ascii=False) if meta else ""))
+    if not rows:
+        raise InvalidArgument(f"dataset {p}: no rows")
+    return rows
+
+
+def epoch_order(prompt_ids: Sequence[str], seed: int, epoch: int, stream: int = 0) -> list[str]:
+    """The prompt ids of one epoch in their seeded order: a permutation of the sorted ids,
+    determined by (seed, stream, epoch) alone."""
+    ids = sorted(prompt_ids)
+    rng = np.random.default_rng([seed & 0xFFFFFFFF, stream, epoch])
+    return [ids[i] for i in rng.permutation(len(ids))]

@@ -1,0 +1,384 @@
+"""The buffer's Lua scripts: every state change that must be atomic across buffer replicas.
+
+Two (or more) buffer replicas serve one job at once, so every read-check-write on the job's Redis
+keys runs inside one script (Redis runs a script with nothing interleaved). `kuberl.buffer.store`
+calls them with the keys declared in KEYS; all keys of a job share the `{job}` hash tag, so the
+scripts also work on Redis Cluster. Stream entry fields: prompts `p` (prompt id), `e` (epoch),
+`rq` (present on re-queued entries); groups `p`, `e`, `v` (oldest policy version of the group),
+`z` ("1" when all rewards agree), `g` (the serialized `kuberl.common.v1.Group`).
+"""
+
+from __future__ import annotations
+
+# Shared helpers, prepended to every script.
+_PRELUDE = """
+local function fieldmap(f)
+  local m = {}
+  for i = 1, #f, 2 do m[f[i]] = f[i + 1] end
+  return m
+end
+local function num(v, default)
+  if v then return tonumber(v) end
+  return default
+end
+"""
+
+# Lease up to n prompts: first re-deliver leases idle for longer than the lease timeout
+# (XAUTOCLAIM), then new entries, as far as backpressure allows.
+# KEYS: prompt stream, state, prompt data, accepted, lease map, train groups, sft groups
+# ARGV: n, consumer, lease timeout ms, max in flight (-1: none), kind, requeue (0/1)
+# Returns {"busy", inflight} or {"ok", exhausted, need_fill, policy_version,
+#          id, prompt id, epoch, deliveries, payload, ...}
+LEASE = (
+    _PRELUDE
+    + """
+local stream, state, data, accepted, leasemap = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local n, consumer, kind = tonumber(ARGV[1]), ARGV[2], ARGV[5]
+local limit = tonumber(ARGV[4])
+local out = {}
+local function done(id)
+  redis.call('XACK', stream, 'rollout', id)
+  redis.call('XDEL', stream, id)
+end
+-- 1. expired leases (a dead or slow rollout replica) go to this consumer.
+local claimed = redis.call('XAUTOCLAIM', stream, 'rollout', consumer, ARGV[3], '0-0', 'COUNT', n)
+local reclaimed = 0
+for _, e in ipairs(claimed[2]) do
+  if e and e[2] then
+    local f = fieldmap(e[2])
+    if redis.call('HEXISTS', accepted, f.p .. '@' .. f.e) == 1 then
+      done(e[1])
+    else
+      local pend = redis.call('XPENDING', stream, 'rollout', e[1], e[1], 1)
+      local deliveries = 1
+      if pend[1] then deliveries = pend[1][4] end
+      table.insert(out, {e[1], f.p, f.e, deliveries, redis.call('HGET', data, f.p) or ''})
+      reclaimed = reclaimed + 1
+    end
+  end
+end
+-- 2. backpressure: leased prompts plus accepted-but-untrained groups stay <= limit.
+local room = n - #out
+if limit >= 0 then
+  local inflight = redis.call('XPENDING', stream, 'rollout')[1]
+    + redis.call('XLEN', KEYS[6]) + redis.call('XLEN', KEYS[7])
+  if limit - inflight < room then room = limit - inflight end
+  if room <= 0 and #out == 0 then
+    redis.call('HINCRBY', state, 'c:' .. kind .. ':lease_refused', 1)
+    return {'busy', inflight}
+  end
+end
+-- 3. new entries.
+local need_fill, fresh, read = 0, 0, 0
+if room > 0 then
+  local r = redis.call('XREADGROUP', 'GROUP', 'rollout', consumer, 'COUNT', room,
+                       'STREAMS', stream, '>')
+  if r then
+    for _, e in ipairs(r[1][2]) do
+      read = read + 1
+      local f = fieldmap(e[2])
+      if redis.call('HEXISTS', accepted, f.p .. '@' .. f.e) == 1 then
+        done(e[1])
+      else
+        table.insert(out, {e[1], f.p, f.e, 1, redis.call('HGET', data, f.p) or ''})
+        fresh = fresh + 1
+        if not f.rq then
+          local ep = tonumber(f.e)
+          if ep > num(redis.call('HGET', state, kind .. ':epoch'), -1) then
+            redis.call('HSET', state, kind .. ':epoch', ep, kind .. ':cursor', 0)
+          end
+          redis.call('HINCRBY', state, kind .. ':cursor', 1)
+        end
+      end
+    end
+  end
+  if read < room then
+    local filled = num(redis.call('HGET', state, kind .. ':filled'), -1)
+    local epochs = num(redis.call('HGET', state, kind .. ':epochs'), 0)
+    if filled < epochs - 1 then need_fill = 1 end
+  end
+end
+if fresh > 0 then redis.call('HINCRBY', state, 'c:' .. kind .. ':leased', fresh) end
+if reclaimed > 0 then redis.call('HINCRBY', state, 'c:' .. kind .. ':redelivered', reclaimed) end
+-- 4. exhausted: nothing left to hand out, nothing outstanding, nothing that could come back.
+local exhausted = 0
+if #out == 0 and need_fill == 0 and room > 0 then
+  if redis.call('XPENDING', stream, 'rollout')[1] == 0
+     and (ARGV[6] == '0' or redis.call('XLEN', KEYS[6]) == 0) then
+    exhausted = 1
+  end
+end
+local res = {'ok', exhausted, need_fill, num(redis.call('HGET', state, 'policy_version'), 0)}
+for _, item in ipairs(out) do
+  for _, v in ipairs(item) do table.insert(res, v) end
+end
+return res
+"""
+)
+
+# Append one epoch (or eval round) to a prompt stream, once: only if it is the next one.
+# KEYS: prompt stream, state, lease map; ARGV: kind, epoch, prompt ids in order...
+FILL = """
+local filled = tonumber(redis.call('HGET', KEYS[2], ARGV[1] .. ':filled') or '-1')
+if filled ~= tonumber(ARGV[2]) - 1 then return -1 end
+for i = 3, #ARGV do
+  local id = redis.call('XADD', KEYS[1], '*', 'p', ARGV[i], 'e', ARGV[2])
+  redis.call('HSET', KEYS[3], ARGV[i] .. '@' .. ARGV[2], id)
+end
+redis.call('HSET', KEYS[2], ARGV[1] .. ':filled', ARGV[2])
+return #ARGV - 2
+"""
+
+# Accept whole groups, at most one per prompt and epoch, and complete their leases.
+# KEYS: group stream, accepted, prompt stream of the leases, lease map, state, prompt data
+# ARGV: kind, lease kind, count, then per group: prompt id, epoch, version, zero-variance,
+#       payload ('' = an empty SFT group: complete the lease, store nothing), lease id ('' = none)
+# Returns {"ok", status...} with 1 accepted / 2 duplicate, or {"unknown_prompt", i},
+# {"bad_epoch", i, filled}, {"foreign_lease", i, owner prompt, owner epoch}.
+PUT = (
+    _PRELUDE
+    + """
+local groups, accepted, prompts, leasemap, state, data =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local kind, lease_kind, count = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local filled = num(redis.call('HGET', state, lease_kind .. ':filled'), -1)
+-- Check every group before changing anything: a rejected request stores nothing.
+for i = 0, count - 1 do
+  local b = 4 + i * 6
+  local pid, ep, lease = ARGV[b], tonumber(ARGV[b + 1]), ARGV[b + 5]
+  if redis.call('HEXISTS', data, pid) == 0 then return {'unknown_prompt', i} end
+  if ep < 0 or ep > filled then return {'bad_epoch', i, filled} end
+  if lease ~= '' then
+    local entry = redis.call('XRANGE', prompts, lease, lease)
+    if entry[1] then
+      local f = fieldmap(entry[1][2])
+      if f.p ~= pid or tonumber(f.e) ~= ep then return {'foreign_lease', i, f.p, f.e} end
+    end
+  end
+end
+local function complete(id)
+  if id and id ~= '' then
+    redis.call('XACK', prompts, 'rollout', id)
+    redis.call('XDEL', prompts, id)
+  end
+end
+local res = {'ok'}
+local n_acc, n_dup, n_empty = 0, 0, 0
+for i = 0, count - 1 do
+  local b = 4 + i * 6
+  local pid, ep, payload = ARGV[b], ARGV[b + 1], ARGV[b + 4]
+  local key = pid .. '@' .. ep
+  complete(ARGV[b + 5])
+  if redis.call('HSETNX', accepted, key, 1) == 1 then
+    if payload ~= '' then
+      redis.call('XADD', groups, '*', 'p', pid, 'e', ep, 'v', ARGV[b + 2], 'z', ARGV[b + 3],
+                 'g', payload)
+    else
+      n_empty = n_empty + 1
+    end
+    local mapped = redis.call('HGET', leasemap, key)
+    if mapped then
+      complete(mapped)
+      redis.call('HDEL', leasemap, key)
+    end
+    n_acc = n_acc + 1
+    table.insert(res, 1)
+  else
+    n_dup = n_dup + 1
+    table.insert(res, 2)
+  end
+end
+if n_acc > 0 then redis.call('HINCRBY', state, 'c:' .. kind .. ':accepted', n_acc) end
+if n_dup > 0 then redis.call('HINCRBY', state, 'c:' .. kind .. ':duplicate', n_dup) end
+if n_empty > 0 then redis.call('HINCRBY', state, 'c:' .. kind .. ':empty', n_empty) end
+return res
+"""
+)
+
+# Give leases back: make them claimable at once by the next LeasePrompts.
+# KEYS: prompt stream, state; ARGV: consumer, idle ms to set, kind, lease ids...
+RELEASE = """
+local n = 0
+for i = 4, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], 'rollout', ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[1] then
+    redis.call('XCLAIM', KEYS[1], 'rollout', ARGV[1], 0, ARGV[i], 'IDLE', ARGV[2], 'JUSTID')
+    n = n + 1
+  end
+end
+if n > 0 then redis.call('HINCRBY', KEYS[2], 'c:' .. ARGV[3] .. ':released', n) end
+return n
+"""
+
+# Read new groups for a batch being assembled and note them in the batch record, so that a
+# buffer replica dying mid-assembly leaves a record another replica can recover.
+# KEYS: group stream, batch record, deadlines; ARGV: consumer, count, batch id, deadline ms, kind
+# Returns {last stream id, id, prompt id, epoch, version, zero-variance, payload, ...}
+TAKE = (
+    _PRELUDE
+    + """
+local r = redis.call('XREADGROUP', 'GROUP', 'trainer', ARGV[1], 'COUNT', ARGV[2],
+                     'STREAMS', KEYS[1], '>')
+local res = {'0-0'}
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if last[1] then res[1] = last[1][1] end
+local ids = {}
+if r then
+  for _, e in ipairs(r[1][2]) do
+    local f = fieldmap(e[2])
+    for _, v in ipairs({e[1], f.p, f.e, f.v, f.z, f.g}) do table.insert(res, v) end
+    table.insert(ids, e[1])
+  end
+end
+if #ids > 0 then
+  local taken = table.concat(ids, ' ')
+  local before = redis.call('HGET', KEYS[2], 'taken')
+  if before then taken = before .. ' ' .. taken end
+  redis.call('HSET', KEYS[2], 'taken', taken, 'kind', ARGV[5])
+  redis.call('HSETNX', KEYS[2], 'state', 'assembling')
+  redis.call('ZADD', KEYS[3], ARGV[4], ARGV[3])
+end
+return res
+"""
+)
+
+# Drop groups (stale, filtered): they leave the stream; stale ones may re-queue their prompt.
+# KEYS: group stream, accepted, train prompt stream, train lease map, state
+# ARGV: kind, count, then per group: id, prompt id, epoch, reason, requeue (0/1)
+DROP = """
+local kind, count = ARGV[1], tonumber(ARGV[2])
+for i = 0, count - 1 do
+  local b = 3 + i * 5
+  local id, pid, ep, reason = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3]
+  redis.call('XACK', KEYS[1], 'trainer', id)
+  if redis.call('XDEL', KEYS[1], id) == 1 then
+    redis.call('HINCRBY', KEYS[5], 'c:' .. kind .. ':dropped:' .. reason, 1)
+    if ARGV[b + 4] == '1' then
+      local key = pid .. '@' .. ep
+      redis.call('HDEL', KEYS[2], key)
+      local nid = redis.call('XADD', KEYS[3], '*', 'p', pid, 'e', ep, 'rq', 1)
+      redis.call('HSET', KEYS[4], key, nid)
+      redis.call('HINCRBY', KEYS[5], 'c:' .. kind .. ':requeued', 1)
+    end
+  end
+end
+return count
+"""
+
+# Issue an assembled batch (or discard an empty one). Groups that were taken for it but neither
+# kept nor dropped (a lost reply, a crashed replica) are put back as new entries, so nothing
+# stays stuck in the trainer group's pending list.
+# KEYS: batch record, deadlines, group stream, state
+# ARGV: batch id, deadline ms, kind, now ms, kept ids...
+FINALIZE = (
+    _PRELUDE
+    + """
+local kept = {}
+for i = 5, #ARGV do kept[ARGV[i]] = true end
+local taken = redis.call('HGET', KEYS[1], 'taken') or ''
+local returned = 0
+for id in string.gmatch(taken, '%S+') do
+  if not kept[id] then
+    local e = redis.call('XRANGE', KEYS[3], id, id)
+    if e[1] then
+      redis.call('XADD', KEYS[3], '*', unpack(e[1][2]))
+      redis.call('XACK', KEYS[3], 'trainer', id)
+      redis.call('XDEL', KEYS[3], id)
+      returned = returned + 1
+    end
+  end
+end
+if returned > 0 then redis.call('HINCRBY', KEYS[4], 'c:' .. ARGV[3] .. ':reinserted', returned) end
+local n = #ARGV - 4
+if n == 0 then
+  redis.call('DEL', KEYS[1])
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  return 0
+end
+redis.call('HSET', KEYS[1], 'state', 'issued', 'kind', ARGV[3], 'n', n,
+           'entries', table.concat(ARGV, ' ', 5), 'issued_ms', ARGV[4], 'deliveries', 1)
+redis.call('HDEL', KEYS[1], 'taken')
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('HINCRBY', KEYS[4], 'c:' .. ARGV[3] .. ':batches', 1)
+redis.call('HINCRBY', KEYS[4], 'c:' .. ARGV[3] .. ':groups_delivered', n)
+return n
+"""
+)
+
+# Claim the oldest batch whose ack deadline has passed (pushing its deadline forward so no
+# other replica claims it too). KEYS: deadlines; ARGV: now ms, new deadline ms
+# Returns the batch id or false.
+RECLAIM = """
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, 1)
+if not due[1] then return false end
+redis.call('ZADD', KEYS[1], ARGV[2], due[1])
+return due[1]
+"""
+
+# Read a claimed batch for re-delivery. KEYS: batch record, deadlines, group stream, state
+# ARGV: batch id, kind. Returns {state, id, prompt id, epoch, version, zero-variance, payload...}
+# or {"gone"} when the batch was acknowledged or removed meanwhile.
+FETCH = (
+    _PRELUDE
+    + """
+local st = redis.call('HGET', KEYS[1], 'state')
+if not st or st == 'acked' then
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  return {'gone'}
+end
+local ids = redis.call('HGET', KEYS[1], st == 'issued' and 'entries' or 'taken') or ''
+local res = {st}
+for id in string.gmatch(ids, '%S+') do
+  local e = redis.call('XRANGE', KEYS[3], id, id)
+  if e[1] then
+    local f = fieldmap(e[1][2])
+    for _, v in ipairs({id, f.p, f.e, f.v, f.z, f.g}) do table.insert(res, v) end
+  end
+end
+if st == 'issued' then
+  redis.call('HINCRBY', KEYS[1], 'deliveries', 1)
+  redis.call('HINCRBY', KEYS[4], 'c:' .. ARGV[2] .. ':batches_redelivered', 1)
+end
+return res
+"""
+)
+
+# Acknowledge a batch: its groups are trained and leave the stream. Idempotent.
+# KEYS: batch record, group stream, deadlines, state; ARGV: batch id, kind, ttl ms
+# Returns 1 acked now, 0 acked before, -1 unknown.
+ACK = """
+local st = redis.call('HGET', KEYS[1], 'state')
+if st == 'acked' then return 0 end
+if st ~= 'issued' then return -1 end
+local ids = redis.call('HGET', KEYS[1], 'entries') or ''
+local n = 0
+for id in string.gmatch(ids, '%S+') do
+  redis.call('XACK', KEYS[2], 'trainer', id)
+  redis.call('XDEL', KEYS[2], id)
+  n = n + 1
+end
+redis.call('HSET', KEYS[1], 'state', 'acked')
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('HINCRBY', KEYS[4], 'c:' .. ARGV[2] .. ':acked_batches', 1)
+redis.call('HINCRBY', KEYS[4], 'c:' .. ARGV[2] .. ':trained_groups', n)
+return 1
+"""
+
+# Monotonic policy version. KEYS: state; ARGV: version. Returns {1, v} or {0, current}.
+SET_VERSION = """
+local cur = tonumber(redis.call('HGET', KEYS[1], 'policy_version') or '0')
+local v = tonumber(ARGV[1])
+if v < cur then return {0, cur} end
+redis.call('HSET', KEYS[1], 'policy_version', ARGV[1])
+return {1, v}
+"""
+
+# Raise the number of epochs (or eval rounds) to queue. KEYS: state; ARGV: kind, epochs.
+# Returns {previous, new}.
+RAISE_EPOCHS = """
+local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[1] .. ':epochs') or '0')
+local want = tonumber(ARGV[2])
+if want > cur then redis.call('HSET', KEYS[1], ARGV[1] .. ':epochs', want) return {cur, want} end
+return {cur, cur}
+"""

@@ -1,0 +1,630 @@
+"""The buffer's gRPC service (`kuberl serve buffer`): the hub between rollout and trainer.
+
+Rollout replicas lease prompts (`LeasePrompts`), put finished groups (`PutTrajectories`) and give
+back what they cannot finish (`ReleasePrompts`); the trainer pulls whole groups (`GetBatch`),
+acknowledges each batch after its optimizer step (`Ack`) and advances the policy version
+(`SetPolicyVersion`). This module validates requests, applies the batch filters (staleness, DAPO
+dynamic sampling, custom `module:function` filters) and maps results to protos and status codes;
+all state is in Redis through `kuberl.buffer.store`, so replicas are interchangeable. At start the
+service connects to `redis.url`, creates the job's streams and loads `data.train` and `data.eval`
+(idempotently), so no one else has to call LoadDataset. docs/buffer.md is the user guide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kuberl.api.buffer.v1 import buffer_pb2 as bpb
+from kuberl.api.common.v1 import trajectory_pb2 as tpb
+from kuberl.buffer import metrics as m
+from kuberl.buffer.datasets import read_dataset
+from kuberl.buffer.store import DATASET_NAME, BufferStore, Drop, PutItem, StoredGroup, lease_kind
+from kuberl.common.config import DatasetConfig, JobConfig
+from kuberl.common.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from kuberl.common.logs import get_logger
+from kuberl.common.plugins import load_plugin
+from kuberl.common.server import Service
+from kuberl.common.trajectory import Group, TrajectoryError
+
+log = get_logger(__name__)
+
+SERVICE_NAME = "kuberl.buffer.v1.BufferService"
+KIND_NAMES: dict[int, str] = {
+    tpb.STREAM_KIND_UNSPECIFIED: "train",
+    tpb.STREAM_KIND_TRAIN: "train",
+    tpb.STREAM_KIND_EVAL: "eval",
+    tpb.STREAM_KIND_SFT: "sft",
+}
+# Rewards closer than this count as equal for the dynamic-sampling (zero variance) filter.
+REWARD_TOLERANCE = 1e-9
+MAX_LEASE = 4096
+MAX_WAIT_SECONDS = 600.0
+STATS_REFRESH_SECONDS = 2.0
+
+GroupFilter = Callable[[Group], Any]
+
+
+def _kind(value: int) -> str:
+    try:
+        return KIND_NAMES[value]
+    except KeyError:
+        raise InvalidArgument(f"unknown stream kind {value}; expected TRAIN, EVAL or SFT") from None
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+_GROUPS_TAG = b"\x12"  # GetBatchResponse.groups: field 2, length-delimited
+
+
+def encode_batch(head: bpb.GetBatchResponse, payloads: Sequence[bytes]) -> bytes:
+    """A serialized GetBatchResponse whose groups are the stored Group bytes as they are.
+
+    Protobuf allows fields in any order, so the stored groups are appended without being parsed
+    and re-encoded: that is most of the cost of a batch in Python."""
+    parts = [head.SerializeToString()]
+    for p in payloads:
+        parts += [_GROUPS_TAG, _varint(len(p)), p]
+    return b"".join(parts)
+
+
+def _reject(method: str, reason: str, exc: Exception) -> Exception:
+    m.REJECTIONS_TOTAL.labels(method, reason).inc()
+    return exc
+
+
+class BufferService(Service):
+    """The buffer service of one job (see the module docstring)."""
+
+    name = "buffer"
+    service_names = (SERVICE_NAME,)
+
+    def __init__(self, config: JobConfig) -> None:
+        self.config = config
+        self.cfg = config.buffer
+        self.group_size = config.rollout.group_size
+        self.filters: list[tuple[str, GroupFilter]] = [
+            (spec, load_plugin(spec, kind="buffer filter", params=["group"]))
+            for spec in self.cfg.filters
+        ]
+        self.store: BufferStore | None = None
+        self._refresher: asyncio.Task[None] | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    @property
+    def db(self) -> BufferStore:
+        if self.store is None:
+            raise Unavailable("buffer is starting: not connected to Redis yet")
+        return self.store
+
+    async def start(self) -> None:
+        url = self.config.redis.url
+        if not url:
+            raise RuntimeError(
+                "redis.url is not set: the buffer keeps all state in Redis. Set redis.url (or "
+                "KUBERL_REDIS__URL); `kuberl run` starts an embedded Redis and sets it for you."
+            )
+        password = os.environ.get(self.config.redis.password_env) or None
+        self.store = BufferStore.connect(
+            url,
+            password,
+            job=self.config.job.name,
+            lease_timeout_seconds=self.cfg.lease_timeout_seconds,
+            max_inflight_groups=self.cfg.max_inflight_groups,
+            batch_ack_timeout_seconds=self.cfg.batch_ack_timeout_seconds,
+            requeue_stale=self.cfg.requeue_stale,
+            acked_batch_ttl_seconds=self.cfg.acked_batch_ttl_seconds,
+            retry_seconds=self.config.redis.connect_timeout_seconds,
+            default_epochs=self.config.data.num_epochs,
+        )
+        await self.store.wait_ready(self.config.redis.connect_timeout_seconds)
+        await self.store.ensure_groups()
+        for ds in self.config.data.train:
+            await self._load_config_dataset(ds, "train", self.config.data.num_epochs)
+        for ds in self.config.data.eval:
+            await self._load_config_dataset(ds, "eval", 1)
+        self._refresher = asyncio.create_task(self._refresh_gauges())
+        log.info("buffer.ready", job=self.config.job.name, group_size=self.group_size)
+
+    async def stop(self) -> None:
+        if self._refresher:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        if self.store:
+            await self.store.close()
+
+    async def _load_config_dataset(self, ds: DatasetConfig, kind: str, epochs: int) -> None:
+        await self._load(
+            path=ds.path,
+            name=ds.name or "",
+            kind=kind,
+            prompt=ds.columns.prompt,
+            answer=ds.columns.answer,
+            metadata=ds.columns.metadata,
+            limit=ds.limit,
+            num_epochs=epochs,
+            seed=self.config.job.seed,
+        )
+
+    async def _load(
+        self,
+        *,
+        path: str,
+        name: str,
+        kind: str,
+        prompt: str,
+        answer: str,
+        metadata: Sequence[str],
+        limit: int,
+        num_epochs: int,
+        seed: int,
+    ) -> tuple[int, bool]:
+        name = name or Path(path).stem
+        if not DATASET_NAME.match(name):
+            raise InvalidArgument(
+                f"dataset name {name!r}: use letters, digits, '_', '.' and '-' (no ':' or '@')"
+            )
+        rows = await asyncio.to_thread(
+            read_dataset, path, prompt=prompt, answer=answer, metadata=metadata, limit=limit
+        )
+        return await self.db.load_dataset(
+            name, str(Path(path).resolve()), kind, rows, num_epochs, seed
+        )
+
+    async def _refresh_gauges(self) -> None:
+        while True:
+            try:
+                stats = await self.db.stats()
+                m.POLICY_VERSION.set(stats["policy_version"])
+                for kind, s in stats["kinds"].items():
+                    m.GROUPS_PENDING.labels(kind).set(s["groups_pending"])
+                    m.GROUPS_IN_BATCHES.labels(kind).set(s["groups_in_batches"])
+                    m.BATCHES_UNACKED.labels(kind).set(s["batches_unacked"])
+                    if "prompts_leased" in s:
+                        m.PROMPTS_LEASED.labels(kind).set(s["prompts_leased"])
+            except Exception as exc:  # metrics must never take the service down
+                log.debug("gauges.refresh_failed", error=str(exc))
+            await asyncio.sleep(STATS_REFRESH_SECONDS)
+
+    def register(self, server: grpc.aio.Server) -> None:
+        rq, rs = "FromString", "SerializeToString"
+        methods: dict[str, tuple[Callable[..., Any], type, type]] = {
+            "LoadDataset": (self.LoadDataset, bpb.LoadDatasetRequest, bpb.LoadDatasetResponse),
+            "LeasePrompts": (self.LeasePrompts, bpb.LeasePromptsRequest, bpb.LeasePromptsResponse),
+            "ReleasePrompts": (
+                self.ReleasePrompts,
+                bpb.ReleasePromptsRequest,
+                bpb.ReleasePromptsResponse,
+            ),
+            "PutTrajectories": (
+                self.PutTrajectories,
+                bpb.PutTrajectoriesRequest,
+                bpb.PutTrajectoriesResponse,
+            ),
+            "GetBatch": (self.GetBatch, bpb.GetBatchRequest, bpb.GetBatchResponse),
+            "Ack": (self.Ack, bpb.AckRequest, bpb.AckResponse),
+            "SetPolicyVersion": (
+                self.SetPolicyVersion,
+                bpb.SetPolicyVersionRequest,
+                bpb.SetPolicyVersionResponse,
+            ),
+            "GetStats": (self.GetStats, bpb.GetStatsRequest, bpb.GetStatsResponse),
+            "StartEval": (self.StartEval, bpb.StartEvalRequest, bpb.StartEvalResponse),
+        }
+        handlers = {}
+        for method, (fn, req, resp) in methods.items():
+            serializer = getattr(resp, rs)
+            if method == "GetBatch":
+                # GetBatch may answer with pre-encoded bytes (see encode_batch).
+                serializer = _bytes_or_proto
+            handlers[method] = grpc.unary_unary_rpc_method_handler(
+                fn, request_deserializer=getattr(req, rq), response_serializer=serializer
+            )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),)
+        )
+
+    # -- prompts ------------------------------------------------------------------------------
+
+    async def LoadDataset(
+        self, request: bpb.LoadDatasetRequest, context: grpc.aio.ServicerContext
+    ) -> bpb.LoadDatasetResponse:
+        kind = _kind(request.kind)
+        if kind == "sft":
+            raise _reject(
+                "LoadDataset",
+                "bad_request",
+                InvalidArgument("SFT has no prompt stream: load prompts as TRAIN or EVAL"),
+            )
+        if not request.path:
+            raise _reject("LoadDataset", "bad_request", InvalidArgument("path is empty"))
+        epochs = request.num_epochs or (self.config.data.num_epochs if kind == "train" else 1)
+        try:
+            n, loaded = await self._load(
+                path=request.path,
+                name=request.name,
+                kind=kind,
+                prompt=request.columns.prompt or "prompt",
+                answer=request.columns.answer or "answer",
+                metadata=list(request.columns.metadata),
+                limit=request.limit,
+                num_epochs=epochs,
+                seed=request.seed or self.config.job.seed,
+            )
+        except InvalidArgument as exc:
+            raise _reject("LoadDataset", "bad_dataset", exc) from None
+        return bpb.LoadDatasetResponse(num_prompts=n, loaded=loaded)
+
+    async def LeasePrompts(
+        self, request: bpb.LeasePromptsRequest, context: grpc.aio.ServicerContext
+    ) -> bpb.LeasePromptsResponse:
+        kind = _kind(request.kind)
+        if kind == "sft":
+            raise _reject(
+                "LeasePrompts",
+                "bad_request",
+                InvalidArgument(
+                    "SFT has no prompt stream: rejection sampling leases TRAIN prompts and puts "
+                    "its kept samples as SFT groups"
+                ),
+            )
+        if request.max_prompts <= 0:
+            raise _reject(
+                "LeasePrompts",
+                "bad_request",
+                InvalidArgument(f"max_prompts must be > 0, got {request.max_prompts}"),
+            )
+        if not request.consumer:
+            raise _reject(
+                "LeasePrompts",
+                "bad_request",
+                InvalidArgument("consumer is empty: name the rollout replica (e.g. its pod name)"),
+            )
+        res = await self.db.lease(kind, min(request.max_prompts, MAX_LEASE), request.consumer)
+        if res.busy:
+            m.LEASES_REFUSED_TOTAL.labels(kind).inc()
+            retry = self.cfg.backpressure_retry_seconds
+            raise ResourceExhausted(
+                f"{res.inflight} groups are leased or waiting for training "
+                f"(max_inflight_groups={self.cfg.max_inflight_groups}); retry in {retry:g}s",
+                retry_after_seconds=retry,
+            )
+        fresh = sum(1 for p in res.prompts if p.deliveries <= 1)
+        m.LEASES_TOTAL.labels(kind, "first").inc(fresh)
+        m.LEASES_TOTAL.labels(kind, "redelivery").inc(len(res.prompts) - fresh)
+        return bpb.LeasePromptsResponse(
+            prompts=[
+                tpb.Prompt(
+                    prompt_id=p.prompt_id,
+                    epoch=p.epoch,
+                    text=p.payload.get("t", ""),
+                    answer=p.payload.get("a", ""),
+                    metadata_json=p.payload.get("m", ""),
+                    lease_id=p.lease_id,
+                    delivery_count=p.deliveries,
+                )
+                for p in res.prompts
+            ],
+            policy_version=res.policy_version,
+            exhausted=res.exhausted,
+        )
+
+    async def ReleasePrompts(
+        self, request: bpb.ReleasePromptsRequest, context: grpc.aio.ServicerContext
+    ) -> bpb.ReleasePromptsResponse:
+        kind = lease_kind(_kind(request.kind))
+        if not request.consumer:
+            raise _reject("ReleasePrompts", "bad_request", InvalidArgument("consumer is empty"))
+        n = await self.db.release(kind, request.consumer, list(request.lease_ids))
+        m.PROMPTS_RELEASED_TOTAL.labels(kind).inc(n)
+        return bpb.ReleasePromptsResponse(released=n)
+
+    async def StartEval(
+        self, request: bpb.StartEvalRequest, context: grpc.aio.ServicerContext
+    ) -> bpb.StartEvalResponse:
+        if request.round < 0:
+            raise _reject(
+                "StartEval",
+                "bad_request",
+                InvalidArgument(f"round must be >= 0, got {request.round}"),
+            )
+        rounds, started, num = await self.db.start_eval(request.round)
+        if num == 0:
+            raise _reject(
+                "StartEval",
+                "no_eval_data",
+                FailedPrecondition("no eval dataset is loaded (data.eval in the job file)"),
+            )
+        return bpb.StartEvalResponse(rounds=rounds, num_prompts=num, started=started)
+
+    # -- groups -------------------------------------------------------------------------------
+
+    def _check_group(self, msg: tpb.Group, kind: str, lease_id: str) -> PutItem:
+        """Validate one group; TrajectoryError says what is wrong."""
+        group = Group.from_proto(msg)
+        n = len(group.trajectories)
+        if not group.prompt_id:
+            raise TrajectoryError("prompt_id is empty")
+        if kind == "sft":
+            # Rejection sampling keeps 0..group_size samples; an empty group completes the lease.
+            if n > self.group_size:
+                raise TrajectoryError(
+                    f"group {group.group_id}: has {n} trajectories, more than the job's group "
+                    f"size {self.group_size}"
+                )
+            group.validate()
+        else:
+            group.validate(self.group_size)
+        indices = [t.sample_index for t in group.trajectories]
+        if len(set(indices)) != n:
+            raise TrajectoryError(f"group {group.group_id}: sample_index values repeat: {indices}")
+        rewards = [t.reward for t in group.trajectories]
+        zero_variance = n > 0 and max(rewards) - min(rewards) <= REWARD_TOLERANCE
+        version = min((t.policy_version_start for t in group.trajectories), default=0)
+        if not msg.group_id:
+            msg.group_id = group.group_id
+        return PutItem(
+            prompt_id=group.prompt_id,
+            epoch=group.epoch,
+            version=version,
+            zero_variance=zero_variance,
+            payload=msg.SerializeToString() if n else b"",
+            lease_id=lease_id,
+        )
+
+    async def PutTrajectories(
+        self, request: bpb.PutTrajectoriesRequest, context: grpc.aio.ServicerContext
+    ) -> bpb.PutTrajectoriesResponse:
+        kind = _kind(request.kind)
+        if not request.groups:
+            raise _reject("PutTrajectories", "bad_request", InvalidArgument("no groups to put"))
+        if request.lease_ids and len(request.lease_ids) != len(request.groups):
+            raise _reject(
+                "PutTrajectories",
+                "bad_request",
+                InvalidArgument(
+                    f"{len(request.lease_ids)} lease_ids for {len(request.groups)} groups: give "
+                    "one per group (same order) or none"
+                ),
+            )
+        items = []
+        for i, msg in enumerate(request.groups):
+            lease = request.lease_ids[i] if request.lease_ids else ""
+            try:
+                items.append(self._check_group(msg, kind, lease))
+            except TrajectoryError as exc:
+                m.GROUPS_PUT_TOTAL.labels(kind, "rejected").inc(len(request.groups))
+                raise _reject(
+                    "PutTrajectories", "invalid_group", InvalidArgument(f"groups[{i}]: {exc}")
+                ) from None
+        try:
+            accepted = await self.db.put(kind, items)
+        except InvalidArgument as exc:
+            m.GROUPS_PUT_TOTAL.labels(kind, "rejected").inc(len(items))
+            raise _reject("PutTrajectories", "unknown_prompt_or_lease", exc) from None
+        n_acc = sum(accepted)
+        m.GROUPS_PUT_TOTAL.labels(kind, "accepted").inc(n_acc)
+        m.GROUPS_PUT_TOTAL.labels(kind, "duplicate").inc(len(accepted) - n_acc)
+        if len(items) == 1 and not accepted[0]:
+            it = items[0]
+            raise AlreadyExists(
+                f"a group for prompt {it.prompt_id!r} epoch {it.epoch} was accepted before; "
+                "this one was discarded"
+            )
+        return bpb.PutTrajectoriesResponse(
+            results=[
+                bpb.PutResult(
+                    group_id=msg.group_id,
+                    status=bpb.PUT_STATUS_ACCEPTED if ok else bpb.PUT_STATUS_DUPLICATE,
+                )
+                for msg, ok in zip(request.groups, accepted, strict=True)
+            ]
+        )
+
+    # -- batches ------------------------------------------------------------------------------
+
+    def _verdict(
+        self, kind: str, g: StoredGroup, max_staleness: int, current_version: int
+    ) -> str | None:
+        """Why a group is dropped from a batch, or None to keep it."""
+        if max_staleness >= 0 and current_version - g.version > max_staleness:
+            return "stale"
+        if kind != "train":
+            return None
+        if self.cfg.dynamic_sampling and g.zero_variance:
+            return "zero_variance"
+        if self.filters:
+            group = Group.from_proto(tpb.Group.FromString(g.payload))
+            for spec, fn in self.filters:
+                try:
+                    keep = bool(fn(group))
+                except Exception as exc:  # a broken filter must not lose data or stop training
+                    m.FILTER_ERRORS_TOTAL.labels(spec).inc()
+                    log.warning("filter.failed", filter=spec, error=f"{type(exc).__name__}: {exc}")
+                    continue
+                if not keep:
+                    return f"filter:{spec}"
+        return None
+
+    async def GetBatch(
+        self, request: bpb.GetBatchRequest, context: grpc.aio.ServicerContext
+    ) -> bytes | bpb.GetBatchResponse:
+        kind = _kind(request.kind)
+        want = request.num_groups
+        if want <= 0:
+            raise _reject(
+                "GetBatch", "bad_request", InvalidArgument(f"num_groups must be > 0, got {want}")
+            )
+        consumer = request.consumer or "trainer"
+        wait = min(max(request.wait_seconds, 0.0), MAX_WAIT_SECONDS)
+        db = self.db
+
+        # 1. A batch handed out before and not acknowledged in time goes first, unchanged.
+        reclaimed = await db.reclaim(kind)
+        pending: list[StoredGroup] = []
+        if reclaimed is not None:
+            batch_id, state, groups = reclaimed
+            if state == "issued":
+                m.BATCHES_TOTAL.labels(kind, "redelivered").inc()
+                log.info("batch.redelivered", batch_id=batch_id, groups=len(groups))
+                head = bpb.GetBatchResponse(batch_id=batch_id, redelivered=True)
+                return encode_batch(head, [g.payload for g in groups])
+            # Taken by a replica that died before handing it out: assemble it anew.
+            pending = groups
+        else:
+            batch_id = f"{kind}-{uuid.uuid4().hex}"
+
+        # 2. New groups, oldest first, through the filters, until `want` are kept or time is up.
+        deadline = time.monotonic() + wait
+        hold_ms = int((wait + self.cfg.batch_ack_timeout_seconds) * 1000)
+        kept: list[StoredGroup] = []
+        dropped: Counter[str] = Counter()
+        last_id = "0-0"
+        while True:
+            if not pending:
+                last_id, pending = await db.take(
+                    kind, consumer, want - len(kept), batch_id, int(time.time() * 1000) + hold_ms
+                )
+            drops = []
+            for g in pending:
+                if len(kept) >= want:
+                    break  # left over from a recovered batch: finalize puts it back
+                reason = self._verdict(kind, g, request.max_staleness, request.current_version)
+                if reason is None:
+                    kept.append(g)
+                else:
+                    requeue = reason == "stale" and kind == "train" and self.cfg.requeue_stale
+                    drops.append(Drop(g, reason, requeue))
+                    dropped[reason] += 1
+            if drops:
+                await db.drop(kind, drops)
+                for d in drops:
+                    m.GROUPS_DROPPED_TOTAL.labels(kind, d.reason).inc()
+            got_any, pending = bool(pending), []
+            if len(kept) >= want:
+                break
+            if got_any:
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            await db.wait_for_groups(kind, last_id, remaining)
+
+        await db.finalize(kind, batch_id, [g.entry_id for g in kept])
+        if not kept:
+            exhausted = await db.exhausted(kind)
+            return bpb.GetBatchResponse(dropped=dict(dropped), exhausted=exhausted)
+        m.BATCHES_TOTAL.labels(kind, "new").inc()
+        m.GROUPS_DELIVERED_TOTAL.labels(kind).inc(len(kept))
+        for g in kept:
+            m.STALENESS.labels(kind).observe(max(0, request.current_version - g.version))
+        head = bpb.GetBatchResponse(batch_id=batch_id, dropped=dict(dropped))
+        return encode_batch(head, [g.payload for g in kept])
+
+    async def Ack(
+        self, request: bpb.AckRequest, context: grpc.aio.ServicerContext
+    ) -> bpb.AckResponse:
+        kind, _, rest = request.batch_id.partition("-")
+        if kind not in ("train", "eval", "sft") or not rest:
+            raise _reject(
+                "Ack", "unknown_batch", NotFound(f"batch {request.batch_id!r} is not a batch id")
+            )
+        res = await self.db.ack(kind, request.batch_id)
+        if res < 0:
+            raise _reject(
+                "Ack",
+                "unknown_batch",
+                NotFound(
+                    f"batch {request.batch_id!r} is unknown: never handed out, or acknowledged "
+                    f"more than acked_batch_ttl_seconds={self.cfg.acked_batch_ttl_seconds:g} ago"
+                ),
+            )
+        m.ACKS_TOTAL.labels(kind, "acked" if res == 1 else "already_acked").inc()
+        return bpb.AckResponse(already_acked=res == 0)
+
+    # -- job state ----------------------------------------------------------------------------
+
+    async def SetPolicyVersion(
+        self, request: bpb.SetPolicyVersionRequest, context: grpc.aio.ServicerContext
+    ) -> bpb.SetPolicyVersionResponse:
+        if request.version < 0:
+            raise _reject(
+                "SetPolicyVersion",
+                "bad_request",
+                InvalidArgument(f"version must be >= 0, got {request.version}"),
+            )
+        ok, version = await self.db.set_policy_version(request.version)
+        if not ok:
+            raise _reject(
+                "SetPolicyVersion",
+                "version_conflict",
+                FailedPrecondition(
+                    f"policy version {request.version} is lower than the job's current version "
+                    f"{version}; versions only go up"
+                ),
+            )
+        m.POLICY_VERSION.set(version)
+        return bpb.SetPolicyVersionResponse(version=version)
+
+    async def GetStats(
+        self, request: bpb.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> bpb.GetStatsResponse:
+        return stats_response(await self.db.stats(), await self.db.exhausted("train"))
+
+
+def _bytes_or_proto(response: bytes | bpb.GetBatchResponse) -> bytes:
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+def stats_response(stats: dict[str, Any], exhausted: bool) -> bpb.GetStatsResponse:
+    """GetStats' answer from `BufferStore.stats()`: TRAIN in the fields, the rest in counters."""
+    train = stats["kinds"]["train"]
+    counters = dict(stats["counters"])
+    for kind, values in stats["kinds"].items():
+        for key, value in values.items():
+            counters[f"{kind}:{key}"] = value
+    return bpb.GetStatsResponse(
+        job=stats["job"],
+        policy_version=stats["policy_version"],
+        epoch=stats["epoch"],
+        cursor=stats["cursor"],
+        prompts_total=train["prompts_total"],
+        prompts_leased=train["prompts_leased"],
+        groups_pending=train["groups_pending"],
+        batches_unacked=train["batches_unacked"],
+        counters=counters,
+        exhausted=exhausted,
+    )
+
+
+def create_service(config: JobConfig) -> BufferService:
+    """The entrypoint `kuberl serve buffer` calls."""
+    return BufferService(config)

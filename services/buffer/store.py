@@ -1,0 +1,641 @@
+"""The job's buffer state in Redis: key layout, and every operation the gRPC service performs.
+
+`BufferStore` is the only code that talks to Redis; `kuberl.buffer.server` validates requests and
+turns results into protos, this module makes them durable. Everything lives under the job's keys
+(`kuberl:{<job>}:...`), so any number of buffer replicas can serve one job; each state change that
+must be atomic is one Lua script (`kuberl.buffer.scripts`).
+
+Layout (`<kind>` is train, eval or sft; sft has no prompt stream of its own, its groups come from
+train prompts), each key prefixed by `kuberl:{<job>}:`:
+
+- `state` (hash): policy_version, seed, `<kind>:epochs` (epochs to queue), `<kind>:filled`
+  (last epoch queued), `<kind>:epoch` / `<kind>:cursor` (epoch being handed out, prompts of it
+  handed out so far), and the job's counters `c:<kind>:<name>`.
+- `datasets` (hash): dataset name -> JSON {path, kind, num_prompts, num_epochs}.
+- `prompt_data` (hash): prompt id (`<dataset>:<row>`) -> JSON {t: text, a: answer, m: metadata}.
+- `prompts:<kind>` (stream, consumer group `rollout`): one entry per prompt and epoch, queued one
+  epoch at a time in that epoch's seeded order; an entry stays pending while leased.
+- `leases:<kind>` (hash): `<prompt>@<epoch>` -> the entry that currently stands for it.
+- `groups:<kind>` (stream, consumer group `trainer`): one entry per accepted group.
+- `accepted:<kind>` (hash): `<prompt>@<epoch>` of every accepted group (the idempotency record).
+- `batch:<id>` (hash): state (assembling, issued, acked) and the entry ids of a batch.
+- `batches:<kind>` (sorted set): batch id -> deadline in ms, for re-delivery after the timeout.
+
+Requests that find Redis unreachable (a restart, a failover) are retried with backoff for up to
+`redis.connect_timeout_seconds`, then answered UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import BusyLoadingError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from kuberl.buffer import scripts
+from kuberl.buffer.datasets import PromptRow, epoch_order
+from kuberl.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from kuberl.common.logs import get_logger
+
+log = get_logger(__name__)
+
+KINDS = ("train", "eval", "sft")
+PROMPT_KINDS = ("train", "eval")
+# Stream index mixed into the shuffle seed, so train and eval orders differ for one seed.
+_SHUFFLE_STREAM = {"train": 0, "eval": 1}
+_TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ConnectionError, OSError)
+_ENTRY_ID = re.compile(r"^\d+-\d+$")
+DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def lease_kind(kind: str) -> str:
+    """The prompt stream whose leases groups of `kind` complete (sft groups come from train)."""
+    return "train" if kind == "sft" else kind
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Redis key names of one job."""
+
+    job: str
+
+    @property
+    def prefix(self) -> str:
+        return f"kuberl:{{{self.job}}}:"
+
+    @property
+    def state(self) -> str:
+        return self.prefix + "state"
+
+    @property
+    def datasets(self) -> str:
+        return self.prefix + "datasets"
+
+    @property
+    def prompt_data(self) -> str:
+        return self.prefix + "prompt_data"
+
+    def prompts(self, kind: str) -> str:
+        return f"{self.prefix}prompts:{lease_kind(kind)}"
+
+    def leases(self, kind: str) -> str:
+        return f"{self.prefix}leases:{lease_kind(kind)}"
+
+    def groups(self, kind: str) -> str:
+        return f"{self.prefix}groups:{kind}"
+
+    def accepted(self, kind: str) -> str:
+        return f"{self.prefix}accepted:{kind}"
+
+    def batch(self, batch_id: str) -> str:
+        return f"{self.prefix}batch:{batch_id}"
+
+    def batches(self, kind: str) -> str:
+        return f"{self.prefix}batches:{kind}"
+
+
+@dataclass(frozen=True)
+class LeasedPrompt:
+    lease_id: str
+    prompt_id: str
+    epoch: int
+    deliveries: int
+    payload: dict[str, str]
+
+
+@dataclass
+class LeaseResult:
+    prompts: list[LeasedPrompt] = field(default_factory=list)
+    policy_version: int = 0
+    exhausted: bool = False
+    busy: bool = False
+    inflight: int = 0
+
+
+@dataclass(frozen=True)
+class PutItem:
+    """One validated group ready to store."""
+
+    prompt_id: str
+    epoch: int
+    version: int
+    zero_variance: bool
+    payload: bytes  # b"" = empty SFT group: complete the lease, store nothing
+    lease_id: str = ""
+
+
+@dataclass(frozen=True)
+class StoredGroup:
+    """A group entry of a trajectory stream as read back for a batch."""
+
+    entry_id: str
+    prompt_id: str
+    epoch: int
+    version: int
+    zero_variance: bool
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Drop:
+    group: StoredGroup
+    reason: str
+    requeue: bool
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _groups_from(flat: Sequence[Any]) -> list[StoredGroup]:
+    return [
+        StoredGroup(
+            entry_id=_s(flat[i]),
+            prompt_id=_s(flat[i + 1]),
+            epoch=int(flat[i + 2]),
+            version=int(flat[i + 3]),
+            zero_variance=flat[i + 4] in (b"1", "1"),
+            payload=bytes(flat[i + 5]),
+        )
+        for i in range(0, len(flat), 6)
+    ]
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class BufferStore:
+    """One job's buffer state in Redis. All methods are safe to call from several replicas."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        job: str,
+        *,
+        lease_timeout_seconds: float,
+        max_inflight_groups: int,
+        batch_ack_timeout_seconds: float,
+        requeue_stale: bool,
+        acked_batch_ttl_seconds: float,
+        retry_seconds: float = 30.0,
+        default_epochs: int = 1,
+    ) -> None:
+        self.r = client
+        self.keys = Keys(job)
+        self.job = job
+        self.lease_timeout_ms = max(1, int(lease_timeout_seconds * 1000))
+        self.max_inflight_groups = max_inflight_groups
+        self.batch_ack_timeout_ms = max(1, int(batch_ack_timeout_seconds * 1000))
+        self.requeue_stale = requeue_stale
+        self.acked_batch_ttl_ms = max(1, int(acked_batch_ttl_seconds * 1000))
+        self.retry_seconds = retry_seconds
+        self.default_epochs = default_epochs
+        self._scripts = {
+            name: client.register_script(getattr(scripts, name))
+            for name in (
+                "LEASE",
+                "FILL",
+                "PUT",
+                "RELEASE",
+                "TAKE",
+                "DROP",
+                "FINALIZE",
+                "RECLAIM",
+                "FETCH",
+                "ACK",
+                "SET_VERSION",
+                "RAISE_EPOCHS",
+            )
+        }
+
+    @classmethod
+    def connect(cls, url: str, password: str | None = None, **kw: Any) -> BufferStore:
+        """A store on a new client for url (no I/O yet; see `wait_ready`)."""
+        client = aioredis.Redis.from_url(
+            url,
+            password=password or None,
+            retry=Retry(NoBackoff(), 0),  # `_retry` below is deadline-based instead
+            socket_connect_timeout=5,
+            health_check_interval=10,
+        )
+        return cls(client, **kw)
+
+    async def close(self) -> None:
+        await self.r.aclose()
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    async def _retry(self, op: Callable[[], Awaitable[Any] | Any], what: str) -> Any:
+        """Run op, retrying while Redis is unreachable or loading, up to retry_seconds."""
+        deadline = time.monotonic() + self.retry_seconds
+        delay = 0.05
+        regrouped = False
+        while True:
+            try:
+                return await op()
+            except _TRANSIENT as exc:
+                if time.monotonic() + delay > deadline:
+                    raise Unavailable(
+                        f"Redis unreachable for {self.retry_seconds:.0f}s during {what}: {exc}"
+                    ) from exc
+                log.warning("redis.retry", op=what, error=str(exc), delay=round(delay, 3))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            except ResponseError as exc:
+                # A Redis that lost its data (no AOF) has no consumer groups; recreate them once.
+                if "NOGROUP" in str(exc) and not regrouped:
+                    regrouped = True
+                    log.warning("redis.nogroup", op=what)
+                    await self.ensure_groups()
+                    continue
+                raise
+
+    async def _script(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        script = self._scripts[name]
+        return await self._retry(lambda: script(keys=list(keys), args=list(args)), name.lower())
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Block until Redis answers PING (it may start after us), else raise Unavailable."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                await self.r.ping()
+                return
+            except _TRANSIENT as exc:
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"Redis not reachable after {timeout:.0f}s: {exc}") from exc
+                await asyncio.sleep(0.2)
+
+    async def ensure_groups(self) -> None:
+        """Create the streams and consumer groups of the job if missing (idempotent)."""
+        pairs = [(self.keys.prompts(k), "rollout") for k in PROMPT_KINDS]
+        pairs += [(self.keys.groups(k), "trainer") for k in KINDS]
+        for stream, group in pairs:
+            try:
+                await self.r.xgroup_create(stream, group, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    # -- datasets and epochs ------------------------------------------------------------------
+
+    async def load_dataset(
+        self,
+        name: str,
+        path: str,
+        kind: str,
+        rows: Sequence[PromptRow],
+        num_epochs: int,
+        seed: int,
+    ) -> tuple[int, bool]:
+        """Store a dataset's prompts once per name; (number of prompts, loaded now)."""
+        if kind not in PROMPT_KINDS:
+            raise InvalidArgument(f"datasets are loaded as TRAIN or EVAL prompts, not {kind}")
+        existing = await self._retry(lambda: self.r.hget(self.keys.datasets, name), "load")
+        if existing is not None:
+            info = json.loads(existing)
+            if info["kind"] != kind:
+                raise FailedPrecondition(
+                    f"dataset {name!r} is already loaded as {info['kind']} prompts, not {kind}"
+                )
+            await self._raise_epochs(kind, num_epochs)
+            return int(info["num_prompts"]), False
+        record = json.dumps(
+            {"path": path, "kind": kind, "num_prompts": len(rows), "num_epochs": num_epochs}
+        )
+
+        async def write() -> Any:
+            pipe = self.r.pipeline(transaction=True)
+            chunk = 2000
+            for start in range(0, len(rows), chunk):
+                pipe.hset(
+                    self.keys.prompt_data,
+                    mapping={
+                        f"{name}:{start + i}": row.payload()
+                        for i, row in enumerate(rows[start : start + chunk])
+                    },
+                )
+            pipe.hsetnx(self.keys.state, "seed", str(seed))
+            pipe.hsetnx(self.keys.datasets, name, record)
+            return await pipe.execute()
+
+        # Payloads are a pure function of the file, so two replicas writing them is harmless;
+        # HSETNX on the dataset record decides which load counts.
+        result = await self._retry(write, "load")
+        loaded = bool(result[-1])
+        await self._raise_epochs(kind, num_epochs)
+        log.info("dataset.loaded", name=name, kind=kind, prompts=len(rows), new=loaded)
+        return len(rows), loaded
+
+    async def _raise_epochs(self, kind: str, epochs: int) -> tuple[int, int]:
+        prev, new = await self._script("RAISE_EPOCHS", [self.keys.state], [kind, epochs])
+        return int(prev), int(new)
+
+    async def _datasets(self) -> dict[str, dict[str, Any]]:
+        raw = await self._retry(lambda: self.r.hgetall(self.keys.datasets), "datasets")
+        return {_s(k): json.loads(v) for k, v in raw.items()}
+
+    async def _prompt_ids(self, kind: str, epoch: int) -> list[str]:
+        ids: list[str] = []
+        for name, info in sorted((await self._datasets()).items()):
+            if info["kind"] != kind:
+                continue
+            # Eval rounds are queued on request (StartEval), every eval dataset in each.
+            if kind == "train" and epoch >= int(info["num_epochs"]):
+                continue
+            ids += [f"{name}:{i}" for i in range(int(info["num_prompts"]))]
+        return ids
+
+    async def fill_next(self, kind: str) -> int:
+        """Queue the next epoch of a prompt stream if one is due; return prompts queued."""
+        state = await self._retry(
+            lambda: self.r.hmget(self.keys.state, [f"{kind}:filled", f"{kind}:epochs", "seed"]),
+            "fill",
+        )
+        filled = int(state[0]) if state[0] is not None else -1
+        epochs = int(state[1] or 0)
+        if filled >= epochs - 1:
+            return 0
+        epoch = filled + 1
+        order = epoch_order(
+            await self._prompt_ids(kind, epoch), int(state[2] or 0), epoch, _SHUFFLE_STREAM[kind]
+        )
+        n = await self._script(
+            "FILL",
+            [self.keys.prompts(kind), self.keys.state, self.keys.leases(kind)],
+            [kind, epoch, *order],
+        )
+        if int(n) >= 0:
+            log.info("epoch.queued", kind=kind, epoch=epoch, prompts=int(n))
+        return max(0, int(n))
+
+    async def start_eval(self, round_: int) -> tuple[int, bool, int]:
+        """Make sure eval rounds 0..round are queued; (rounds, started now, prompts per round)."""
+        prev, new = await self._raise_epochs("eval", round_ + 1)
+        num = len(await self._prompt_ids("eval", round_))
+        return new, new > prev, num
+
+    # -- prompts ------------------------------------------------------------------------------
+
+    async def lease(self, kind: str, n: int, consumer: str) -> LeaseResult:
+        """Up to n prompts for consumer: expired leases first, then new ones (see LEASE)."""
+        limit = self.max_inflight_groups if kind == "train" else -1
+        requeue = "1" if kind == "train" and self.requeue_stale else "0"
+        keys = [
+            self.keys.prompts(kind),
+            self.keys.state,
+            self.keys.prompt_data,
+            self.keys.accepted(kind),
+            self.keys.leases(kind),
+            self.keys.groups("train"),
+            self.keys.groups("sft"),
+        ]
+        result = LeaseResult()
+        for _ in range(8):
+            want = n - len(result.prompts)
+            res = await self._script(
+                "LEASE", keys, [want, consumer, self.lease_timeout_ms, limit, kind, requeue]
+            )
+            if res[0] == b"busy":
+                if not result.prompts:
+                    result.busy, result.inflight = True, int(res[1])
+                break
+            result.exhausted = bool(res[1])
+            need_fill = bool(res[2])
+            result.policy_version = int(res[3])
+            for i in range(4, len(res), 5):
+                payload = json.loads(res[i + 4]) if res[i + 4] else {}
+                result.prompts.append(
+                    LeasedPrompt(
+                        lease_id=_s(res[i]),
+                        prompt_id=_s(res[i + 1]),
+                        epoch=int(res[i + 2]),
+                        deliveries=int(res[i + 3]),
+                        payload=payload,
+                    )
+                )
+            if not need_fill or len(result.prompts) >= n:
+                break
+            await self.fill_next(kind)
+        if result.prompts:
+            result.exhausted = False
+        return result
+
+    async def release(self, kind: str, consumer: str, lease_ids: Sequence[str]) -> int:
+        """Hand consumer's leases back so the next LeasePrompts re-delivers them at once."""
+        ids = [i for i in lease_ids if _ENTRY_ID.match(i)]
+        if not ids:
+            return 0
+        idle = self.lease_timeout_ms + 86_400_000
+        n = await self._script(
+            "RELEASE", [self.keys.prompts(kind), self.keys.state], [consumer, idle, kind, *ids]
+        )
+        return int(n)
+
+    # -- groups -------------------------------------------------------------------------------
+
+    async def put(self, kind: str, items: Sequence[PutItem]) -> list[bool]:
+        """Store groups atomically; per group True = accepted, False = duplicate.
+
+        InvalidArgument (nothing stored) when a group names an unknown prompt, an epoch that was
+        never queued, or a lease that belongs to another prompt."""
+        for item in items:
+            if item.lease_id and not _ENTRY_ID.match(item.lease_id):
+                raise InvalidArgument(f"lease_id {item.lease_id!r} is not a lease handle")
+        args: list[Any] = [kind, lease_kind(kind), len(items)]
+        for it in items:
+            args += [
+                it.prompt_id,
+                it.epoch,
+                it.version,
+                "1" if it.zero_variance else "0",
+                it.payload,
+                it.lease_id,
+            ]
+        keys = [
+            self.keys.groups(kind),
+            self.keys.accepted(kind),
+            self.keys.prompts(kind),
+            self.keys.leases(kind),
+            self.keys.state,
+            self.keys.prompt_data,
+        ]
+        res = await self._script("PUT", keys, args)
+        status = _s(res[0])
+        if status == "unknown_prompt":
+            i = int(res[1])
+            raise InvalidArgument(
+                f"groups[{i}]: prompt {items[i].prompt_id!r} is not a prompt of job {self.job!r}"
+            )
+        if status == "bad_epoch":
+            i = int(res[1])
+            raise InvalidArgument(
+                f"groups[{i}]: epoch {items[i].epoch} of prompt {items[i].prompt_id!r} was never "
+                f"handed out (epochs queued: 0..{int(res[2])})"
+            )
+        if status == "foreign_lease":
+            i = int(res[1])
+            raise InvalidArgument(
+                f"groups[{i}]: lease {items[i].lease_id} is for prompt {_s(res[2])!r} epoch "
+                f"{_s(res[3])}, not {items[i].prompt_id!r} epoch {items[i].epoch}"
+            )
+        return [int(x) == 1 for x in res[1:]]
+
+    async def take(
+        self, kind: str, consumer: str, count: int, batch_id: str, deadline_ms: int
+    ) -> tuple[str, list[StoredGroup]]:
+        """Read up to count new groups into an assembling batch; (last stream id, groups)."""
+        res = await self._script(
+            "TAKE",
+            [self.keys.groups(kind), self.keys.batch(batch_id), self.keys.batches(kind)],
+            [consumer, count, batch_id, deadline_ms, kind],
+        )
+        return _s(res[0]), _groups_from(res[1:])
+
+    async def wait_for_groups(self, kind: str, after_id: str, timeout: float) -> None:
+        """Block until a group newer than after_id arrives or timeout passes."""
+        ms = int(timeout * 1000)
+        if ms <= 0:
+            return
+        try:
+            await self.r.xread({self.keys.groups(kind): after_id}, count=1, block=ms)
+        except _TRANSIENT:
+            await asyncio.sleep(min(timeout, 0.2))
+
+    async def drop(self, kind: str, drops: Sequence[Drop]) -> None:
+        args: list[Any] = [kind, len(drops)]
+        for d in drops:
+            g = d.group
+            args += [g.entry_id, g.prompt_id, g.epoch, d.reason, "1" if d.requeue else "0"]
+        keys = [
+            self.keys.groups(kind),
+            self.keys.accepted(kind),
+            self.keys.prompts("train"),
+            self.keys.leases("train"),
+            self.keys.state,
+        ]
+        await self._script("DROP", keys, args)
+
+    async def finalize(self, kind: str, batch_id: str, kept: Sequence[str]) -> int:
+        keys = [
+            self.keys.batch(batch_id),
+            self.keys.batches(kind),
+            self.keys.groups(kind),
+            self.keys.state,
+        ]
+        now = now_ms()
+        args = [batch_id, now + self.batch_ack_timeout_ms, kind, now, *kept]
+        return int(await self._script("FINALIZE", keys, args))
+
+    async def reclaim(self, kind: str) -> tuple[str, str, list[StoredGroup]] | None:
+        """A batch past its ack deadline, claimed for re-delivery: (id, state, groups)."""
+        now = now_ms()
+        while True:
+            batch_id = await self._script(
+                "RECLAIM", [self.keys.batches(kind)], [now, now + self.batch_ack_timeout_ms]
+            )
+            if not batch_id:
+                return None
+            bid = _s(batch_id)
+            keys = [
+                self.keys.batch(bid),
+                self.keys.batches(kind),
+                self.keys.groups(kind),
+                self.keys.state,
+            ]
+            res = await self._script("FETCH", keys, [bid, kind])
+            state = _s(res[0])
+            if state != "gone":
+                return bid, state, _groups_from(res[1:])
+
+    async def ack(self, kind: str, batch_id: str) -> int:
+        """1 acknowledged now, 0 acknowledged before, -1 unknown batch."""
+        keys = [
+            self.keys.batch(batch_id),
+            self.keys.groups(kind),
+            self.keys.batches(kind),
+            self.keys.state,
+        ]
+        return int(await self._script("ACK", keys, [batch_id, kind, self.acked_batch_ttl_ms]))
+
+    # -- job state ----------------------------------------------------------------------------
+
+    async def set_policy_version(self, version: int) -> tuple[bool, int]:
+        ok, v = await self._script("SET_VERSION", [self.keys.state], [version])
+        return bool(ok), int(v)
+
+    async def exhausted(self, kind: str) -> bool:
+        """No group of kind is left and none can come: see GetBatchResponse.exhausted."""
+        src = lease_kind(kind)
+
+        async def read() -> list[Any]:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.hmget(self.keys.state, [f"{src}:filled", f"{src}:epochs"])
+            pipe.xinfo_stream(self.keys.prompts(src))
+            pipe.xinfo_groups(self.keys.prompts(src))
+            pipe.xlen(self.keys.groups(kind))
+            return list(await pipe.execute())
+
+        (filled, epochs), info, groups, pending_groups = await self._retry(read, "exhausted")
+        if (int(filled) if filled is not None else -1) < int(epochs or 0) - 1:
+            return False
+        rollout = next(g for g in groups if _s(g["name"]) == "rollout")
+        return (
+            _s(rollout["last-delivered-id"]) == _s(info["last-generated-id"])
+            and int(rollout["pending"]) == 0
+            and int(pending_groups) == 0
+        )
+
+    async def stats(self) -> dict[str, Any]:
+        """Job state and counters (one snapshot per structure; not one atomic snapshot)."""
+
+        async def read() -> list[Any]:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.hgetall(self.keys.state)
+            for k in PROMPT_KINDS:
+                pipe.xpending(self.keys.prompts(k), "rollout")
+            for k in KINDS:
+                pipe.xlen(self.keys.groups(k))
+                pipe.xpending(self.keys.groups(k), "trainer")
+                pipe.zcard(self.keys.batches(k))
+            return list(await pipe.execute())
+
+        res = await self._retry(read, "stats")
+        state = {_s(k): _s(v) for k, v in res[0].items()}
+        datasets = await self._datasets()
+        out: dict[str, Any] = {
+            "job": self.job,
+            "policy_version": int(state.get("policy_version", 0)),
+            "epoch": int(state.get("train:epoch", 0)),
+            "cursor": int(state.get("train:cursor", 0)),
+            "counters": {k[2:]: int(v) for k, v in state.items() if k.startswith("c:")},
+            "kinds": {},
+        }
+        i = 1
+        for k in PROMPT_KINDS:
+            out["kinds"].setdefault(k, {})["prompts_leased"] = int(res[i]["pending"])
+            out["kinds"][k]["prompts_total"] = sum(
+                int(d["num_prompts"]) for d in datasets.values() if d["kind"] == k
+            )
+            out["kinds"][k]["epochs"] = int(state.get(f"{k}:epochs", 0))
+            out["kinds"][k]["epochs_queued"] = int(state.get(f"{k}:filled", -1)) + 1
+            i += 1
+        for k in KINDS:
+            total, in_batches, batches = int(res[i]), int(res[i + 1]["pending"]), int(res[i + 2])
+            entry = out["kinds"].setdefault(k, {})
+            entry["groups_pending"] = total - in_batches
+            entry["groups_in_batches"] = in_batches
+            entry["batches_unacked"] = batches
+            i += 3
+        return out
