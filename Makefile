@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
 	$(PY) -m pip install --quiet torch==2.13.0
 	DS_BUILD_OPS=0 $(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	$(PY) -m pip install --quiet --no-deps sglang==0.5.23 msgspec==0.22.0
 	@touch $(STAMP)
 
 setup: $(STAMP)

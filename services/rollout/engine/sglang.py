@@ -1,0 +1,511 @@
+"""The `sglang` engine: a client of an SGLang server's native HTTP API, pinned to sglang 0.5.23.
+
+The server runs beside the rollout replica (the SGLang container of the rollout pod, or
+`python -m sglang.launch_server` started here when `launch` is set). Every call is one HTTP
+request to a route of `sglang/srt/entrypoints/http_server.py`, with a body whose fields are those
+of the matching request class in `sglang/srt/managers/io_struct.py` of 0.5.23;
+`tests/contract/test_sglang_contract.py` checks both against the installed package.
+
+- generation: `POST /generate` with `input_ids`, `sampling_params` (n samples per prompt) and
+  `return_logprob`; one request per prompt, so SGLang's continuous batching schedules them and a
+  group returns as soon as its samples are done. Response token ids come from `output_ids`,
+  logprobs from `meta_info.output_token_logprobs`, versions from `meta_info.weight_versions`.
+- control: `/pause_generation` (mode `abort` or `in_place`), `/continue_generation`,
+  `/abort_request`, `/flush_cache`, `/health_generate`.
+- weights: `/update_weights_from_disk` (a safetensors folder the server can read);
+  `/init_weights_update_group` + `/update_weights_from_distributed` (NCCL broadcast from the
+  trainer, one call per bucket) + `/destroy_weights_update_group`; `/update_weights_from_tensor`
+  (CUDA IPC payloads made by the trainer with SGLang's serializer, passed through as base64).
+  In 0.5.23 the distributed and tensor updates must run inside a session opened by
+  `/begin_weight_update` and closed by `/end_weight_update`, and a cache flush fails while
+  requests are running, so every update here is: pause, begin, load, end, continue.
+
+Errors: connection failures, 5xx and 429 are retried `max_retries` times with exponential
+backoff and then raise `EngineUnavailable`; a deadline raises `EngineTimeout` (a timed-out
+generation is aborted on the server first); any other 4xx raises `EngineRejected` with the
+server's message. Nothing in this module has run against a live SGLang server (none can run
+where kuberl is developed); its behaviour is tested against `tests/integration/sglang_standin.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kuberl.common.config import SGLangEngineConfig
+from kuberl.common.logs import get_logger
+from kuberl.rollout.engine.base import (
+    Completion,
+    Engine,
+    EngineError,
+    EngineRejected,
+    EngineStatus,
+    EngineTimeout,
+    EngineUnavailable,
+    FinishReason,
+    PauseMode,
+    SamplingParams,
+)
+
+log = get_logger(__name__)
+
+SGLANG_VERSION = "0.5.23"
+# SGLang's "no top-k" (TOP_K_ALL in sglang/srt/sampling/sampling_params.py).
+TOP_K_ALL = 1 << 30
+_RETRY_STATUS = {429, 500, 502, 503, 504}
+
+
+def sampling_params_body(params: SamplingParams) -> dict[str, Any]:
+    """SGLang's `sampling_params` for our SamplingParams (no_stop_trim keeps stop text in
+    `text`; `output_ids` always hold every generated token)."""
+    body: dict[str, Any] = {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else TOP_K_ALL,
+        "max_new_tokens": params.max_new_tokens,
+        "n": params.n,
+        "ignore_eos": params.ignore_eos,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    if params.stop:
+        body["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        body["stop_token_ids"] = list(params.stop_token_ids)
+    return body
+
+
+def generate_body(prompt: Sequence[int], params: SamplingParams, rid: str) -> dict[str, Any]:
+    """The JSON body of one `POST /generate` (one prompt, `n` samples)."""
+    return {
+        "rid": rid,
+        "input_ids": list(prompt),
+        "sampling_params": sampling_params_body(params),
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "stream": False,
+    }
+
+
+def launch_command(config: SGLangEngineConfig, model_path: str, host: str, port: int) -> list[str]:
+    """`python -m sglang.launch_server ...` for a server this replica starts itself."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(config.tp_size),
+        "--mem-fraction-static",
+        str(config.mem_fraction_static),
+    ]
+    return cmd + list(config.launch_args)
+
+
+def parse_generate_response(item: dict[str, Any], fallback_version: int) -> Completion:
+    """One element of a /generate answer as a Completion; EngineError if it is malformed."""
+    try:
+        meta = item["meta_info"]
+        token_ids = [int(t) for t in item.get("output_ids") or []]
+        entries = meta.get("output_token_logprobs") or []
+        logprobs = [float(e[0]) if e[0] is not None else float("nan") for e in entries]
+        finish = meta.get("finish_reason") or {}
+    except (KeyError, TypeError, IndexError, ValueError) as exc:
+        raise EngineError(f"malformed /generate response: {type(exc).__name__}: {exc}") from None
+    kind = finish.get("type") if isinstance(finish, dict) else None
+    if len(logprobs) != len(token_ids):
+        if kind != "abort":
+            raise EngineError(
+                f"/generate response {meta.get('id')!r}: {len(token_ids)} output_ids but "
+                f"{len(logprobs)} output_token_logprobs (was return_logprob honoured?)"
+            )
+        # An aborted request may come back before its logprobs; it is discarded anyway.
+        keep = min(len(token_ids), len(logprobs))
+        token_ids, logprobs = token_ids[:keep], logprobs[:keep]
+    reason: FinishReason = "abort" if kind == "abort" else "length" if kind == "length" else "stop"
+    if kind not in ("stop", "length", "abort"):
+        log.warning("sglang.unknown_finish_reason", finish=finish)
+        reason = "abort"
+    spans = meta.get("weight_versions") or []
+    parsed = [_version(s.get("version")) for s in spans if isinstance(s, dict)]
+    versions = [v for v in parsed if v is not None]
+    current = _version(meta.get("weight_version"))
+    if not versions:
+        versions = [current if current is not None else fallback_version]
+    start, end = versions[0], versions[-1]
+    return Completion(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        finish_reason=reason,
+        version_start=start,
+        version_end=end,
+        matched_stop=finish.get("matched") if isinstance(finish, dict) else None,
+        rid=str(meta.get("id", "")),
+    )
+
+
+def _version(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text.strip()[:500] or response.reason_phrase
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict):
+            return str(error.get("message", error))
+        if error is not None:
+            return str(error)
+        for key in ("message", "detail"):
+            if key in data:
+                return str(data[key])
+    return str(data)[:500]
+
+
+class SGLangEngine(Engine):
+    """Drives one SGLang server over HTTP."""
+
+    kind = "sglang"
+
+    def __init__(
+        self,
+        config: SGLangEngineConfig,
+        *,
+        model_path: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        version: int = 0,
+    ) -> None:
+        self.config = config
+        self.url = config.url.rstrip("/")
+        self.model_path = model_path
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._version = version
+        self._paused = False
+        self._running: dict[str, int] = {}  # rid -> samples
+        self._ids = itertools.count()
+        self._session = uuid.uuid4().hex[:8]
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # -- HTTP ------------------------------------------------------------------------------------
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            headers = {}
+            if self.config.api_key_env and os.environ.get(self.config.api_key_env):
+                headers["Authorization"] = f"Bearer {os.environ[self.config.api_key_env]}"
+            self._client = httpx.AsyncClient(
+                base_url=self.url,
+                headers=headers,
+                transport=self._transport,
+                timeout=httpx.Timeout(
+                    self.config.request_timeout_seconds,
+                    connect=self.config.connect_timeout_seconds,
+                ),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            )
+        return self._client
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+        retry: bool = True,
+    ) -> Any:
+        """One API call with retries; returns the decoded JSON (or text) of a 2xx answer."""
+        attempts = 1 + (self.config.max_retries if retry else 0)
+        what = f"{method} {self.url}{path}"
+        last = ""
+        for attempt in range(attempts):
+            if attempt:
+                delay = self.config.retry_backoff_seconds * 2 ** (attempt - 1)
+                log.warning("sglang.retry", call=what, attempt=attempt, reason=last, delay=delay)
+                await asyncio.sleep(delay)
+            try:
+                response = await self._http().request(
+                    method,
+                    path,
+                    json=body,
+                    timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+                )
+            except httpx.TimeoutException as exc:
+                raise EngineTimeout(f"{what}: no answer in time ({type(exc).__name__})") from None
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+                continue
+            if response.status_code in _RETRY_STATUS:
+                last = f"HTTP {response.status_code}: {_message(response)}"
+                continue
+            if response.status_code >= 400:
+                raise EngineRejected(
+                    f"{what} refused with HTTP {response.status_code}: {_message(response)}"
+                )
+            if not response.content:
+                return None
+            try:
+                return response.json()
+            except ValueError:
+                return response.text
+        raise EngineUnavailable(f"{what} failed after {attempts} attempt(s): {last}")
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Launch the server when configured to, then wait until it generates."""
+        if self.config.launch and self._process is None:
+            if not self.model_path:
+                raise EngineError("sglang.launch needs the model path")
+            url = httpx.URL(self.url)
+            cmd = launch_command(self.config, self.model_path, url.host, url.port or 30000)
+            log.info("sglang.launch", command=" ".join(cmd))
+            self._process = subprocess.Popen(cmd)
+        deadline = time.monotonic() + self.config.startup_timeout_seconds
+        while not await self.health():
+            if self._process is not None and self._process.poll() is not None:
+                raise EngineUnavailable(
+                    f"sglang.launch_server exited with {self._process.returncode}"
+                )
+            if time.monotonic() > deadline:
+                raise EngineUnavailable(
+                    f"SGLang at {self.url} not healthy after "
+                    f"{self.config.startup_timeout_seconds:.0f}s"
+                )
+            await asyncio.sleep(1.0)
+        log.info("sglang.ready", url=self.url, version=self._version)
+
+    async def close(self) -> None:
+        if self._running:
+            try:
+                await self.abort_all()
+            except EngineError as exc:
+                log.warning("sglang.abort_on_close_failed", error=str(exc))
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+        if self._process is not None:
+            self._process.terminate()
+            try:
+                await asyncio.to_thread(self._process.wait, 60)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+            self._process = None
+
+    async def health(self) -> bool:
+        try:
+            await self.call("GET", "/health_generate", timeout=30.0, retry=False)
+        except EngineError:
+            return False
+        return True
+
+    async def status(self) -> EngineStatus:
+        return EngineStatus(
+            self.kind,
+            self._version,
+            self._paused,
+            running_requests=len(self._running),
+            queued_requests=0,
+            extra={"url": self.url},
+        )
+
+    # -- generation ------------------------------------------------------------------------------
+
+    async def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
+        return list(await asyncio.gather(*(self._generate_one(p, params) for p in prompts)))
+
+    async def _generate_one(
+        self, prompt: Sequence[int], params: SamplingParams
+    ) -> list[Completion]:
+        if not prompt:
+            raise EngineRejected("prompt is empty")
+        rid = f"kuberl-{self._session}-{next(self._ids)}"
+        submitted_version = self._version
+        self._running[rid] = params.n
+        try:
+            answer = await self.call("POST", "/generate", generate_body(prompt, params, rid))
+        except EngineTimeout:
+            await self._abort_quietly(rid)
+            raise
+        finally:
+            self._running.pop(rid, None)
+        items = answer if isinstance(answer, list) else [answer]
+        if len(items) != params.n or not all(isinstance(i, dict) for i in items):
+            raise EngineError(
+                f"/generate {rid}: expected {params.n} sample(s), got {len(items)} item(s)"
+            )
+        return [parse_generate_response(item, submitted_version) for item in items]
+
+    async def _abort_quietly(self, rid: str) -> None:
+        try:
+            await self.call("POST", "/abort_request", {"rid": rid}, timeout=10.0, retry=False)
+        except EngineError as exc:
+            log.warning("sglang.abort_failed", rid=rid, error=str(exc))
+
+    # -- pause / abort ---------------------------------------------------------------------------
+
+    async def pause(self, mode: PauseMode = "in_place") -> int:
+        if mode not in ("abort", "in_place"):
+            raise ValueError(f"pause mode must be 'abort' or 'in_place', got {mode!r}")
+        running = len(self._running)
+        await self.call("POST", "/pause_generation", {"mode": mode})
+        self._paused = True
+        return running if mode == "abort" else 0
+
+    async def resume(self) -> None:
+        await self.call("POST", "/continue_generation", {})
+        self._paused = False
+
+    async def abort_all(self) -> int:
+        running = len(self._running)
+        await self.call("POST", "/abort_request", {"abort_all": True})
+        return running
+
+    async def flush_cache(self) -> None:
+        await self.call("POST", "/flush_cache")
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    async def update_weights_from_disk(self, path: str, version: int) -> None:
+        await self.call(
+            "POST",
+            "/update_weights_from_disk",
+            {"model_path": path, "weight_version": str(version), "flush_cache": True},
+        )
+        self._version = version
+
+    async def begin_weight_update(self) -> None:
+        await self.call("POST", "/begin_weight_update", {})
+
+    async def end_weight_update(self) -> None:
+        await self.call("POST", "/end_weight_update", {})
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
+        await self.call(
+            "POST",
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+        )
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self.call("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        version: int,
+        group_name: str = "weight_update_group",
+        *,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+    ) -> None:
+        body: dict[str, Any] = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "weight_version": str(version),
+        }
+        if load_format:
+            body["load_format"] = load_format
+        await self.call("POST", "/update_weights_from_distributed", body, retry=False)
+
+    async def update_weights_from_tensor(
+        self, serialized_named_tensors: Sequence[str], version: int, load_format: str | None = None
+    ) -> None:
+        body: dict[str, Any] = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "flush_cache": True,
+            "weight_version": str(version),
+        }
+        if load_format:
+            body["load_format"] = load_format
+        await self.begin_weight_update()
+        try:
+            await self.call("POST", "/update_weights_from_tensor", body, retry=False)
+        finally:
+            await self.end_weight_update()
+        self._version = version
+
+    async def apply_broadcast(self, instruction: Any) -> None:
+        """Receive one version broadcast by the trainer (a weight-sync UpdateInstruction with an
+        NCCL group): begin, join the group, one update call per bucket while the trainer
+        broadcasts it, leave the group, end. The caller pauses generation around it."""
+        from kuberl.common.weights import sglang as bodies
+
+        group = bodies.init_group_request(instruction)
+        await self.begin_weight_update()
+        try:
+            await self.call("POST", "/init_weights_update_group", group, retry=False)
+            try:
+                for body in bodies.update_requests(instruction):
+                    await self.call("POST", "/update_weights_from_distributed", body, retry=False)
+            finally:
+                await self.call(
+                    "POST",
+                    "/destroy_weights_update_group",
+                    bodies.destroy_group_request(instruction),
+                )
+        finally:
+            await self.end_weight_update()
+        self._version = int(instruction.version)
+
+    async def apply_snapshot(self, tensors_file: Path, version: int, snapshot_dir: Path) -> None:
+        """Load a downloaded safetensors snapshot through a folder the server can read (a volume
+        shared by the two containers); config files are copied from the model folder."""
+        target = snapshot_dir / f"v{version}"
+        target.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(tensors_file), target / "model.safetensors")
+        if self.model_path:
+            for name in ("config.json", "generation_config.json"):
+                src = Path(self.model_path) / name
+                if src.exists():
+                    shutil.copy(src, target / name)
+        await self.update_weights_from_disk(str(target), version)

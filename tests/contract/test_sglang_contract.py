@@ -1,0 +1,369 @@
+"""Every HTTP request the `sglang` engine sends, checked against SGLang 0.5.23's own source.
+
+SGLang cannot run here and its request classes cannot be imported without its dependencies
+(its config package imports torchvision), so this test reads the pinned package's source
+(`pip install --no-deps sglang==0.5.23`) with `ast`: the routes and HTTP methods of
+`srt/entrypoints/http_server.py`, the request class each route binds, that class's fields in
+`srt/managers/io_struct.py` (which are required, which have defaults), and the launch_server
+flags of `srt/arg_groups/fields/`. The client is driven through every method, each request it
+sends is captured, and its route, method and body are checked against those. Where `msgspec` is
+installed, the generated JSON contract of SGLang's HTTP API (`sglang/api/v1/api_types.py`, plain
+Python with no other dependency) also decodes every /generate body — it rejects unknown sampling
+parameters — and the stand-in server's /generate answers. Without the package every test skips.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import importlib.metadata
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kuberl.common.config import SGLangEngineConfig
+from kuberl.rollout.engine.base import SamplingParams
+from kuberl.rollout.engine.sglang import SGLANG_VERSION, SGLangEngine, launch_command
+
+_spec = importlib.util.find_spec("sglang")
+SGLANG = (
+    Path(_spec.submodule_search_locations[0])
+    if _spec and _spec.submodule_search_locations
+    else None
+)
+pytestmark = pytest.mark.skipif(
+    SGLANG is None,
+    reason=f"sglang is not installed; run `.venv/bin/pip install --no-deps "
+    f"sglang=={SGLANG_VERSION}` to check the client against its source",
+)
+
+
+# -- what SGLang's source declares ------------------------------------------------------------
+
+
+def _routes() -> dict[str, tuple[set[str], str | None]]:
+    """path -> (HTTP methods, name of the request class the handler binds as `obj`)."""
+    tree = ast.parse((SGLANG / "srt/entrypoints/http_server.py").read_text())
+    routes: dict[str, tuple[set[str], str | None]] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        cls = None
+        for arg in node.args.args:
+            if arg.arg == "obj" and arg.annotation is not None:
+                ann = arg.annotation
+                if isinstance(ann, ast.Subscript):  # Annotated[Cls, Body()]
+                    ann = ann.slice.elts[0] if isinstance(ann.slice, ast.Tuple) else ann.slice
+                cls = ann.id if isinstance(ann, ast.Name) else None
+        for dec in node.decorator_list:
+            if not (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute)):
+                continue
+            if not (isinstance(dec.func.value, ast.Name) and dec.func.value.id == "app"):
+                continue
+            if not dec.args or not isinstance(dec.args[0], ast.Constant):
+                continue
+            path = dec.args[0].value
+            if dec.func.attr in ("get", "post", "put", "delete"):
+                methods = {dec.func.attr.upper()}
+            elif dec.func.attr == "api_route":
+                kw = {k.arg: k.value for k in dec.keywords}
+                methods = {e.value for e in kw["methods"].elts} if "methods" in kw else {"GET"}
+            else:
+                continue
+            old = routes.get(path, (set(), None))
+            routes[path] = (old[0] | methods, cls or old[1])
+    return routes
+
+
+def _fields_of(tree: ast.Module) -> dict[str, dict[str, bool]]:
+    """class -> {field: required}, following base classes defined in the same module."""
+    own: dict[str, dict[str, bool]] = {}
+    bases: dict[str, list[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            fields = {}
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    fields[item.target.id] = item.value is None
+            own[node.name] = fields
+            bases[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]
+
+    def resolve(name: str) -> dict[str, bool]:
+        out: dict[str, bool] = {}
+        for base in bases.get(name, []):
+            out.update(resolve(base))
+        out.update(own.get(name, {}))
+        return out
+
+    return {name: resolve(name) for name in own}
+
+
+def _io_struct() -> dict[str, dict[str, bool]]:
+    return _fields_of(ast.parse((SGLANG / "srt/managers/io_struct.py").read_text()))
+
+
+def _sampling_params_fields() -> set[str]:
+    tree = ast.parse((SGLANG / "srt/sampling/sampling_params.py").read_text())
+    return set(_fields_of(tree)["SamplingParams"])
+
+
+def _launch_flags() -> set[str]:
+    flags = set()
+    for path in (SGLANG / "srt/arg_groups/fields").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                flags.add("--" + node.target.id.replace("_", "-"))
+    return flags
+
+
+def _api_types() -> Any:
+    """SGLang's generated JSON contract module, loaded by path (it needs only msgspec)."""
+    pytest.importorskip("msgspec", reason="msgspec is needed to load sglang/api/v1/api_types.py")
+    name = "sglang_api_types_contract"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, SGLANG / "api/v1/api_types.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# -- what the client sends --------------------------------------------------------------------
+
+
+def _answer(request: httpx.Request) -> httpx.Response:
+    path = request.url.path
+    if path == "/generate":
+        body = json.loads(request.content)
+        n = body["sampling_params"]["n"]
+        item = {
+            "text": "",
+            "output_ids": [5],
+            "meta_info": {
+                "id": body["rid"],
+                "finish_reason": {"type": "length", "length": 1},
+                "output_token_logprobs": [[-0.5, 5, None]],
+                "weight_version": "0",
+            },
+        }
+        return httpx.Response(200, json=item if n == 1 else [item] * n)
+    if path in ("/health_generate", "/abort_request", "/flush_cache"):
+        return httpx.Response(200, text="")
+    return httpx.Response(200, json={"success": True, "message": "ok"})
+
+
+def _instruction() -> Any:
+    from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
+    from kuberl.common.weights import ManifestBuilder
+
+    builder = ManifestBuilder(bucket_bytes=1024)
+    builder.add("model.embed_tokens.weight", "bfloat16", [100, 4])
+    builder.add("model.norm.weight", "float32", [4])
+    builder.add("lm_head.weight", "bfloat16", [100, 4])
+    return pb.UpdateInstruction(
+        version=3,
+        transport=pb.TRANSPORT_NCCL,
+        manifest=builder.build().to_proto(),
+        group=pb.BroadcastGroup(
+            group_name="kuberl-v3",
+            backend="nccl",
+            master_address="10.0.0.1",
+            master_port=29500,
+            world_size=3,
+        ),
+        rank=1,
+    )
+
+
+@pytest.fixture(scope="module")
+def sent() -> list[tuple[str, str, Any]]:
+    """Every (method, path, body) the client sends while each of its methods is used once."""
+    captured: list[tuple[str, str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        captured.append((request.method, request.url.path, body))
+        return _answer(request)
+
+    async def drive() -> None:
+        engine = SGLangEngine(
+            SGLangEngineConfig(url="http://sglang:30000"), transport=httpx.MockTransport(handler)
+        )
+        await engine.health()
+        await engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=4))
+        await engine.generate(
+            [[1, 2], [3]],
+            SamplingParams(
+                temperature=0.7,
+                top_p=0.9,
+                top_k=20,
+                max_new_tokens=8,
+                stop=("</tool_call>",),
+                stop_token_ids=(7,),
+                ignore_eos=True,
+                n=4,
+            ),
+        )
+        await engine.pause("abort")
+        await engine.pause("in_place")
+        await engine.resume()
+        await engine.abort_all()
+        await engine._abort_quietly("kuberl-x-1")
+        await engine.flush_cache()
+        await engine.update_weights_from_disk("/snapshots/v2", version=2)
+        await engine.init_weights_update_group("10.0.0.1", 29500, 1, 2, "g", "nccl")
+        await engine.begin_weight_update()
+        await engine.update_weights_from_distributed(
+            ["w"], ["bfloat16"], [[2, 2]], version=3, group_name="g"
+        )
+        await engine.update_weights_from_distributed(
+            ["w"], ["bfloat16"], [[2, 2]], 3, "g", load_format="flattened_bucket"
+        )
+        await engine.end_weight_update()
+        await engine.destroy_weights_update_group("g")
+        await engine.update_weights_from_tensor(["YWJj"], version=4, load_format="direct")
+        await engine.apply_broadcast(_instruction())
+        await engine.close()
+
+    asyncio.run(drive())
+    return captured
+
+
+def test_the_installed_sglang_is_the_pinned_version() -> None:
+    assert importlib.metadata.version("sglang") == SGLANG_VERSION
+
+
+def test_the_client_was_driven_through_every_route_it_knows(sent) -> None:
+    used = {path for _, path, _ in sent}
+    assert used == {
+        "/health_generate",
+        "/generate",
+        "/pause_generation",
+        "/continue_generation",
+        "/abort_request",
+        "/flush_cache",
+        "/update_weights_from_disk",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/begin_weight_update",
+        "/end_weight_update",
+        "/update_weights_from_distributed",
+        "/update_weights_from_tensor",
+    }
+
+
+def test_every_route_and_method_exists_in_sglang_http_server(sent) -> None:
+    routes = _routes()
+    wrong = sorted(
+        {
+            f"{method} {path}"
+            for method, path, _ in sent
+            if path not in routes or method not in routes[path][0]
+        }
+    )
+    assert wrong == []
+
+
+def test_every_body_uses_only_fields_of_the_request_class_of_its_route(sent) -> None:
+    routes, classes = _routes(), _io_struct()
+    problems = []
+    for _, path, body in sent:
+        cls = routes[path][1]
+        if body is None:
+            continue
+        assert cls is not None, f"{path}: sglang binds no request class but we send a body"
+        fields = classes[cls]
+        unknown = sorted(set(body) - set(fields))
+        missing = sorted(f for f, required in fields.items() if required and f not in body)
+        if unknown or missing:
+            problems.append(f"{path} ({cls}): unknown {unknown}, missing required {missing}")
+    assert problems == []
+
+
+def test_the_routes_bind_the_request_classes_we_expect(sent) -> None:
+    routes = _routes()
+    assert {path: routes[path][1] for _, path, _ in sent} == {
+        "/health_generate": None,
+        "/generate": "GenerateReqInput",
+        "/pause_generation": "PauseGenerationReqInput",
+        "/continue_generation": "ContinueGenerationReqInput",
+        "/abort_request": "AbortReq",
+        "/flush_cache": None,
+        "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+        "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+        "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+        "/begin_weight_update": "BeginWeightUpdateReqInput",
+        "/end_weight_update": "EndWeightUpdateReqInput",
+        "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+        "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
+    }
+
+
+def test_sampling_params_are_arguments_of_sglang_sampling_params(sent) -> None:
+    accepted = _sampling_params_fields()
+    used = {k for _, path, body in sent if path == "/generate" for k in body["sampling_params"]}
+    assert used - accepted == set()
+
+
+def test_pause_modes_are_modes_sglang_accepts(sent) -> None:
+    tree = ast.parse((SGLANG / "srt/managers/io_struct.py").read_text())
+    cls = next(
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PauseGenerationReqInput"
+    )
+    mode = next(i for i in cls.body if isinstance(i, ast.AnnAssign) and i.target.id == "mode")
+    allowed = {e.value for e in mode.annotation.slice.elts}  # Literal["abort", ...]
+    assert {body["mode"] for _, path, body in sent if path == "/pause_generation"} <= allowed
+
+
+def test_generate_bodies_decode_with_sglangs_json_contract(sent) -> None:
+    api = _api_types()
+    decoded = [
+        api.GenerateRequest.from_json_value(body) for _, path, body in sent if path == "/generate"
+    ]
+    assert [d.return_logprob for d in decoded] == [True] * len(decoded)
+
+
+def test_an_unknown_sampling_parameter_would_be_caught_by_that_contract() -> None:
+    api = _api_types()
+    with pytest.raises(api.JsonContractError, match="unknown field `temprature`"):
+        api.GenerateRequest.from_json_value(
+            {"input_ids": [1], "sampling_params": {"temprature": 1}}
+        )
+
+
+def test_the_stand_in_answers_generate_in_sglangs_response_schema() -> None:
+    from tests.integration.sglang_standin import SGLangStandIn
+
+    api = _api_types()
+    with SGLangStandIn() as server:
+        one = httpx.post(
+            f"{server.url}/generate",
+            json={
+                "input_ids": [1, 2],
+                "sampling_params": {"max_new_tokens": 3},
+                "return_logprob": True,
+            },
+        ).json()
+        many = httpx.post(
+            f"{server.url}/generate",
+            json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3, "n": 2}},
+        ).json()
+    responses = [api.GenerateResponse.from_json_value(x) for x in [one, *many]]
+    assert [len(r.meta_info.output_token_logprobs) for r in responses] == [
+        len(r.output_ids) for r in responses
+    ]
+
+
+def test_launch_flags_are_options_of_sglang_launch_server() -> None:
+    cmd = launch_command(SGLangEngineConfig(), "/models/m", "127.0.0.1", 30000)
+    flags = {arg for arg in cmd if arg.startswith("--")}
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    assert (SGLANG / "launch_server.py").exists()
+    assert flags - _launch_flags() == set()

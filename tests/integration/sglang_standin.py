@@ -1,0 +1,446 @@
+"""A STAND-IN for an SGLang server, for tests only: it is NOT SGLang and generates no real text.
+
+SGLang cannot run where kuberl is developed (no GPU), so the `sglang` engine's HTTP behaviour —
+retries, timeouts, error mapping, pause / abort, the weight-update call sequence — is tested
+against this small stdlib HTTP server that answers the routes of SGLang 0.5.23's native API
+(`sglang/srt/entrypoints/http_server.py`) with the same status codes and JSON shapes:
+
+- `/generate` answers `output_ids`, `meta_info.output_token_logprobs` ([logprob, id, null]),
+  `finish_reason` ({"type": "stop", "matched": id} / {"type": "length", "length": n} /
+  {"type": "abort", "message": ...}), `weight_version` and `weight_versions`; a list for n > 1.
+  Tokens are a deterministic function of the prompt (not a model); unknown sampling parameters
+  are refused with 400 like SGLang's contract gate; requests wait while paused, like SGLang's.
+- `/pause_generation` (abort / in_place), `/continue_generation`, `/abort_request`,
+  `/flush_cache` (400 while requests run), `/health_generate`.
+- weight updates: `/update_weights_from_disk`, `/init_weights_update_group`,
+  `/destroy_weights_update_group`, `/begin_weight_update` / `/end_weight_update` (the 0.5.23
+  session that `/update_weights_from_distributed` and `/update_weights_from_tensor` require).
+- missing required fields get FastAPI's 422, unknown routes 404.
+
+Faults are injected per route (`inject`): an HTTP status for the next k calls, a delay, or a
+dropped connection. Every request is recorded in `requests` for assertions. Run it in a thread
+(`with SGLangStandIn() as s: s.url`) or as a process (`python sglang_standin.py --port-file f`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+SAMPLING_KEYS = {
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
+    "n", "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias",
+    "sampling_seed", "custom_params", "beam_width", "watermark", "choice",
+}  # fmt: skip
+REQUIRED = {
+    "/update_weights_from_disk": ["model_path"],
+    "/init_weights_update_group": ["master_address", "master_port", "rank_offset", "world_size"],
+    "/update_weights_from_distributed": ["names", "dtypes", "shapes"],
+    "/update_weights_from_tensor": ["serialized_named_tensors"],
+}
+
+
+@dataclass
+class Fault:
+    status: int | None = None
+    delay: float = 0.0
+    drop: bool = False
+    times: int = 1
+
+
+@dataclass
+class _Running:
+    rid: str
+    abort: threading.Event = field(default_factory=threading.Event)
+
+
+class StandInState:
+    def __init__(self, vocab_size: int, token_delay: float, eos_token_id: int) -> None:
+        self.vocab_size = vocab_size
+        self.token_delay = token_delay
+        self.eos_token_id = eos_token_id
+        self.weight_version = "0"
+        self.paused = False
+        self.session = False
+        self.groups: set[str] = set()
+        self.running: dict[str, _Running] = {}
+        self.faults: dict[str, list[Fault]] = {}
+        self.requests: list[tuple[str, str, Any]] = []
+        self.cond = threading.Condition()
+
+    def take_fault(self, path: str) -> Fault | None:
+        with self.cond:
+            queue = self.faults.get(path) or []
+            if not queue:
+                return None
+            fault = queue[0]
+            fault.times -= 1
+            if fault.times <= 0:
+                queue.pop(0)
+            return fault
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet
+        return
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_PUT(self) -> None:
+        self._dispatch("PUT")
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def _send(self, status: int, payload: Any = None, text: str | None = None) -> None:
+        data = (text if text is not None else json.dumps(payload)).encode()
+        self.send_response(status)
+        kind = "text/plain" if text is not None else "application/json"
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _dispatch(self, method: str) -> None:
+        state = self.server.state
+        path = self.path.split("?", 1)[0]
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            body = json.loads(raw) if raw else None
+        except json.JSONDecodeError:
+            self._send(400, {"error": {"message": "body is not JSON"}})
+            return
+        with state.cond:
+            state.requests.append((method, path, body))
+        fault = state.take_fault(path)
+        if fault is not None:
+            time.sleep(fault.delay)
+            if fault.drop:
+                self.close_connection = True
+                self.connection.shutdown(2)
+                return
+            if fault.status is not None:
+                self._send(fault.status, {"error": {"message": f"injected {fault.status}"}})
+                return
+        routes = {
+            ("GET", "/health_generate"): self._health,
+            ("GET", "/health"): self._health,
+            ("POST", "/generate"): self._generate,
+            ("PUT", "/generate"): self._generate,
+            ("POST", "/pause_generation"): self._pause,
+            ("POST", "/continue_generation"): self._continue,
+            ("POST", "/abort_request"): self._abort,
+            ("POST", "/flush_cache"): self._flush,
+            ("GET", "/flush_cache"): self._flush,
+            ("POST", "/update_weights_from_disk"): self._from_disk,
+            ("POST", "/begin_weight_update"): self._begin,
+            ("POST", "/end_weight_update"): self._end,
+            ("POST", "/init_weights_update_group"): self._init_group,
+            ("POST", "/destroy_weights_update_group"): self._destroy_group,
+            ("POST", "/update_weights_from_distributed"): self._from_distributed,
+            ("POST", "/update_weights_from_tensor"): self._from_tensor,
+        }
+        handler = routes.get((method, path))
+        if handler is None:
+            self._send(404, {"detail": "Not Found"})
+            return
+        missing = [k for k in REQUIRED.get(path, []) if not isinstance(body, dict) or k not in body]
+        if missing:
+            detail = [
+                {"type": "missing", "loc": ["body", k], "msg": "Field required"} for k in missing
+            ]
+            self._send(422, {"detail": detail})
+            return
+        handler(body if isinstance(body, dict) else {})
+
+    # -- routes ----------------------------------------------------------------------------------
+
+    def _health(self, body: dict[str, Any]) -> None:
+        self._send(200, text="")
+
+    def _generate(self, body: dict[str, Any]) -> None:
+        state = self.server.state
+        ids = body.get("input_ids")
+        params = body.get("sampling_params") or {}
+        unknown = sorted(set(params) - SAMPLING_KEYS)
+        if unknown:
+            self._send(400, {"error": f"unknown field `{unknown[0]}` in sampling_params"})
+            return
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+            self._send(400, {"error": {"message": "input_ids must be a non-empty list of ints"}})
+            return
+        rid = str(body.get("rid") or f"standin-{time.monotonic_ns()}")
+        n = int(params.get("n", 1))
+        running = _Running(rid)
+        with state.cond:
+            state.running[rid] = running
+            while state.paused and not running.abort.is_set():  # SGLang holds requests
+                state.cond.wait(0.05)
+        try:
+            items = [self._sample(ids, params, s, running, rid) for s in range(n)]
+        finally:
+            with state.cond:
+                state.running.pop(rid, None)
+                state.cond.notify_all()
+        self._send(200, items[0] if n == 1 else items)
+
+    def _sample(
+        self, ids: list[int], params: dict[str, Any], s: int, running: _Running, rid: str
+    ) -> dict[str, Any]:
+        state = self.server.state
+        stop_ids = set(params.get("stop_token_ids") or [])
+        if not params.get("ignore_eos"):
+            stop_ids.add(state.eos_token_id)
+        limit = int(params.get("max_new_tokens", 128))
+        out: list[int] = []
+        versions: list[str] = []
+        finish: dict[str, Any] = {"type": "length", "length": limit}
+        base = sum(ids) * 31 + 13 * s
+        for i in range(limit):
+            if state.token_delay:
+                time.sleep(state.token_delay)
+            with state.cond:
+                while state.paused and not running.abort.is_set():
+                    state.cond.wait(0.05)
+                version = state.weight_version
+            if running.abort.is_set():
+                finish = {"type": "abort", "message": "Abort in waiting queue"}
+                break
+            token = (base + 7 * i) % state.vocab_size
+            out.append(token)
+            versions.append(version)
+            if token in stop_ids:
+                finish = {"type": "stop", "matched": token}
+                break
+        spans: list[dict[str, Any]] = []
+        for i, v in enumerate(versions):
+            if spans and spans[-1]["version"] == v:
+                spans[-1]["end"] = i + 1
+            else:
+                spans.append({"version": v, "start": i, "end": i + 1})
+        return {
+            "text": " ".join(map(str, out)),
+            "output_ids": out,
+            "meta_info": {
+                "id": f"{rid}-{s}",
+                "prompt_tokens": len(ids),
+                "completion_tokens": len(out),
+                "finish_reason": finish,
+                "output_token_logprobs": [
+                    [-0.01 * (i + 1) - 0.001 * s, t, None] for i, t in enumerate(out)
+                ],
+                "weight_version": state.weight_version,
+                "weight_versions": spans,
+                "e2e_latency": 0.0,
+                "cached_tokens": 0,
+            },
+        }
+
+    def _pause(self, body: dict[str, Any]) -> None:
+        state = self.server.state
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            self._send(422, {"detail": [{"loc": ["body", "mode"], "msg": "bad mode"}]})
+            return
+        with state.cond:
+            state.paused = True
+            if mode == "abort":
+                for r in state.running.values():
+                    r.abort.set()
+            state.cond.notify_all()
+        if mode == "abort":  # SGLang returns once nothing is running
+            with state.cond:
+                while state.running:
+                    state.cond.wait(0.05)
+        self._send(200, {"message": "Generation paused successfully.", "status": "ok"})
+
+    def _continue(self, body: dict[str, Any]) -> None:
+        state = self.server.state
+        with state.cond:
+            state.paused = False
+            state.cond.notify_all()
+        self._send(200, {"message": "Generation continued successfully.", "status": "ok"})
+
+    def _abort(self, body: dict[str, Any]) -> None:
+        state = self.server.state
+        with state.cond:
+            for rid, r in state.running.items():
+                if body.get("abort_all") or rid == body.get("rid"):
+                    r.abort.set()
+            state.cond.notify_all()
+        self._send(200, text="")
+
+    def _flush(self, body: dict[str, Any]) -> None:
+        if self.server.state.running:
+            self._send(400, text="Flush cache failed: requests are running.\n")
+        else:
+            self._send(200, text="Cache flushed.\n")
+
+    def _weights_done(self, body: dict[str, Any], message: str) -> None:
+        state = self.server.state
+        if body.get("flush_cache", True) and state.running:
+            self._send(
+                400,
+                {
+                    "success": False,
+                    "message": "Weights were updated, but the cache was not flushed because "
+                    "requests are still running or queued.",
+                },
+            )
+            return
+        if body.get("weight_version") is not None:
+            state.weight_version = str(body["weight_version"])
+        self._send(200, {"success": True, "message": message})
+
+    def _from_disk(self, body: dict[str, Any]) -> None:
+        if not Path(body["model_path"]).exists():
+            self._send(400, {"success": False, "message": f"{body['model_path']} not found"})
+            return
+        self._weights_done(body, "Succeeded to update model weights.")
+
+    def _begin(self, body: dict[str, Any]) -> None:
+        state = self.server.state
+        if state.session:
+            msg = "a weight-update session is already open; call end_weight_update() first"
+            self._send(400, {"success": False, "message": msg})
+            return
+        state.session = True
+        self._send(200, {"success": True, "message": "Success"})
+
+    def _end(self, body: dict[str, Any]) -> None:
+        state = self.server.state
+        if not state.session:
+            msg = "no weight-update session is open; call begin_weight_update() first"
+            self._send(400, {"success": False, "message": msg})
+            return
+        state.session = False
+        self._send(200, {"success": True, "message": "Success"})
+
+    def _init_group(self, body: dict[str, Any]) -> None:
+        self.server.state.groups.add(body.get("group_name", "weight_update_group"))
+        self._send(200, {"success": True, "message": "Succeeded to initialize group."})
+
+    def _destroy_group(self, body: dict[str, Any]) -> None:
+        self.server.state.groups.discard(body.get("group_name", "weight_update_group"))
+        self._send(200, {"success": True, "message": "Succeeded to destroy group."})
+
+    def _needs_session(self, what: str) -> bool:
+        if not self.server.state.session:
+            msg = f"{what} must run between begin_weight_update() and end_weight_update()"
+            self._send(400, {"success": False, "message": msg})
+            return False
+        return True
+
+    def _from_distributed(self, body: dict[str, Any]) -> None:
+        if not self._needs_session("update_weights_from_distributed"):
+            return
+        group = body.get("group_name", "weight_update_group")
+        if group not in self.server.state.groups:
+            self._send(400, {"success": False, "message": f"Group {group} not initialized"})
+            return
+        if not len(body["names"]) == len(body["dtypes"]) == len(body["shapes"]):
+            self._send(400, {"success": False, "message": "names/dtypes/shapes differ in length"})
+            return
+        self._weights_done(body, "Succeeded to update parameter online.")
+
+    def _from_tensor(self, body: dict[str, Any]) -> None:
+        if self._needs_session("update_weights_from_tensor"):
+            self._weights_done(body, "Success")
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    state: StandInState
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        return  # injected dropped connections end in resets; nothing to report
+
+
+class SGLangStandIn:
+    """The stand-in server on 127.0.0.1 in a background thread."""
+
+    def __init__(
+        self,
+        *,
+        port: int = 0,
+        vocab_size: int = 100,
+        token_delay: float = 0.0,
+        eos_token_id: int = 0,
+    ) -> None:
+        self.state = StandInState(vocab_size, token_delay, eos_token_id)
+        self._server = _Server(("127.0.0.1", port), _Handler)
+        self._server.state = self.state
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    @property
+    def requests(self) -> list[tuple[str, str, Any]]:
+        return self.state.requests
+
+    def inject(
+        self,
+        path: str,
+        *,
+        status: int | None = None,
+        delay: float = 0.0,
+        drop: bool = False,
+        times: int = 1,
+    ) -> None:
+        """Make the next `times` calls to `path` fail with `status`, wait `delay`, or drop."""
+        with self.state.cond:
+            self.state.faults.setdefault(path, []).append(Fault(status, delay, drop, times))
+
+    def start(self) -> SGLangStandIn:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self.state.cond:
+            for r in self.state.running.values():
+                r.abort.set()
+            self.state.paused = False
+            self.state.cond.notify_all()
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> SGLangStandIn:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="SGLang API stand-in (tests only; not SGLang)")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--port-file")
+    parser.add_argument("--vocab-size", type=int, default=100)
+    parser.add_argument("--token-delay", type=float, default=0.0)
+    args = parser.parse_args()
+    server = SGLangStandIn(port=args.port, vocab_size=args.vocab_size, token_delay=args.token_delay)
+    if args.port_file:
+        port = server._server.server_address[1]
+        Path(args.port_file).write_text(json.dumps({"port": port, "metrics_port": 0}))
+    server._server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

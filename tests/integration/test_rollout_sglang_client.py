@@ -1,0 +1,233 @@
+"""The `sglang` engine against a stand-in of SGLang's HTTP API (tests/integration/sglang_standin.py;
+NOT SGLang, which cannot run here): parsing, retries, timeouts, error mapping, pause / abort and
+the weight-update call sequences."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kuberl.common.config import SGLangEngineConfig
+from kuberl.common.weights import Manifest
+from kuberl.rollout.engine.base import (
+    EngineRejected,
+    EngineTimeout,
+    EngineUnavailable,
+    SamplingParams,
+)
+from kuberl.rollout.engine.sglang import SGLangEngine
+from tests.contract.test_sglang_contract import _instruction
+from tests.integration.sglang_standin import SGLangStandIn
+
+
+@pytest.fixture
+def server() -> Iterator[SGLangStandIn]:
+    with SGLangStandIn(vocab_size=100) as s:
+        yield s
+
+
+def _engine(url: str, **kw) -> SGLangEngine:
+    config = SGLangEngineConfig(url=url, retry_backoff_seconds=0.01, **kw)
+    return SGLangEngine(config)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _with(engine: SGLangEngine, coro):
+    try:
+        return await coro
+    finally:
+        await engine.close()
+
+
+def _expected(prompt: list[int], sample: int, n_tokens: int) -> list[int]:
+    return [(sum(prompt) * 31 + 13 * sample + 7 * i) % 100 for i in range(n_tokens)]
+
+
+def test_generate_returns_n_samples_per_prompt_with_tokens_and_logprobs(server) -> None:
+    engine = _engine(server.url)
+    prompts = [[1, 2, 3], [4, 5]]
+    params = SamplingParams(max_new_tokens=5, n=3, ignore_eos=True)
+    out = run(_with(engine, engine.generate(prompts, params)))
+    tokens = [[c.token_ids for c in samples] for samples in out]
+    assert tokens == [[_expected(p, s, 5) for s in range(3)] for p in prompts]
+    assert out[1][2].logprobs == pytest.approx([-0.01 * (i + 1) - 0.002 for i in range(5)])
+    assert {c.finish_reason for s in out for c in s} == {"length"}
+
+
+def test_a_stop_token_ends_the_sample_with_its_id_as_matched(server) -> None:
+    engine = _engine(server.url)
+    stop = _expected([1, 2, 3], 0, 5)[3]
+    out = run(
+        _with(
+            engine,
+            engine.generate(
+                [[1, 2, 3]],
+                SamplingParams(max_new_tokens=5, stop_token_ids=(stop,), ignore_eos=True),
+            ),
+        )
+    )[0][0]
+    assert (out.token_ids, out.finish_reason, out.matched_stop) == (
+        _expected([1, 2, 3], 0, 4),
+        "stop",
+        stop,
+    )
+
+
+def test_server_errors_are_retried_until_the_call_succeeds(server) -> None:
+    server.inject("/generate", status=503, times=2)
+    engine = _engine(server.url, max_retries=3)
+    out = run(_with(engine, engine.generate([[1]], SamplingParams(max_new_tokens=2))))
+    calls = [p for _, p, _ in server.requests if p == "/generate"]
+    assert (len(out[0][0].token_ids), len(calls)) == (2, 3)
+
+
+def test_a_dropped_connection_is_retried(server) -> None:
+    server.inject("/generate", drop=True)
+    engine = _engine(server.url, max_retries=2)
+    out = run(_with(engine, engine.generate([[1]], SamplingParams(max_new_tokens=2))))
+    assert len(out[0][0].token_ids) == 2
+
+
+def test_errors_beyond_the_retry_budget_raise_unavailable_with_the_last_status(server) -> None:
+    server.inject("/generate", status=503, times=10)
+    engine = _engine(server.url, max_retries=2)
+    with pytest.raises(EngineUnavailable, match=r"/generate failed after 3 attempt\(s\): HTTP 503"):
+        run(_with(engine, engine.generate([[1]], SamplingParams())))
+
+
+def test_a_bad_request_is_rejected_with_the_servers_message_and_not_retried(server) -> None:
+    engine = _engine(server.url, max_retries=3)
+    with pytest.raises(EngineRejected, match="HTTP 400: input_ids must be a non-empty list"):
+        run(_with(engine, engine.call("POST", "/generate", {"input_ids": "oops"})))
+    assert sum(p == "/generate" for _, p, _ in server.requests) == 1
+
+
+def test_a_generation_past_its_deadline_times_out_and_is_aborted_on_the_server(server) -> None:
+    server.inject("/generate", delay=2.0)
+    engine = _engine(server.url, request_timeout_seconds=0.3)
+    with pytest.raises(EngineTimeout, match="no answer in time"):
+        run(_with(engine, engine.generate([[1]], SamplingParams(max_new_tokens=2))))
+    aborts = [b for _, p, b in server.requests if p == "/abort_request"]
+    generated = next(b for _, p, b in server.requests if p == "/generate")
+    assert aborts == [{"rid": generated["rid"]}]
+
+
+def test_an_unreachable_server_is_unavailable_and_unhealthy() -> None:
+    with SGLangStandIn() as gone:
+        url = gone.url
+    engine = _engine(url, max_retries=1)
+    assert run(engine.health()) is False
+    with pytest.raises(EngineUnavailable, match="ConnectError"):
+        run(_with(engine, engine.generate([[1]], SamplingParams())))
+
+
+def test_pause_with_abort_ends_running_generations_as_aborted() -> None:
+    with SGLangStandIn(token_delay=0.01) as server:
+        engine = _engine(server.url)
+
+        async def go():
+            params = SamplingParams(max_new_tokens=500, ignore_eos=True, n=2)
+            task = asyncio.create_task(engine.generate([[1, 2]], params))
+            while not server.state.running:
+                await asyncio.sleep(0.01)
+            aborted = await engine.pause("abort")
+            out = await task
+            paused = (await engine.status()).paused
+            await engine.resume()
+            after = await engine.generate([[1, 2]], params.with_(max_new_tokens=2))
+            return aborted, out, paused, after
+
+        aborted, out, paused, after = run(_with(engine, go()))
+    assert (aborted, paused) == (1, True)
+    assert {c.finish_reason for c in out[0]} == {"abort"}
+    assert all(len(c.token_ids) < 500 for c in out[0])
+    assert [len(c.token_ids) for c in after[0]] == [2, 2]
+
+
+def test_generation_waits_while_paused_in_place_and_continues_after_resume() -> None:
+    with SGLangStandIn(token_delay=0.002) as server:
+        engine = _engine(server.url)
+
+        async def go():
+            await engine.pause("in_place")
+            task = asyncio.create_task(
+                engine.generate([[3]], SamplingParams(max_new_tokens=5, ignore_eos=True))
+            )
+            await asyncio.sleep(0.3)
+            waited = not task.done()
+            await engine.resume()
+            return waited, await task
+
+        waited, out = run(_with(engine, go()))
+    assert (waited, out[0][0].token_ids) == (True, _expected([3], 0, 5))
+
+
+def test_a_distributed_update_outside_a_session_is_refused_as_sglang_0_5_23_does(server) -> None:
+    engine = _engine(server.url)
+    with pytest.raises(EngineRejected, match="must run between begin_weight_update"):
+        run(_with(engine, engine.update_weights_from_distributed(["w"], ["float32"], [[1]], 1)))
+
+
+def test_a_broadcast_update_runs_the_whole_session_and_stamps_the_new_version(server) -> None:
+    engine = _engine(server.url)
+    instruction = _instruction()
+
+    async def go():
+        await engine.apply_broadcast(instruction)
+        return await engine.generate([[1]], SamplingParams(max_new_tokens=2))
+
+    out = run(_with(engine, go()))
+    calls = [p for _, p, _ in server.requests if p != "/generate"]
+    buckets = Manifest.from_proto(instruction.manifest).num_buckets
+    assert calls == [
+        "/begin_weight_update",
+        "/init_weights_update_group",
+        *["/update_weights_from_distributed"] * buckets,
+        "/destroy_weights_update_group",
+        "/end_weight_update",
+    ]
+    assert (engine.version, out[0][0].version_start, out[0][0].version_end) == (3, 3, 3)
+
+
+def test_an_update_from_a_missing_folder_is_rejected_and_keeps_the_version(
+    server, tmp_path: Path
+) -> None:
+    engine = _engine(server.url)
+
+    async def go():
+        with pytest.raises(EngineRejected, match="not found"):
+            await engine.update_weights_from_disk(str(tmp_path / "nope"), 2)
+        kept = engine.version
+        await engine.update_weights_from_disk(str(tmp_path), 2)
+        return kept
+
+    kept = run(_with(engine, go()))
+    assert (kept, engine.version, server.state.weight_version) == (0, 2, "2")
+
+
+def test_flushing_the_cache_while_requests_run_is_refused() -> None:
+    with SGLangStandIn(token_delay=0.01) as server:
+        engine = _engine(server.url)
+
+        async def go():
+            task = asyncio.create_task(
+                engine.generate([[1]], SamplingParams(max_new_tokens=300, ignore_eos=True))
+            )
+            deadline = time.monotonic() + 10
+            while not server.state.running and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            try:
+                await engine.flush_cache()
+            finally:
+                await engine.abort_all()
+                await task
+
+        with pytest.raises(EngineRejected, match="requests are running"):
+            run(_with(engine, go()))
