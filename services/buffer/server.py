@@ -454,11 +454,12 @@ class BufferService(Service):
     def _verdict(
         self, kind: str, g: StoredGroup, max_staleness: int, current_version: int
     ) -> str | None:
-        """Why a group is dropped from a batch, or None to keep it."""
-        if max_staleness >= 0 and current_version - g.version > max_staleness:
-            return "stale"
+        """Why a group is dropped from a batch, or None to keep it. Only training groups are
+        filtered: eval results are measurements and SFT samples are off-policy by design."""
         if kind != "train":
             return None
+        if max_staleness >= 0 and current_version - g.version > max_staleness:
+            return "stale"
         if self.cfg.dynamic_sampling and g.zero_variance:
             return "zero_variance"
         if self.filters:

@@ -1,0 +1,642 @@
+"""The buffer service's rules, exercised in-process on a real embedded Redis (one job per test):
+validation, idempotent puts, epochs and shuffling, filters, staleness, backpressure, eval and
+SFT streams, release, and the exhausted flags. tests/integration/test_buffer_service.py runs the
+same service as a real gRPC server in subprocesses (concurrency, crashes, Redis restarts)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kuberl.api.buffer.v1 import buffer_pb2 as bpb
+from kuberl.api.common.v1 import trajectory_pb2 as tpb
+from kuberl.buffer.server import BufferService
+from kuberl.common.config import parse_job_config
+from kuberl.common.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from kuberl.common.redis_server import EmbeddedRedis
+from kuberl.common.trajectory import Group
+from tests.integration.buffer_support import GROUP_SIZE, make_group, write_prompts
+
+TRAIN, EVAL, SFT = tpb.STREAM_KIND_TRAIN, tpb.STREAM_KIND_EVAL, tpb.STREAM_KIND_SFT
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), die_with_parent=True) as server:
+        yield server.url
+
+
+@asynccontextmanager
+async def buffer(
+    redis_url: str,
+    tmp_path: Path,
+    *,
+    prompts: int = 6,
+    eval_prompts: int = 0,
+    epochs: int = 1,
+    job: str | None = None,
+    **buffer_cfg: Any,
+) -> AsyncIterator[BufferService]:
+    """A started BufferService of a fresh job (or `job`) on the shared Redis."""
+    data: dict[str, Any] = {
+        "train": [
+            {
+                "path": str(write_prompts(tmp_path / "train.jsonl", prompts)),
+                "columns": {"prompt": "question"},
+            }
+        ],
+        "num_epochs": epochs,
+    }
+    if eval_prompts:
+        data["eval"] = [
+            {
+                "path": str(write_prompts(tmp_path / "eval.jsonl", eval_prompts)),
+                "columns": {"prompt": "question"},
+            }
+        ]
+    config = parse_job_config(
+        {
+            "job": {"name": job or f"t{uuid.uuid4().hex[:10]}", "seed": 11},
+            "redis": {"url": redis_url},
+            "data": data,
+            "rollout": {"group_size": GROUP_SIZE},
+            "buffer": buffer_cfg,
+        },
+        env={},
+    )
+    svc = BufferService(config)
+    await svc.start()
+    try:
+        yield svc
+    finally:
+        await svc.stop()
+
+
+async def lease(svc: BufferService, n: int, consumer: str = "r0", kind: int = TRAIN) -> Any:
+    req = bpb.LeasePromptsRequest(max_prompts=n, consumer=consumer, kind=kind)
+    return await svc.LeasePrompts(req, None)  # type: ignore[arg-type]
+
+
+async def put(
+    svc: BufferService,
+    groups: list[tpb.Group],
+    lease_ids: list[str] = (),
+    kind: int = TRAIN,  # type: ignore[assignment]
+) -> list[int]:
+    req = bpb.PutTrajectoriesRequest(groups=groups, lease_ids=list(lease_ids), kind=kind)
+    resp = await svc.PutTrajectories(req, None)  # type: ignore[arg-type]
+    return [r.status for r in resp.results]
+
+
+async def complete(svc: BufferService, prompts: Any, kind: int = TRAIN, **kw: Any) -> list[int]:
+    groups = [make_group(p.prompt_id, p.epoch, **kw) for p in prompts]
+    return await put(svc, groups, [p.lease_id for p in prompts], kind)
+
+
+async def get(
+    svc: BufferService,
+    n: int,
+    *,
+    version: int = 0,
+    staleness: int = -1,
+    kind: int = TRAIN,
+    wait: float = 0.0,
+) -> bpb.GetBatchResponse:
+    req = bpb.GetBatchRequest(
+        num_groups=n,
+        max_staleness=staleness,
+        current_version=version,
+        kind=kind,
+        wait_seconds=wait,
+    )
+    resp = await svc.GetBatch(req, None)  # type: ignore[arg-type]
+    return resp if isinstance(resp, bpb.GetBatchResponse) else bpb.GetBatchResponse.FromString(resp)
+
+
+async def ack(svc: BufferService, batch_id: str) -> bpb.AckResponse:
+    return await svc.Ack(bpb.AckRequest(batch_id=batch_id), None)  # type: ignore[arg-type]
+
+
+async def stats(svc: BufferService) -> bpb.GetStatsResponse:
+    return await svc.GetStats(bpb.GetStatsRequest(), None)  # type: ignore[arg-type]
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def short_responses_only(group: Group) -> bool:
+    """A custom filter (loaded by module:function): keep groups of short responses."""
+    return all(len(t.response_token_ids) <= 16 for t in group.trajectories)
+
+
+def broken_filter(group: Group) -> bool:
+    raise RuntimeError("this filter is broken")
+
+
+# -- validation: every rejection is INVALID_ARGUMENT and stores nothing ------------------------
+
+
+def _corrupt(kind: str) -> tuple[list[tpb.Group], list[str]]:
+    """A put request (groups, lease ids) with one specific defect."""
+    g = make_group("train:0")
+    t = g.trajectories[1]
+    if kind == "group_size":
+        return [make_group("train:0", size=GROUP_SIZE - 1)], []
+    if kind == "logprobs_length":
+        t.rollout_logprobs.data = t.rollout_logprobs.data[:-4]
+    elif kind == "mask_length":
+        t.loss_mask.data = t.loss_mask.data + b"\x01"
+    elif kind == "nan_reward":
+        t.reward = math.nan
+    elif kind == "inf_logprob":
+        t.rollout_logprobs.data = np.full(8, -np.inf, np.float32).tobytes()
+    elif kind == "nan_breakdown":
+        t.reward_breakdown["gsm8k"] = math.nan
+    elif kind == "bad_dtype":
+        t.response_token_ids.dtype = "int128"
+    elif kind == "ragged_bytes":
+        t.response_token_ids.data = t.response_token_ids.data[:-1]
+    elif kind == "other_prompt":
+        t.prompt_id = "train:1"
+    elif kind == "repeated_sample_index":
+        t.sample_index = 0
+    elif kind == "unknown_prompt":
+        return [make_group("nope:0")], []
+    elif kind == "epoch_never_queued":
+        return [make_group("train:0", epoch=5)], []
+    elif kind == "lease_count":
+        return [make_group("train:0"), make_group("train:1")], ["1-0"]
+    elif kind == "no_groups":
+        return [], []
+    return [g], []
+
+
+REJECTIONS = {
+    "group_size": "the job's group size is 4",
+    "logprobs_length": "rollout_logprobs has 7 entries",
+    "mask_length": "loss_mask has 9 entries",
+    "nan_reward": "reward is nan",
+    "inf_logprob": "rollout_logprobs[0] is -inf",
+    "nan_breakdown": "reward_breakdown['gsm8k'] is nan",
+    "bad_dtype": "unsupported dtype 'int128'",
+    "ragged_bytes": "not a whole number of int32",
+    "other_prompt": "belongs to prompt 'train:1'",
+    "repeated_sample_index": "sample_index values repeat",
+    "unknown_prompt": "'nope:0' is not a prompt of job",
+    "epoch_never_queued": "epoch 5 of prompt 'train:0' was never handed out",
+    "lease_count": "1 lease_ids for 2 groups",
+    "no_groups": "no groups to put",
+}
+
+
+@pytest.mark.parametrize("defect", sorted(REJECTIONS))
+def test_every_invalid_put_is_rejected_with_its_reason_and_nothing_is_stored(
+    redis_url: str, tmp_path: Path, defect: str
+) -> None:
+    async def scenario() -> tuple[str, int, int]:
+        async with buffer(redis_url, tmp_path) as svc:
+            await lease(svc, 2)  # queues epoch 0
+            groups, leases = _corrupt(defect)
+            with pytest.raises(InvalidArgument) as err:
+                await put(svc, [*groups], leases)
+            s = await stats(svc)
+            return err.value.message, s.groups_pending, s.counters.get("train:accepted", 0)
+
+    message, pending, accepted = run(scenario())
+    assert (REJECTIONS[defect] in message, pending, accepted) == (True, 0, 0), message
+
+
+def test_a_rejected_request_stores_none_of_its_valid_groups(redis_url: str, tmp_path: Path) -> None:
+    async def scenario() -> tuple[int, list[int]]:
+        async with buffer(redis_url, tmp_path) as svc:
+            leased = (await lease(svc, 2)).prompts
+            good = make_group(leased[0].prompt_id)
+            with pytest.raises(InvalidArgument):
+                await put(svc, [good, make_group("nope:1")])
+            pending = (await stats(svc)).groups_pending
+            return pending, await put(svc, [good])
+
+    assert run(scenario()) == (0, [bpb.PUT_STATUS_ACCEPTED])
+
+
+def test_a_lease_of_another_prompt_is_refused(redis_url: str, tmp_path: Path) -> None:
+    async def scenario() -> str:
+        async with buffer(redis_url, tmp_path) as svc:
+            a, b = (await lease(svc, 2)).prompts
+            with pytest.raises(InvalidArgument) as err:
+                await put(svc, [make_group(a.prompt_id)], [b.lease_id])
+            return err.value.message
+
+    assert "is for prompt" in run(scenario())
+
+
+# -- idempotent puts ----------------------------------------------------------------------------
+
+
+def test_one_group_per_prompt_and_epoch_is_accepted_and_repeats_are_counted(
+    redis_url: str, tmp_path: Path
+) -> None:
+    async def scenario() -> tuple[list[int], type, list[int], int]:
+        async with buffer(redis_url, tmp_path) as svc:
+            a, b = (await lease(svc, 2)).prompts
+            first = await complete(svc, [a])
+            with pytest.raises(AlreadyExists) as single:
+                await complete(svc, [a])
+            mixed = await complete(svc, [a, b])
+            return first, type(single.value), mixed, (await stats(svc)).counters["train:duplicate"]
+
+    assert run(scenario()) == (
+        [bpb.PUT_STATUS_ACCEPTED],
+        AlreadyExists,
+        [bpb.PUT_STATUS_DUPLICATE, bpb.PUT_STATUS_ACCEPTED],
+        2,
+    )
+
+
+def test_the_same_prompt_in_the_next_epoch_is_a_new_group(redis_url: str, tmp_path: Path) -> None:
+    async def scenario() -> list[tuple[str, int]]:
+        async with buffer(redis_url, tmp_path, prompts=1, epochs=2) as svc:
+            keys = []
+            for _ in range(2):
+                (p,) = (await lease(svc, 1)).prompts
+                assert await complete(svc, [p]) == [bpb.PUT_STATUS_ACCEPTED]
+                keys.append((p.prompt_id, p.epoch))
+            return keys
+
+    assert run(scenario()) == [("train:0", 0), ("train:0", 1)]
+
+
+# -- epochs, shuffling, resuming ------------------------------------------------------------------
+
+
+def test_epochs_are_handed_out_whole_in_a_seeded_order_that_differs_per_epoch(
+    redis_url: str, tmp_path: Path
+) -> None:
+    async def order(job: str) -> list[tuple[str, int]]:
+        async with buffer(
+            redis_url, tmp_path, prompts=8, epochs=2, job=job, requeue_stale=False
+        ) as svc:
+            out = []
+            while not (resp := await lease(svc, 3)).exhausted:
+                out += [(p.prompt_id, p.epoch) for p in resp.prompts]
+                await complete(svc, resp.prompts)
+            return out
+
+    first = run(order(f"a{uuid.uuid4().hex[:8]}"))
+    second = run(order(f"b{uuid.uuid4().hex[:8]}"))
+    epoch0 = [pid for pid, e in first if e == 0]
+    epoch1 = [pid for pid, e in first if e == 1]
+    assert first == second  # same seed, another job: the same order
+    assert (first[:8] == [(p, 0) for p in epoch0], sorted(epoch0) == sorted(epoch1)) == (True, True)
+    assert (epoch0 != epoch1, epoch0 != sorted(epoch0)) == (True, True)
+
+
+def test_a_restarted_service_resumes_at_the_cursor(redis_url: str, tmp_path: Path) -> None:
+    job = f"r{uuid.uuid4().hex[:8]}"
+
+    async def scenario() -> tuple[list[str], list[str], int]:
+        async with buffer(redis_url, tmp_path, prompts=6, job=job) as svc:
+            before = [p.prompt_id for p in (await lease(svc, 4)).prompts]
+        async with buffer(redis_url, tmp_path, prompts=6, job=job) as svc:
+            after = [p.prompt_id for p in (await lease(svc, 10)).prompts]
+            return before, after, (await stats(svc)).cursor
+
+    before, after, cursor = run(scenario())
+    assert (len(set(before) | set(after)), len(after), cursor) == (6, 2, 6)
+
+
+# -- batches: filters and staleness ---------------------------------------------------------------
+
+
+def test_dynamic_sampling_drops_groups_whose_rewards_all_agree(
+    redis_url: str, tmp_path: Path
+) -> None:
+    async def scenario() -> tuple[list[str], dict[str, int], int]:
+        async with buffer(redis_url, tmp_path, dynamic_sampling=True) as svc:
+            ps = (await lease(svc, 3)).prompts
+            await put(
+                svc,
+                [
+                    make_group(ps[0].prompt_id, rewards=[1.0] * 4),
+                    make_group(ps[1].prompt_id, rewards=[0.0, 1.0, 0.0, 0.0]),
+                    make_group(ps[2].prompt_id, rewards=[0.0] * 4),
+                ],
+                [p.lease_id for p in ps],
+            )
+            batch = await get(svc, 3)
+            s = await stats(svc)
+            return [g.prompt_id for g in batch.groups], dict(batch.dropped), s.groups_pending
+
+    kept, dropped, pending = run(scenario())
+    assert (len(kept), dropped, pending) == (1, {"zero_variance": 2}, 0)
+
+
+def test_a_custom_filter_drops_by_its_verdict_and_a_failing_one_keeps_the_group(
+    redis_url: str, tmp_path: Path
+) -> None:
+    filters = [
+        "tests.unit.test_buffer_logic:short_responses_only",
+        "tests.unit.test_buffer_logic:broken_filter",
+    ]
+
+    async def scenario() -> tuple[int, dict[str, int]]:
+        async with buffer(redis_url, tmp_path, filters=filters) as svc:
+            a, b = (await lease(svc, 2)).prompts
+            await put(svc, [make_group(a.prompt_id, length=4), make_group(b.prompt_id, length=40)])
+            batch = await get(svc, 2)
+            return len(batch.groups), dict(batch.dropped)
+
+    assert run(scenario()) == (1, {f"filter:{filters[0]}": 1})
+
+
+def test_a_filter_that_cannot_be_loaded_fails_at_start(redis_url: str, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with buffer(redis_url, tmp_path, filters=["tests.unit.test_buffer_logic:nothing"]):
+            pass
+
+    with pytest.raises(ValueError, match="has no attribute 'nothing'"):
+        run(scenario())
+
+
+def test_stale_groups_are_dropped_and_their_prompts_requeued(
+    redis_url: str, tmp_path: Path
+) -> None:
+    async def scenario() -> tuple[dict[str, int], list[tuple[str, int]], int, int]:
+        async with buffer(redis_url, tmp_path, prompts=2) as svc:
+            old, fresh = (await lease(svc, 2)).prompts
+            await put(
+                svc,
+                [make_group(old.prompt_id, version=1), make_group(fresh.prompt_id, version=4)],
+                [old.lease_id, fresh.lease_id],
+            )
+            batch = await get(svc, 2, version=5, staleness=2)
+            again = (await lease(svc, 5)).prompts
+            status = await complete(svc, again, version=5)
+            return (
+                dict(batch.dropped),
+                [(p.prompt_id, p.epoch) for p in again],
+                len(batch.groups),
+                status[0],
+            )
+
+    dropped, again, kept, status = run(scenario())
+    assert (dropped, len(again), kept, status) == (
+        {"stale": 1},
+        1,
+        1,
+        bpb.PUT_STATUS_ACCEPTED,
+    )
+
+
+def test_without_requeue_stale_prompts_are_only_counted(redis_url: str, tmp_path: Path) -> None:
+    async def scenario() -> tuple[int, int, bool]:
+        async with buffer(redis_url, tmp_path, prompts=1, requeue_stale=False) as svc:
+            (p,) = (await lease(svc, 1)).prompts
+            await complete(svc, [p], version=0)
+            await get(svc, 1, version=3, staleness=0)
+            resp = await lease(svc, 1)
+            s = await stats(svc)
+            return len(resp.prompts), s.counters["train:dropped:stale"], resp.exhausted
+
+    assert run(scenario()) == (0, 1, True)
+
+
+def test_groups_come_oldest_first_and_a_batch_never_twice(redis_url: str, tmp_path: Path) -> None:
+    async def scenario() -> tuple[list[str], list[str], list[str], int]:
+        async with buffer(redis_url, tmp_path, prompts=6) as svc:
+            ps = (await lease(svc, 6)).prompts
+            for p in ps:
+                await complete(svc, [p])
+            first = await get(svc, 4)
+            await ack(svc, first.batch_id)
+            second = await get(svc, 4)
+            await ack(svc, second.batch_id)
+            third = await get(svc, 4)
+            return (
+                [p.prompt_id for p in ps],
+                [g.prompt_id for g in first.groups] + [g.prompt_id for g in second.groups],
+                [g.prompt_id for g in third.groups],
+                (await stats(svc)).counters["train:trained_groups"],
+            )
+
+    put_order, got, rest, trained = run(scenario())
+    assert (got, rest, trained) == (put_order, [], 6)
+
+
+def test_get_batch_waits_for_groups_put_meanwhile(redis_url: str, tmp_path: Path) -> None:
+    async def scenario() -> int:
+        async with buffer(redis_url, tmp_path, prompts=2) as svc:
+            ps = (await lease(svc, 2)).prompts
+            waiting = asyncio.create_task(get(svc, 2, wait=20))
+            await asyncio.sleep(0.2)
+            for p in ps:
+                await complete(svc, [p])
+            return len((await waiting).groups)
+
+    assert run(scenario()) == 2
+
+
+def test_ack_is_idempotent_and_unknown_batches_are_not_found(
+    redis_url: str, tmp_path: Path
+) -> None:
+    async def scenario() -> tuple[bool, bool]:
+        async with buffer(redis_url, tmp_path, prompts=1) as svc:
+            await complete(svc, (await lease(svc, 1)).prompts)
+            batch = await get(svc, 1)
+            first, second = await ack(svc, batch.batch_id), await ack(svc, batch.batch_id)
+            with pytest.raises(NotFound):
+                await ack(svc, "train-0123")
+            return first.already_acked, second.already_acked
+
+    assert run(scenario()) == (False, True)
+
+
+# -- backpressure ---------------------------------------------------------------------------------
+
+
+def test_leasing_stops_at_max_inflight_groups_with_a_retry_hint_until_training_catches_up(
+    redis_url: str, tmp_path: Path
+) -> None:
+    async def scenario() -> tuple[int, float | None, int]:
+        async with buffer(
+            redis_url, tmp_path, prompts=10, max_inflight_groups=3, backpressure_retry_seconds=0.5
+        ) as svc:
+            granted = (await lease(svc, 5)).prompts
+            await complete(svc, granted[:2])
+            with pytest.raises(ResourceExhausted) as err:
+                await lease(svc, 1)
+            batch = await get(svc, 2)
+            with pytest.raises(ResourceExhausted):
+                await lease(svc, 1)  # in a batch, but not trained (acknowledged) yet
+            await ack(svc, batch.batch_id)
+            after_ack = len((await lease(svc, 5)).prompts)
+            return len(granted), err.value.retry_after_seconds, after_ack
+
+    assert run(scenario()) == (3, 0.5, 2)
+
+
+def test_expired_leases_are_redelivered_even_at_the_inflight_limit(
+    redis_url: str, tmp_path: Path
+) -> None:
+    async def scenario() -> tuple[list[str], list[str], list[int]]:
+        async with buffer(
+            redis_url, tmp_path, prompts=4, max_inflight_groups=2, lease_timeout_seconds=0.2
+        ) as svc:
+            first = (await lease(svc, 2, "dead")).prompts
+            await asyncio.sleep(0.4)
+            second = (await lease(svc, 2, "alive")).prompts
+            return (
+                sorted(p.prompt_id for p in first),
+                sorted(p.prompt_id for p in second),
+                [p.delivery_count for p in second],
+            )
+
+    first, second, deliveries = run(scenario())
+    assert (second, deliveries) == (first, [2, 2])
+
+
+def test_released_prompts_go_to_the_next_client_at_once(redis_url: str, tmp_path: Path) -> None:
+    async def scenario() -> tuple[int, list[str], list[str]]:
+        async with buffer(redis_url, tmp_path, prompts=2) as svc:
+            mine = (await lease(svc, 2, "leaving")).prompts
+            foreign = bpb.ReleasePromptsRequest(lease_ids=[mine[0].lease_id], consumer="other")
+            ignored = (await svc.ReleasePrompts(foreign, None)).released  # type: ignore[arg-type]
+            req = bpb.ReleasePromptsRequest(
+                lease_ids=[p.lease_id for p in mine], consumer="leaving"
+            )
+            await svc.ReleasePrompts(req, None)  # type: ignore[arg-type]
+            theirs = (await lease(svc, 2, "next")).prompts
+            return ignored, sorted(p.prompt_id for p in mine), sorted(p.prompt_id for p in theirs)
+
+    ignored, mine, theirs = run(scenario())
+    assert (ignored, theirs) == (0, mine)
+
+
+# -- policy version, exhausted, eval, sft ---------------------------------------------------------
+
+
+def test_policy_version_only_goes_up(redis_url: str, tmp_path: Path) -> None:
+    async def scenario() -> tuple[int, int, int]:
+        async with buffer(redis_url, tmp_path) as svc:
+            set_ = svc.SetPolicyVersion
+            await set_(bpb.SetPolicyVersionRequest(version=3), None)  # type: ignore[arg-type]
+            same = await set_(bpb.SetPolicyVersionRequest(version=3), None)  # type: ignore[arg-type]
+            with pytest.raises(FailedPrecondition, match="lower than the job's current version 3"):
+                await set_(bpb.SetPolicyVersionRequest(version=2), None)  # type: ignore[arg-type]
+            return (
+                same.version,
+                (await lease(svc, 1)).policy_version,
+                (await stats(svc)).policy_version,
+            )
+
+    assert run(scenario()) == (3, 3, 3)
+
+
+def test_exhausted_once_every_epoch_is_handed_out_completed_and_trained(
+    redis_url: str, tmp_path: Path
+) -> None:
+    async def scenario() -> list[bool]:
+        async with buffer(redis_url, tmp_path, prompts=2) as svc:
+            seen = []
+            ps = (await lease(svc, 2)).prompts
+            seen.append((await lease(svc, 2)).exhausted)  # leases outstanding
+            await complete(svc, ps)
+            seen.append((await lease(svc, 2)).exhausted)  # groups could still be requeued
+            batch = await get(svc, 2)
+            seen.append((await get(svc, 2)).exhausted)  # a batch is not acknowledged yet
+            await ack(svc, batch.batch_id)
+            seen += [(await lease(svc, 2)).exhausted, (await get(svc, 2)).exhausted]
+            seen.append((await stats(svc)).exhausted)
+            return seen
+
+    assert run(scenario()) == [False, False, False, True, True, True]
+
+
+def test_eval_prompts_are_leased_put_and_read_but_never_count_as_training(
+    redis_url: str, tmp_path: Path
+) -> None:
+    async def scenario() -> tuple[int, int, bool, int, int, int]:
+        async with buffer(redis_url, tmp_path, eval_prompts=3) as svc:
+            ps = (await lease(svc, 10, kind=EVAL)).prompts
+            await complete(svc, ps, kind=EVAL, rewards=[1.0] * 4)
+            batch = await get(svc, 10, kind=EVAL, version=50, staleness=0)
+            await ack(svc, batch.batch_id)
+            done = (await lease(svc, 10, kind=EVAL)).exhausted
+            start = await svc.StartEval(bpb.StartEvalRequest(round=1), None)  # type: ignore[arg-type]
+            round1 = (await lease(svc, 10, kind=EVAL)).prompts
+            s = await stats(svc)
+            return (
+                len(ps),
+                len(batch.groups),
+                done,
+                {p.epoch for p in round1}.pop(),
+                start.num_prompts,
+                s.counters.get("train:trained_groups", 0),
+            )
+
+    assert run(scenario()) == (3, 3, True, 1, 3, 0)
+
+
+def test_rejection_sampling_puts_kept_samples_as_sft_groups_that_complete_train_leases(
+    redis_url: str, tmp_path: Path
+) -> None:
+    async def scenario() -> tuple[list[int], list[int], int, bool]:
+        async with buffer(redis_url, tmp_path, prompts=2) as svc:
+            a, b = (await lease(svc, 2)).prompts
+            kept = make_group(a.prompt_id, size=2)
+            none = tpb.Group(prompt_id=b.prompt_id, epoch=b.epoch)
+            statuses = await put(svc, [kept, none], [a.lease_id, b.lease_id], kind=SFT)
+            batch = await get(svc, 5, kind=SFT)
+            leased = (await stats(svc)).prompts_leased
+            await ack(svc, batch.batch_id)
+            return (
+                statuses,
+                [len(g.trajectories) for g in batch.groups],
+                leased,
+                (await get(svc, 1, kind=SFT)).exhausted,
+            )
+
+    assert run(scenario()) == ([1, 1], [2], 0, True)
+
+
+def test_load_dataset_is_idempotent_per_name(redis_url: str, tmp_path: Path) -> None:
+    async def scenario() -> tuple[tuple[int, bool], tuple[int, bool], int]:
+        async with buffer(redis_url, tmp_path) as svc:
+            path = str(write_prompts(tmp_path / "more.jsonl", 5))
+            req = bpb.LoadDatasetRequest(
+                path=path, name="more", columns=bpb.ColumnMapping(prompt="question")
+            )
+            first = await svc.LoadDataset(req, None)  # type: ignore[arg-type]
+            again = await svc.LoadDataset(req, None)  # type: ignore[arg-type]
+            return (
+                (first.num_prompts, first.loaded),
+                (again.num_prompts, again.loaded),
+                (await stats(svc)).prompts_total,
+            )
+
+    assert run(scenario()) == ((5, True), (5, False), 11)
+
+
+def test_prompts_carry_text_answer_and_metadata(redis_url: str, tmp_path: Path) -> None:
+    async def scenario() -> tuple[str, str, dict[str, Any]]:
+        async with buffer(redis_url, tmp_path, prompts=1) as svc:
+            (p,) = (await lease(svc, 1)).prompts
+            return p.text, p.answer, json.loads(p.metadata_json)
+
+    assert run(scenario()) == ("0 + 0 = ?", "0", {"level": 0})
