@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 import uuid
 from collections import Counter
@@ -125,25 +124,7 @@ class BufferService(Service):
         return self.store
 
     async def start(self) -> None:
-        url = self.config.redis.url
-        if not url:
-            raise RuntimeError(
-                "redis.url is not set: the buffer keeps all state in Redis. Set redis.url (or "
-                "KUBERL_REDIS__URL); `kuberl run` starts an embedded Redis and sets it for you."
-            )
-        password = os.environ.get(self.config.redis.password_env) or None
-        self.store = BufferStore.connect(
-            url,
-            password,
-            job=self.config.job.name,
-            lease_timeout_seconds=self.cfg.lease_timeout_seconds,
-            max_inflight_groups=self.cfg.max_inflight_groups,
-            batch_ack_timeout_seconds=self.cfg.batch_ack_timeout_seconds,
-            requeue_stale=self.cfg.requeue_stale,
-            acked_batch_ttl_seconds=self.cfg.acked_batch_ttl_seconds,
-            retry_seconds=self.config.redis.connect_timeout_seconds,
-            default_epochs=self.config.data.num_epochs,
-        )
+        self.store = BufferStore.from_config(self.config)
         await self.store.wait_ready(self.config.redis.connect_timeout_seconds)
         await self.store.ensure_groups()
         for ds in self.config.data.train:

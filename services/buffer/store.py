@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -44,6 +45,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kuberl.buffer import scripts
 from kuberl.buffer.datasets import PromptRow, epoch_order
+from kuberl.common.config import JobConfig
 from kuberl.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kuberl.common.logs import get_logger
 
@@ -189,7 +191,6 @@ class BufferStore:
         requeue_stale: bool,
         acked_batch_ttl_seconds: float,
         retry_seconds: float = 30.0,
-        default_epochs: int = 1,
     ) -> None:
         self.r = client
         self.keys = Keys(job)
@@ -200,7 +201,6 @@ class BufferStore:
         self.requeue_stale = requeue_stale
         self.acked_batch_ttl_ms = max(1, int(acked_batch_ttl_seconds * 1000))
         self.retry_seconds = retry_seconds
-        self.default_epochs = default_epochs
         self._scripts = {
             name: client.register_script(getattr(scripts, name))
             for name in (
@@ -230,6 +230,28 @@ class BufferStore:
             health_check_interval=10,
         )
         return cls(client, **kw)
+
+    @classmethod
+    def from_config(cls, config: JobConfig) -> BufferStore:
+        """The store of config's job on `redis.url` (password from `redis.password_env`)."""
+        url = config.redis.url
+        if not url:
+            raise Unavailable(
+                "redis.url is not set: the buffer keeps all state in Redis. Set redis.url (or "
+                "KUBERL_REDIS__URL); `kuberl run` starts an embedded Redis and sets it for you."
+            )
+        cfg = config.buffer
+        return cls.connect(
+            url,
+            os.environ.get(config.redis.password_env) or None,
+            job=config.job.name,
+            lease_timeout_seconds=cfg.lease_timeout_seconds,
+            max_inflight_groups=cfg.max_inflight_groups,
+            batch_ack_timeout_seconds=cfg.batch_ack_timeout_seconds,
+            requeue_stale=cfg.requeue_stale,
+            acked_batch_ttl_seconds=cfg.acked_batch_ttl_seconds,
+            retry_seconds=config.redis.connect_timeout_seconds,
+        )
 
     async def close(self) -> None:
         await self.r.aclose()

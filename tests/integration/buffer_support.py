@@ -4,6 +4,8 @@ processes started with `kuberl serve buffer`, and groups built like rollout buil
 from __future__ import annotations
 
 import json
+import math
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ def write_job(
     eval_prompts: int = 0,
     epochs: int = 1,
     name: str = "job.yaml",
+    job: str | None = None,
     **buffer: Any,
 ) -> Path:
     """A job file whose buffer uses redis_url, free ports and short timeouts."""
@@ -50,7 +53,7 @@ def write_job(
         evals = write_prompts(tmp_path / "eval.jsonl", eval_prompts)
         data["eval"] = [{"path": str(evals), "columns": {"prompt": "question"}}]
     job = {
-        "job": {"name": "t", "seed": 7},
+        "job": {"name": job or f"t{uuid.uuid4().hex[:10]}", "seed": 7},
         "redis": {"url": redis_url, "connect_timeout_seconds": 20},
         "data": data,
         "rollout": {"group_size": GROUP_SIZE},
@@ -101,9 +104,7 @@ class Client:
     def complete(self, prompts: Iterable[tpb.Prompt], **group_kw: Any) -> list[int]:
         """Put one group per leased prompt; the put statuses."""
         prompts = list(prompts)
-        resp = self.put(
-            [group_for(p, **group_kw) for p in prompts], [p.lease_id for p in prompts]
-        )
+        resp = self.put([group_for(p, **group_kw) for p in prompts], [p.lease_id for p in prompts])
         return [r.status for r in resp.results]
 
     def get(
@@ -167,9 +168,89 @@ def make_group(
     return Group(prompt_id=prompt_id, epoch=epoch, trajectories=trajectories).to_proto()
 
 
+def corrupt_put(kind: str) -> tuple[list[tpb.Group], list[str]]:
+    """A put request (groups, lease ids) with one defect, for prompt train:0 of a job whose
+    epoch 0 is queued; REJECTIONS[kind] is part of the error message it must get."""
+    g = make_group("train:0")
+    t = g.trajectories[1]
+    if kind == "group_size":
+        return [make_group("train:0", size=GROUP_SIZE - 1)], []
+    if kind == "logprobs_length":
+        t.rollout_logprobs.data = t.rollout_logprobs.data[:-4]
+    elif kind == "mask_length":
+        t.loss_mask.data = t.loss_mask.data + b"\x01"
+    elif kind == "nan_reward":
+        t.reward = math.nan
+    elif kind == "inf_logprob":
+        t.rollout_logprobs.data = np.full(8, -np.inf, np.float32).tobytes()
+    elif kind == "nan_breakdown":
+        t.reward_breakdown["gsm8k"] = math.nan
+    elif kind == "bad_dtype":
+        t.response_token_ids.dtype = "int128"
+    elif kind == "ragged_bytes":
+        t.response_token_ids.data = t.response_token_ids.data[:-1]
+    elif kind == "other_prompt":
+        t.prompt_id = "train:1"
+    elif kind == "repeated_sample_index":
+        t.sample_index = 0
+    elif kind == "unknown_prompt":
+        return [make_group("nope:0")], []
+    elif kind == "epoch_never_queued":
+        return [make_group("train:0", epoch=5)], []
+    elif kind == "lease_count":
+        return [make_group("train:0"), make_group("train:1")], ["1-0"]
+    elif kind == "no_groups":
+        return [], []
+    return [g], []
+
+
+REJECTIONS = {
+    "group_size": "the job's group size is 4",
+    "logprobs_length": "rollout_logprobs has 7 entries",
+    "mask_length": "loss_mask has 9 entries",
+    "nan_reward": "reward is nan",
+    "inf_logprob": "rollout_logprobs[0] is -inf",
+    "nan_breakdown": "reward_breakdown['gsm8k'] is nan",
+    "bad_dtype": "unsupported dtype 'int128'",
+    "ragged_bytes": "not a whole number of int32",
+    "other_prompt": "belongs to prompt 'train:1'",
+    "repeated_sample_index": "sample_index values repeat",
+    "unknown_prompt": "'nope:0' is not a prompt of job",
+    "epoch_never_queued": "epoch 5 of prompt 'train:0' was never handed out",
+    "lease_count": "1 lease_ids for 2 groups",
+    "no_groups": "no groups to put",
+}
+
+
 def group_for(prompt: tpb.Prompt, **kw: Any) -> tpb.Group:
     return make_group(prompt.prompt_id, prompt.epoch, **kw)
 
 
 def prompt_keys(batch: bpb.GetBatchResponse) -> list[tuple[str, int]]:
     return [(g.prompt_id, g.epoch) for g in batch.groups]
+
+
+def _main(argv: list[str]) -> None:
+    """Stand-ins for a rollout replica or a trainer that get killed mid-work by the tests:
+    `lease ADDRESS N CONSUMER` leases and `get ADDRESS N` takes a batch, print the result as one
+    JSON line, then wait (never completing or acknowledging) until killed."""
+    import sys
+    import time
+
+    command, address, n = argv[0], argv[1], int(argv[2])
+    with Client(address) as client:
+        if command == "lease":
+            resp = client.lease(n, consumer=argv[3])
+            out = {"prompts": [p.prompt_id for p in resp.prompts]}
+        else:
+            batch = client.get(n)
+            out = {"batch_id": batch.batch_id, "prompts": [g.prompt_id for g in batch.groups]}
+        sys.stdout.write(json.dumps(out) + "\n")
+        sys.stdout.flush()
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _main(sys.argv[1:])

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from kuberl.api.buffer.v1 import buffer_pb2 as bpb
@@ -30,7 +28,13 @@ from kuberl.common.errors import (
 )
 from kuberl.common.redis_server import EmbeddedRedis
 from kuberl.common.trajectory import Group
-from tests.integration.buffer_support import GROUP_SIZE, make_group, write_prompts
+from tests.integration.buffer_support import (
+    GROUP_SIZE,
+    REJECTIONS,
+    corrupt_put,
+    make_group,
+    write_prompts,
+)
 
 TRAIN, EVAL, SFT = tpb.STREAM_KIND_TRAIN, tpb.STREAM_KIND_EVAL, tpb.STREAM_KIND_SFT
 
@@ -152,59 +156,6 @@ def broken_filter(group: Group) -> bool:
 # -- validation: every rejection is INVALID_ARGUMENT and stores nothing ------------------------
 
 
-def _corrupt(kind: str) -> tuple[list[tpb.Group], list[str]]:
-    """A put request (groups, lease ids) with one specific defect."""
-    g = make_group("train:0")
-    t = g.trajectories[1]
-    if kind == "group_size":
-        return [make_group("train:0", size=GROUP_SIZE - 1)], []
-    if kind == "logprobs_length":
-        t.rollout_logprobs.data = t.rollout_logprobs.data[:-4]
-    elif kind == "mask_length":
-        t.loss_mask.data = t.loss_mask.data + b"\x01"
-    elif kind == "nan_reward":
-        t.reward = math.nan
-    elif kind == "inf_logprob":
-        t.rollout_logprobs.data = np.full(8, -np.inf, np.float32).tobytes()
-    elif kind == "nan_breakdown":
-        t.reward_breakdown["gsm8k"] = math.nan
-    elif kind == "bad_dtype":
-        t.response_token_ids.dtype = "int128"
-    elif kind == "ragged_bytes":
-        t.response_token_ids.data = t.response_token_ids.data[:-1]
-    elif kind == "other_prompt":
-        t.prompt_id = "train:1"
-    elif kind == "repeated_sample_index":
-        t.sample_index = 0
-    elif kind == "unknown_prompt":
-        return [make_group("nope:0")], []
-    elif kind == "epoch_never_queued":
-        return [make_group("train:0", epoch=5)], []
-    elif kind == "lease_count":
-        return [make_group("train:0"), make_group("train:1")], ["1-0"]
-    elif kind == "no_groups":
-        return [], []
-    return [g], []
-
-
-REJECTIONS = {
-    "group_size": "the job's group size is 4",
-    "logprobs_length": "rollout_logprobs has 7 entries",
-    "mask_length": "loss_mask has 9 entries",
-    "nan_reward": "reward is nan",
-    "inf_logprob": "rollout_logprobs[0] is -inf",
-    "nan_breakdown": "reward_breakdown['gsm8k'] is nan",
-    "bad_dtype": "unsupported dtype 'int128'",
-    "ragged_bytes": "not a whole number of int32",
-    "other_prompt": "belongs to prompt 'train:1'",
-    "repeated_sample_index": "sample_index values repeat",
-    "unknown_prompt": "'nope:0' is not a prompt of job",
-    "epoch_never_queued": "epoch 5 of prompt 'train:0' was never handed out",
-    "lease_count": "1 lease_ids for 2 groups",
-    "no_groups": "no groups to put",
-}
-
-
 @pytest.mark.parametrize("defect", sorted(REJECTIONS))
 def test_every_invalid_put_is_rejected_with_its_reason_and_nothing_is_stored(
     redis_url: str, tmp_path: Path, defect: str
@@ -212,7 +163,7 @@ def test_every_invalid_put_is_rejected_with_its_reason_and_nothing_is_stored(
     async def scenario() -> tuple[str, int, int]:
         async with buffer(redis_url, tmp_path) as svc:
             await lease(svc, 2)  # queues epoch 0
-            groups, leases = _corrupt(defect)
+            groups, leases = corrupt_put(defect)
             with pytest.raises(InvalidArgument) as err:
                 await put(svc, [*groups], leases)
             s = await stats(svc)

@@ -1,0 +1,339 @@
+"""The buffer as it runs in production: `kuberl serve buffer` in subprocesses on a real embedded
+Redis, driven over gRPC by concurrent clients, by a rollout client and a trainer killed with
+SIGKILL, through a Redis restart, and as two replicas serving one job."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kuberl.api.buffer.v1 import buffer_pb2 as bpb
+from kuberl.common.redis_server import EmbeddedRedis
+from tests.integration.buffer_support import (
+    REJECTIONS,
+    Client,
+    corrupt_put,
+    group_for,
+    start_buffer,
+    write_job,
+)
+from tests.support import REPO, ServiceProcess
+
+ACCEPTED, DUPLICATE = bpb.PUT_STATUS_ACCEPTED, bpb.PUT_STATUS_DUPLICATE
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), die_with_parent=True) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def shared(
+    redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServiceProcess, Path]]:
+    """One buffer process for tests that only reject requests or use prompts of their own."""
+    tmp = tmp_path_factory.mktemp("shared")
+    config = write_job(tmp, redis_url, prompts=32)
+    with start_buffer(config, tmp) as proc, Client(proc.address) as client:
+        client.lease(1, consumer="setup")  # queues epoch 0
+        yield proc, config
+
+
+def _metrics(proc: ServiceProcess) -> str:
+    url = f"http://127.0.0.1:{proc.metrics_port}/metrics"
+    return urllib.request.urlopen(url, timeout=10).read().decode()
+
+
+def _code(call: object) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        call()  # type: ignore[operator]
+    return err.value.code()
+
+
+def _run_rollout_clients(addresses: list[str], clients: int) -> tuple[list, Counter]:
+    """`clients` threads (spread over addresses) lease and complete until the data is exhausted.
+    Returns the prompts seen leased by two clients at once, and how often each was accepted."""
+    held: dict[tuple[str, int], int] = {}
+    overlaps: list[tuple[str, int]] = []
+    accepted: Counter[tuple[str, int]] = Counter()
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            with Client(addresses[i % len(addresses)]) as client:
+                while not (resp := client.lease(3, consumer=f"rollout-{i}")).exhausted:
+                    if not resp.prompts:
+                        time.sleep(0.02)
+                        continue
+                    keys = [(p.prompt_id, p.epoch) for p in resp.prompts]
+                    with lock:
+                        overlaps.extend(k for k in keys if k in held)
+                        held.update(dict.fromkeys(keys, i))
+                    statuses = client.complete(resp.prompts)
+                    with lock:
+                        for k, status in zip(keys, statuses, strict=True):
+                            del held[k]
+                            accepted[k] += status == ACCEPTED
+        except BaseException as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    return overlaps, accepted
+
+
+def test_eight_concurrent_clients_never_hold_the_same_prompt_at_once(
+    redis_url: str, tmp_path: Path
+) -> None:
+    config = write_job(tmp_path, redis_url, prompts=40, epochs=2, requeue_stale=False)
+    with start_buffer(config, tmp_path) as proc:
+        overlaps, accepted = _run_rollout_clients([proc.address], clients=8)
+    expected = {(f"train:{i}", e) for i in range(40) for e in range(2)}
+    assert (overlaps, set(accepted), set(accepted.values())) == ([], expected, {1})
+
+
+def test_an_expired_lease_is_redelivered_and_the_late_put_is_a_duplicate(
+    redis_url: str, tmp_path: Path
+) -> None:
+    config = write_job(tmp_path, redis_url, prompts=4, lease_timeout_seconds=1)
+    with start_buffer(config, tmp_path) as proc, Client(proc.address) as client:
+        slow = client.lease(2, consumer="slow").prompts
+        time.sleep(1.5)
+        fast = client.lease(2, consumer="fast").prompts
+        fast_statuses = client.complete(fast)
+        late = _code(lambda: client.complete(slow[:1]))
+    assert (
+        [p.prompt_id for p in fast],
+        [p.delivery_count for p in fast],
+        fast_statuses,
+        late,
+    ) == ([p.prompt_id for p in slow], [2, 2], [ACCEPTED] * 2, grpc.StatusCode.ALREADY_EXISTS)
+
+
+def test_a_rollout_client_killed_mid_lease_has_its_prompts_finished_by_another(
+    redis_url: str, tmp_path: Path
+) -> None:
+    config = write_job(tmp_path, redis_url, prompts=6, lease_timeout_seconds=1, requeue_stale=False)
+    with start_buffer(config, tmp_path) as proc:
+        victim = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.integration.buffer_support",
+                "lease",
+                proc.address,
+                "3",
+                "victim",
+            ],
+            stdout=subprocess.PIPE,
+            cwd=REPO,
+        )
+        assert victim.stdout is not None
+        taken = json.loads(victim.stdout.readline())["prompts"]
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(10)
+        deliveries: dict[str, int] = {}
+        with Client(proc.address) as client:
+            while not (resp := client.lease(6, consumer="survivor")).exhausted:
+                if not resp.prompts:
+                    time.sleep(0.1)
+                    continue
+                deliveries.update({p.prompt_id: p.delivery_count for p in resp.prompts})
+                assert client.complete(resp.prompts) == [ACCEPTED] * len(resp.prompts)
+    assert (len(taken), sorted(deliveries), {deliveries[p] for p in taken}) == (
+        3,
+        [f"train:{i}" for i in range(6)],
+        {2},
+    )
+
+
+@pytest.mark.parametrize("defect", sorted(REJECTIONS))
+def test_every_invalid_put_is_answered_invalid_argument_and_the_service_keeps_serving(
+    shared: tuple[ServiceProcess, Path], defect: str
+) -> None:
+    proc, _ = shared
+    groups, leases = corrupt_put(defect)
+    with Client(proc.address) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.put(groups, leases)
+        alive = client.stats().job
+    assert (err.value.code(), REJECTIONS[defect] in err.value.details(), bool(alive)) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        True,
+        True,
+    ), err.value.details()
+
+
+def test_duplicate_puts_are_answered_and_counted_and_rejections_are_in_metrics(
+    shared: tuple[ServiceProcess, Path],
+) -> None:
+    proc, _ = shared
+    with Client(proc.address) as client:
+        prompts = client.lease(2, consumer="dup").prompts
+        first = client.complete(prompts)
+        single = _code(lambda: client.complete(prompts[:1]))
+        both = client.complete(prompts)
+        counters = client.stats().counters
+        with pytest.raises(grpc.RpcError):
+            client.put([group_for(prompts[0], size=1)])
+    text = _metrics(proc)
+    assert (first, single, both, counters["train:duplicate"]) == (
+        [ACCEPTED] * 2,
+        grpc.StatusCode.ALREADY_EXISTS,
+        [DUPLICATE] * 2,
+        3,
+    )
+    assert 'kuberl_buffer_groups_put_total{kind="train",result="duplicate"} 3.0' in text
+    assert 'kuberl_buffer_rejections_total{method="PutTrajectories",reason="invalid_group"}' in text
+
+
+def test_stats_cli_prints_the_job_state_as_a_table(shared: tuple[ServiceProcess, Path]) -> None:
+    proc, config = shared
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kuberl.cli",
+            "buffer",
+            "stats",
+            "--config",
+            str(config),
+            "--address",
+            proc.address,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        check=True,
+    ).stdout
+    rows = {
+        cells[0]: cells[1]
+        for line in out.splitlines()
+        if len(cells := [c.strip() for c in line.strip("|").split("|")]) == 2
+    }
+    assert (rows["prompts_total"], rows["epoch"], rows["exhausted"]) == ("32", "0", "False")
+
+
+def test_stale_groups_are_dropped_counted_and_their_prompts_requeued(
+    redis_url: str, tmp_path: Path
+) -> None:
+    config = write_job(tmp_path, redis_url, prompts=2)
+    with start_buffer(config, tmp_path) as proc, Client(proc.address) as client:
+        old, new = client.lease(2).prompts
+        client.put(
+            [group_for(old, version=1), group_for(new, version=3)], [old.lease_id, new.lease_id]
+        )
+        batch = client.get(2, max_staleness=1, version=3)
+        requeued = client.lease(2).prompts
+        text = _metrics(proc)
+    assert ([g.prompt_id for g in batch.groups], dict(batch.dropped)) == (
+        [new.prompt_id],
+        {"stale": 1},
+    )
+    assert ([(p.prompt_id, p.epoch) for p in requeued]) == [(old.prompt_id, old.epoch)]
+    assert 'kuberl_buffer_groups_dropped_total{kind="train",reason="stale"} 1.0' in text
+
+
+def test_a_trainer_killed_before_ack_gets_the_same_batch_again_and_never_trains_it_twice(
+    redis_url: str, tmp_path: Path
+) -> None:
+    config = write_job(tmp_path, redis_url, prompts=4, batch_ack_timeout_seconds=1)
+    with start_buffer(config, tmp_path) as proc, Client(proc.address) as client:
+        client.complete(client.lease(4).prompts)
+        trainer = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.buffer_support", "get", proc.address, "3"],
+            stdout=subprocess.PIPE,
+            cwd=REPO,
+        )
+        assert trainer.stdout is not None
+        crashed = json.loads(trainer.stdout.readline())
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(10)
+        time.sleep(1.5)  # past batch_ack_timeout_seconds
+        again = client.get(3)
+        acks = [client.ack(again.batch_id).already_acked, client.ack(again.batch_id).already_acked]
+        rest = client.get(3)
+        client.ack(rest.batch_id)
+        end = client.get(3)
+    assert (again.batch_id, again.redelivered, [g.prompt_id for g in again.groups]) == (
+        crashed["batch_id"],
+        True,
+        crashed["prompts"],
+    )
+    assert (acks, len(rest.groups), rest.redelivered, len(end.groups), end.exhausted) == (
+        [False, True],
+        1,
+        False,
+        0,
+        True,
+    )
+    assert {g.prompt_id for g in rest.groups}.isdisjoint(crashed["prompts"])
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["graceful-restart", "sigkill-fsync-always"])
+def test_a_redis_restart_mid_job_loses_nothing_acknowledged(tmp_path: Path, crash: bool) -> None:
+    fsync = "always" if crash else "everysec"
+    with EmbeddedRedis(tmp_path / "redis", appendfsync=fsync, die_with_parent=True) as redis:
+        config = write_job(tmp_path, redis.url, prompts=6, batch_ack_timeout_seconds=1)
+        with start_buffer(config, tmp_path) as proc, Client(proc.address) as client:
+            prompts = client.lease(4).prompts
+            client.complete(prompts[:3])
+            client.stub.SetPolicyVersion(bpb.SetPolicyVersionRequest(version=2), timeout=10)
+            batch = client.get(2)
+            if crash:
+                redis.kill()
+            else:
+                redis.stop()
+            # A put that arrives while Redis is down is retried until Redis is back.
+            result: dict[str, list[int]] = {}
+            late = threading.Thread(target=lambda: result.update(s=client.complete(prompts[3:])))
+            late.start()
+            time.sleep(0.5)
+            redis.start()
+            late.join(30)
+            after = client.stats()
+            duplicate = _code(lambda: client.complete(prompts[:1]))
+            time.sleep(1.2)  # past batch_ack_timeout_seconds
+            again = client.get(2)
+    assert (result, duplicate) == ({"s": [ACCEPTED]}, grpc.StatusCode.ALREADY_EXISTS)
+    assert (after.policy_version, after.groups_pending, after.batches_unacked) == (2, 2, 1)
+    assert (again.batch_id, again.redelivered, len(again.groups)) == (batch.batch_id, True, 2)
+
+
+def test_two_replicas_serve_one_job_as_one_buffer(redis_url: str, tmp_path: Path) -> None:
+    config = write_job(tmp_path, redis_url, prompts=24, requeue_stale=False)
+    with start_buffer(config, tmp_path, "a") as a, start_buffer(config, tmp_path, "b") as b:
+        overlaps, accepted = _run_rollout_clients([a.address, b.address], clients=6)
+        with Client(a.address) as via_a, Client(b.address) as via_b:
+            batch = via_a.get(30)
+            acks = [
+                via_b.ack(batch.batch_id).already_acked,
+                via_a.ack(batch.batch_id).already_acked,
+            ]
+            duplicate = _code(lambda: via_b.put([group_for(batch.groups[0])]))
+            stats = (via_a.stats(), via_b.stats())
+    assert (overlaps, len(accepted), set(accepted.values())) == ([], 24, {1})
+    assert (len(batch.groups), acks, duplicate) == (
+        24,
+        [False, True],
+        grpc.StatusCode.ALREADY_EXISTS,
+    )
+    assert stats[0].counters == stats[1].counters
