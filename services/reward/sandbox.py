@@ -13,14 +13,16 @@ allows; with `require_isolation` a host without network namespaces or root refus
 
 Fallback where the kernel refuses namespaces (or without root): the code keeps the pod's
 network (deny egress with a NetworkPolicy on the reward pods), runs as the service's uid (so it
-could read what the service can read, and NPROC counts the service's processes too), and its
-processes are still limited and killed after every test.
+could read the files the service can read, and NPROC counts the service's processes too), and
+its processes are still limited and killed after every test. The service and its workers then
+make themselves non-dumpable, so code of the same uid cannot read their /proc environ or memory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -43,6 +45,7 @@ LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")
 # Seconds the launcher gets beyond the run's deadline to clean up and report before the
 # service stops trusting it.
 BACKSTOP_SECONDS = 3.0
+PR_SET_DUMPABLE = 4
 
 
 @dataclass
@@ -81,12 +84,20 @@ def default_python(dedicated_uid: bool) -> str:
     return own
 
 
+def protect_process() -> None:
+    """Without root, sandboxed code shares this process's uid: make it non-dumpable so that code
+    cannot read its /proc/<pid>/environ or memory (it would hold the service's secrets)."""
+    if os.geteuid() != 0:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+
+
 class Sandbox:
     """Runs programs against tests with the job's `reward.sandbox` limits."""
 
     def __init__(self, config: SandboxConfig) -> None:
         self.config = config
         self.root = os.geteuid() == 0
+        protect_process()
         self.python = config.python or default_python(self.root)
         self._slots: asyncio.Queue[int] = asyncio.Queue()
         for slot in range(config.max_concurrent):
@@ -97,7 +108,13 @@ class Sandbox:
         return self.config.uid_base + slot if self.root else None
 
     def _job(
-        self, code: str, tests: list[dict[str, str]], deadline: float, slot: int, workdir: str
+        self,
+        code: str,
+        tests: list[dict[str, str]],
+        deadline: float,
+        slot: int,
+        workdir: str,
+        wall_seconds: float | None = None,
     ) -> dict[str, Any]:
         c = self.config
         return {
@@ -115,7 +132,7 @@ class Sandbox:
                 "max_processes": c.max_processes,
                 "max_file_bytes": c.max_file_bytes,
                 "max_open_files": c.max_open_files,
-                "wall_seconds": c.wall_seconds,
+                "wall_seconds": wall_seconds or c.wall_seconds,
                 "max_output_bytes": c.max_output_bytes,
                 "tmpfs_bytes": c.tmpfs_bytes,
             },
@@ -162,7 +179,13 @@ class Sandbox:
         )
         await reaper.communicate(json.dumps({"mode": "reap", "uid": uid}).encode())
 
-    async def run(self, code: str, tests: list[dict[str, str]], timeout: float) -> SandboxRun:
+    async def run(
+        self,
+        code: str,
+        tests: list[dict[str, str]],
+        timeout: float,
+        wall_seconds: float | None = None,
+    ) -> SandboxRun:
         """Run `code` against `tests` within `timeout` seconds (VerifierFailure otherwise)."""
         slot = await self._slots.get()
         started = time.monotonic()
@@ -171,7 +194,7 @@ class Sandbox:
             # The launcher stops starting tests at the deadline; the backstop is only for a
             # launcher that does not come back.
             deadline = max(timeout - 0.5, 0.1)
-            job = self._job(code, tests, deadline, slot, workdir)
+            job = self._job(code, tests, deadline, slot, workdir, wall_seconds)
             try:
                 report = await self._launch(job, deadline + BACKSTOP_SECONDS)
             except TimeoutError:
@@ -185,7 +208,8 @@ class Sandbox:
 
     async def probe(self) -> dict[str, str]:
         """Run `print(1)` once; return (and remember) the isolation this host gives."""
-        run = await self.run("print(1)", [{"input": "", "output": "1"}], 30.0)
+        # Generous limits: a loaded machine must not make a healthy sandbox look broken.
+        run = await self.run("print(1)", [{"input": "", "output": "1"}], 60.0, wall_seconds=30.0)
         if run.results[0]["status"] != "passed":
             raise RuntimeError(
                 f"the code sandbox cannot run {self.python}: {run.results[0]}; set "

@@ -107,6 +107,15 @@ class Scorer:
         self._backends: dict[str, Backend] = {
             name: v.backend for name, v in BUILTINS.items() if name != "rm" or self.reward_model
         }
+        # Custom functions are imported here too (not only in the workers) so that a wrong
+        # module:function fails at start and async ones can run on this event loop.
+        for name, spec in self.config.custom.items():
+            fn = custom_verifier.load(name, spec)
+            if custom_verifier.is_async(fn):
+                self._async[name] = fn
+                self._backends[name] = "async"
+            else:
+                self._backends[name] = "pool"
         buffer = self.config.length_penalty_buffer
         self.length_soft_limit = self.config.length_soft_limit or max(
             job.rollout.sampling.max_new_tokens - buffer, 0
@@ -117,14 +126,7 @@ class Scorer:
         return self.config.timeout_seconds
 
     async def start(self) -> None:
-        """Load custom functions, start the workers, probe the sandbox, load the reward model."""
-        for name, spec in self.config.custom.items():
-            fn = custom_verifier.load(name, spec)
-            if custom_verifier.is_async(fn):
-                self._async[name] = fn
-                self._backends[name] = "async"
-            else:
-                self._backends[name] = "pool"
+        """Start the workers, probe the sandbox, load the reward model."""
         await self.pool.start()
         isolation = await self.sandbox.probe()
         for aspect, good in (("network", "namespace"), ("files", "private"), ("uid", "dedicated")):
@@ -166,13 +168,14 @@ class Scorer:
         """The sample's verifiers and weights; InvalidArgument names what is wrong."""
         if not requested:
             return dict(self.config.verifiers)
+        where = f"sample {sample_id!r}: " if sample_id else ""
         combo: dict[str, float] = {}
         for entry in requested:
             name, sep, weight_text = entry.partition("=")
             name = name.strip()
             if name not in self._backends:
                 raise InvalidArgument(
-                    f"sample {sample_id!r}: unknown verifier {name!r}; this service has "
+                    f"{where}unknown verifier {name!r}; this service has "
                     f"{', '.join(sorted(self._backends))}"
                 )
             weight = self.config.verifiers.get(name, 1.0)
@@ -183,7 +186,7 @@ class Scorer:
                     weight = math.nan
                 if not math.isfinite(weight):
                     raise InvalidArgument(
-                        f"sample {sample_id!r}: verifier entry {entry!r}: the weight must be a "
+                        f"{where}verifier entry {entry!r}: the weight must be a "
                         "finite number (name=weight)"
                     )
             combo[name] = weight

@@ -98,7 +98,10 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
 
 
 def main() -> None:
+    from kuberl.reward.sandbox import protect_process
+
     setup_logging("reward-worker")
+    protect_process()
     inp = os.fdopen(os.dup(0), "rb")
     out = os.fdopen(os.dup(1), "wb")
     devnull = os.open(os.devnull, os.O_RDONLY)

@@ -20,6 +20,9 @@ wherever it is echoed verbatim:
    the first).
 2. Otherwise the last number anywhere in the response (lm-eval's "flexible extract").
 3. Otherwise there is no answer and the score is 0.
+4. A hedged answer is no answer: when the number read is directly followed (for the last-number
+   rule, preceded) by `,` or `or` and another number ("the answer is 70 or 72", "70, 71 or 72",
+   `\boxed{18 \text{ or } 20}`), the score is 0 whichever of them is right.
 
 A number is an optional minus sign (not one that follows a digit, letter or `)`: that is a
 subtraction), digits with optional thousands commas (`1,234`), an optional decimal part, and an
@@ -57,6 +60,10 @@ _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _FRAC = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 _TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{([^{}]*)\}")
 _CURRENCY = re.compile(r"[$€£¥]")
+# A hedge: another number offered as an alternative right after (or, for the last number,
+# right before) the one read, e.g. "70 or 72", "70, 71, 72", "70/72" would be a fraction.
+_HEDGE_AFTER = re.compile(r"\s*(?:,|\bor\b)\s*(?:maybe\s+)?-?\.?\d")
+_HEDGE_BEFORE = re.compile(r"\d\s*(?:,|\bor\b)\s*(?:maybe\s+)?-?$")
 
 
 @dataclass(frozen=True)
@@ -106,22 +113,29 @@ def _latex_to_text(latex: str) -> str:
 def extract_answer(response: str, prompt: str = "") -> Extraction:
     """The model's final number in `response` by the rules of this module's docstring."""
     text = _clean(response.replace(prompt, " ") if prompt.strip() else response)
-    candidates: list[tuple[int, str, str]] = []  # (start, number text, rule)
+    candidates: list[tuple[int, str, str, bool]] = []  # (start, number text, rule, hedged)
     for pattern, rule in ((_HASH, "####"), (_ANSWER, "answer"), (_A_LINE, "A:")):
         for m in pattern.finditer(text):
-            candidates.append((m.start(), m.group(1), rule))
+            if parse_number(m.group(1)) is not None:
+                hedged = _HEDGE_AFTER.match(text, m.end()) is not None
+                candidates.append((m.start(), m.group(1), rule, hedged))
     for start, content in _boxed_contents(text):
-        number = NUMBER.search(_clean(_latex_to_text(content)))
-        if number:
-            candidates.append((start, number.group(0), "boxed"))
-    for _, number_text, rule in sorted(candidates, reverse=True):
-        value = parse_number(number_text)
-        if value is not None:
-            return Extraction(value, number_text, rule)
-    for m in reversed(list(NUMBER.finditer(text))):
-        value = parse_number(m.group(0))
-        if value is not None:
-            return Extraction(value, m.group(0), "last number")
+        inner = _clean(_latex_to_text(content))
+        number = NUMBER.search(inner)
+        if number and parse_number(number.group(0)) is not None:
+            hedged = _HEDGE_AFTER.match(inner, number.end()) is not None
+            candidates.append((start, number.group(0), "boxed", hedged))
+    if candidates:
+        _, number_text, rule, hedged = max(candidates)
+        if hedged:
+            return Extraction(None, number_text, f"{rule}, hedged")
+        return Extraction(parse_number(number_text), number_text, rule)
+    numbers = list(NUMBER.finditer(text))
+    if numbers:
+        last = numbers[-1]
+        if _HEDGE_BEFORE.search(text, 0, last.start()):
+            return Extraction(None, last.group(0), "last number, hedged")
+        return Extraction(parse_number(last.group(0)), last.group(0), "last number")
     return Extraction(None, "", "none")
 
 

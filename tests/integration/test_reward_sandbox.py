@@ -1,0 +1,249 @@
+"""Attacks on the code sandbox through the real reward service (`kuberl serve reward` in a
+subprocess): an infinite loop, fork bombs, a memory bomb, writing outside its folder, reading the
+service's environment, opening network sockets, a huge stdout, killing its parent. Each is
+contained (nothing of it survives, nothing outside changes) and reported in the score, and the
+service keeps answering.
+
+Several attacks print a word that only a contained run can print, and their test expects it
+(stdin/stdout tests are judged outside the program): a reward of 1.0 there means "contained".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kuberl.api.reward.v1 import reward_pb2, reward_pb2_grpc
+from kuberl.common.channels import sync_channel
+from tests.integration.test_reward_service import reward_job
+from tests.support import REPO, ServiceProcess
+
+SECRET_NAME = "REWARD_TEST_SECRET"
+SECRET = f"s3cr3t-{uuid.uuid4().hex}"
+UID_BASE = 61000
+SLOTS = 2
+MAX_PROCESSES = 16
+ROOT = os.geteuid() == 0
+
+
+class Sandboxed:
+    def __init__(self, proc: ServiceProcess, stub: reward_pb2_grpc.RewardServiceStub) -> None:
+        self.proc, self.stub = proc, stub
+
+    def run(self, program: str, expected: str = "", stdin: str = "") -> reward_pb2.SampleScore:
+        """Score `program` with the code verifier on one stdin/stdout test."""
+        sample = reward_pb2.Sample(
+            sample_id="attack",
+            response=f"```python\n{program}\n```",
+            metadata_json=json.dumps({"tests": [{"input": stdin, "output": expected}]}),
+            verifiers=["code"],
+        )
+        request = reward_pb2.ScoreRequest(samples=[sample])
+        return self.stub.Score(request, timeout=60).scores[0]
+
+    def still_answers(self) -> bool:
+        ok = reward_pb2.Sample(sample_id="ok", response="#### 5", answer="#### 5")
+        reply = self.stub.Score(reward_pb2.ScoreRequest(samples=[ok]), timeout=30)
+        return self.proc.proc.poll() is None and reply.scores[0].reward == 1.0
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandboxed]:
+    tmp = tmp_path_factory.mktemp("sandbox")
+    job = reward_job(
+        tmp,
+        timeout_seconds=15,
+        sandbox={
+            "wall_seconds": 3,
+            "cpu_seconds": 1,
+            "memory_bytes": 256 * 1024 * 1024,
+            "max_processes": MAX_PROCESSES,
+            "max_output_bytes": 64 * 1024,
+            "max_concurrent": SLOTS,
+            "uid_base": UID_BASE,
+        },
+    )
+    env = {SECRET_NAME: SECRET}
+    with ServiceProcess.kuberl("reward", job, tmp, env=env) as proc:
+        proc.wait_serving(timeout=120)
+        with sync_channel(proc.address) as channel:
+            yield Sandboxed(proc, reward_pb2_grpc.RewardServiceStub(channel))
+
+
+def sandbox_processes() -> list[int]:
+    """Live processes owned by the sandbox uids."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            st = os.stat(f"/proc/{entry}")
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if entry.isdigit() and UID_BASE <= st.st_uid < UID_BASE + SLOTS and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def test_an_infinite_loop_is_stopped_and_reported_as_a_timeout(sandbox: Sandboxed) -> None:
+    score = sandbox.run("while True:\n    pass")
+    assert (score.reward, score.breakdown["code/timeout"], score.error) == (0.0, 1.0, "")
+    assert "test 0: timeout" in score.details
+    assert sandbox.still_answers()
+
+
+@pytest.mark.skipif(not ROOT, reason="exact NPROC accounting needs the dedicated sandbox uid")
+def test_a_process_can_fork_only_up_to_its_process_limit(sandbox: Sandboxed) -> None:
+    # One parent forks sleepers until fork fails, then prints how many it got: with NPROC 16,
+    # itself and 15 children. The sleepers must not outlive the run.
+    program = (
+        "import os, time\n"
+        "n = 0\n"
+        "while True:\n"
+        "    try:\n"
+        "        pid = os.fork()\n"
+        "    except OSError:\n"
+        "        print(n)\n"
+        "        break\n"
+        "    if pid == 0:\n"
+        "        time.sleep(60)\n"
+        "        os._exit(0)\n"
+        "    n += 1\n"
+    )
+    score = sandbox.run(program, expected=str(MAX_PROCESSES - 1))
+    assert (score.reward, score.details) == (1.0, "code: 1/1 passed")
+    assert sandbox_processes() == []
+    assert sandbox.still_answers()
+
+
+def test_a_fork_bomb_is_contained_and_leaves_no_process(sandbox: Sandboxed) -> None:
+    program = (
+        "import os, time\n"
+        "while True:\n"
+        "    try:\n"
+        "        os.fork()\n"
+        "    except OSError:\n"
+        "        time.sleep(0.01)\n"
+    )
+    score = sandbox.run(program)
+    assert (score.reward, score.breakdown["code/timeout"]) == (0.0, 1.0)
+    assert sandbox_processes() == []
+    assert sandbox.still_answers()
+
+
+def test_a_memory_bomb_hits_the_address_space_limit(sandbox: Sandboxed) -> None:
+    score = sandbox.run("blocks = []\nwhile True:\n    blocks.append(bytearray(50 * 2**20))")
+    assert (score.reward, score.breakdown["code/memory"], "MemoryError" in score.details) == (
+        0.0,
+        1.0,
+        True,
+    )
+    assert sandbox.still_answers()
+
+
+def test_writing_outside_its_folder_changes_nothing_outside(
+    sandbox: Sandboxed, tmp_path: Path
+) -> None:
+    targets = [
+        tmp_path / "escaped.txt",
+        REPO / f"escaped-{uuid.uuid4().hex}.txt",
+        Path("/tmp") / f"kuberl-escaped-{uuid.uuid4().hex}.txt",
+    ]
+    tmp_path.chmod(0o777)  # world-writable, yet out of reach (and /tmp is private to the run)
+    program = (
+        "ok = 0\n"
+        f"for path in {[str(t) for t in targets]!r}:\n"
+        "    try:\n"
+        "        open(path, 'w').write('x')\n"
+        "    except OSError:\n"
+        "        ok += 1\n"
+        "open('inside.txt', 'w').write('fine')\n"
+        "print('done')\n"
+    )
+    score = sandbox.run(program, expected="done")
+    assert (score.reward, [t for t in targets if t.exists()]) == (1.0, [])
+    assert sandbox.still_answers()
+
+
+def test_the_services_environment_cannot_be_read(sandbox: Sandboxed) -> None:
+    program = (
+        "import os\n"
+        f"name = {SECRET_NAME!r}\n"
+        "leaks = [k for k in os.environ if k == name or k.startswith('KUBERL')]\n"
+        "for pid in os.listdir('/proc'):\n"
+        "    if pid.isdigit() and int(pid) != os.getpid():\n"
+        "        try:\n"
+        "            if name.encode() in open(f'/proc/{pid}/environ', 'rb').read():\n"
+        "                leaks.append(pid)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "print('LEAK', leaks) if leaks else print('clean')\n"
+    )
+    score = sandbox.run(program, expected="clean")
+    assert (score.reward, score.details) == (1.0, "code: 1/1 passed")
+    assert sandbox.still_answers()
+
+
+def test_network_sockets_reach_nothing(sandbox: Sandboxed) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    program = (
+        "import socket\n"
+        "reached = []\n"
+        f"for host, port in [('127.0.0.1', {port}), ('1.1.1.1', 53), ('8.8.8.8', 443)]:\n"
+        "    try:\n"
+        "        socket.create_connection((host, port), timeout=1).close()\n"
+        "        reached.append(host)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "print('reached', reached) if reached else print('blocked')\n"
+    )
+    score = sandbox.run(program, expected="blocked")
+    with pytest.raises(TimeoutError):
+        listener.accept()
+    listener.close()
+    assert (score.reward, score.details) == (1.0, "code: 1/1 passed")
+    assert sandbox.still_answers()
+
+
+def test_a_huge_stdout_is_cut_off_and_reported(sandbox: Sandboxed) -> None:
+    score = sandbox.run("while True:\n    print('x' * 10000)")
+    assert (score.reward, score.breakdown["code/output_limit"]) == (0.0, 1.0)
+    assert sandbox_processes() == []
+    assert sandbox.still_answers()
+
+
+def test_killing_its_parent_and_everything_else_it_sees_fails(sandbox: Sandboxed) -> None:
+    program = (
+        "import os, signal\n"
+        "killed = []\n"
+        "for pid in [os.getppid(), 1, *map(int, filter(str.isdigit, os.listdir('/proc')))]:\n"
+        "    if pid != os.getpid():\n"
+        "        try:\n"
+        "            os.kill(pid, signal.SIGKILL)\n"
+        "            killed.append(pid)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "print('killed', killed) if killed else print('alive')\n"
+    )
+    score = sandbox.run(program, expected="alive")
+    assert (score.reward, score.details) == (1.0, "code: 1/1 passed")
+    assert sandbox.still_answers()
+
+
+@pytest.mark.skipif(not ROOT, reason="namespaces and a dedicated uid need root")
+def test_the_sandbox_reports_full_isolation_when_run_as_root(sandbox: Sandboxed) -> None:
+    url = f"http://127.0.0.1:{sandbox.proc.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    gauges = [
+        f'kuberl_reward_sandbox_isolated{{aspect="{a}"}} 1.0' for a in ("network", "files", "uid")
+    ]
+    assert [g for g in gauges if g not in text] == []
