@@ -231,9 +231,10 @@ class SandboxConfig(Section):
     )
     require_isolation: bool = Field(
         False,
-        description="Refuse to start unless runs get their own network namespace and uid "
-        "(root, or a kernel allowing unprivileged user namespaces); else fall back to rlimits "
-        "and process-tree cleanup and log a warning.",
+        description="Refuse to start unless runs get their own network namespace and a "
+        "dedicated uid (the service runs as root on a kernel that allows namespaces). Without "
+        "it, the sandbox falls back to what it can get (a user-namespace network namespace, "
+        "rlimits, process-tree cleanup) and logs a warning.",
     )
     python: str | None = Field(
         None, description="Interpreter for the programs (null: the service's own)."

@@ -117,6 +117,11 @@ def isolate(job: dict[str, Any]) -> tuple[dict[str, str], str]:
         uid, gid = os.getuid(), os.getgid()
         try:
             _call("unshare", CLONE_NEWUSER | CLONE_NEWNET)
+        except OSError as exc:
+            report["network_error"] = str(exc)
+        else:
+            report["network"] = "namespace"
+            # Map our uid/gid to themselves, or the namespace could not create files.
             for name, text in (
                 ("setgroups", "deny"),
                 ("uid_map", f"{uid} {uid} 1"),
@@ -124,9 +129,6 @@ def isolate(job: dict[str, Any]) -> tuple[dict[str, str], str]:
             ):
                 with open(f"/proc/self/{name}", "w") as f:
                     f.write(text)
-            report["network"] = "namespace"
-        except OSError as exc:
-            report["network_error"] = str(exc)
     return report, base
 
 
@@ -358,7 +360,7 @@ def classify(run: dict, expected: str | None, reported_ok: bool, cpu_seconds: in
     return {"status": "wrong_answer", "detail": f"expected {expected[:60]!r}, got {got[:60]!r}"}
 
 
-def _prepare(job: dict[str, Any], base: str) -> dict[str, Any]:
+def _prepare(job: dict[str, Any], base: str, shared_tasks: int) -> dict[str, Any]:
     """Create the read-only harness folder and the code's writable working folder."""
     uid = job.get("uid") if os.geteuid() == 0 else None
     os.chmod(base, 0o1777 if base == "/tmp" else 0o711)
@@ -371,9 +373,8 @@ def _prepare(job: dict[str, Any], base: str) -> dict[str, Any]:
         with open(os.path.join(harness, name), "w") as f:
             f.write(text)
         os.chmod(os.path.join(harness, name), 0o444)
-    nproc = job["limits"]["max_processes"]
-    if uid is None:  # NPROC counts every process of the shared uid, the service's included
-        nproc += _uid_task_count(os.getuid())
+    # Without a dedicated uid, NPROC counts every process of the shared uid, the service's too.
+    nproc = job["limits"]["max_processes"] + (shared_tasks if uid is None else 0)
     env = {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         "LANG": "C.UTF-8",
@@ -422,10 +423,13 @@ def main() -> None:
         kill_uid(job["uid"])
         sys.stdout.write(json.dumps({"reaped": job["uid"]}))
         return
+    # Counted before a user namespace would show every unmapped process as "nobody".
+    shared_tasks = _uid_task_count(os.getuid()) if os.geteuid() != 0 else 0
+    isolation, base = isolate(job)
+    # After isolate: a non-dumpable process cannot write its own uid_map.
     _prctl(PR_SET_DUMPABLE, 0)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
-    isolation, base = isolate(job)
-    ctx = _prepare(job, base)
+    ctx = _prepare(job, base, shared_tasks)
     results = run_tests(job, ctx, started)
     sys.stdout.write(json.dumps({"isolation": isolation, "results": results}))
 

@@ -10,9 +10,13 @@ Several attacks print a word that only a contained run can print, and their test
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import socket
+import subprocess
+import tempfile
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -22,6 +26,7 @@ import pytest
 
 from kuberl.api.reward.v1 import reward_pb2, reward_pb2_grpc
 from kuberl.common.channels import sync_channel
+from kuberl.reward.sandbox import LAUNCHER, default_python
 from tests.integration.test_reward_service import reward_job
 from tests.support import REPO, ServiceProcess
 
@@ -247,3 +252,67 @@ def test_the_sandbox_reports_full_isolation_when_run_as_root(sandbox: Sandboxed)
         f'kuberl_reward_sandbox_isolated{{aspect="{a}"}} 1.0' for a in ("network", "files", "uid")
     ]
     assert [g for g in gauges if g not in text] == []
+
+
+@pytest.mark.skipif(
+    not ROOT or shutil.which("setpriv") is None, reason="needs root to drop to an unprivileged uid"
+)
+def test_without_root_the_launcher_still_cuts_the_network_and_limits_processes() -> None:
+    # The fallback a non-root reward container gets: the launcher itself runs as nobody.
+    workdir = Path(tempfile.mkdtemp(prefix="kuberl-nobody-"))
+    os.chown(workdir, 65534, 65534)
+    program = (
+        "import os, socket, time\n"
+        "try:\n"
+        "    socket.create_connection(('127.0.0.1', 1), timeout=1)\n"
+        "except OSError as exc:\n"
+        "    print(exc.errno)\n"
+        "n = 0\n"
+        "while True:\n"
+        "    try:\n"
+        "        pid = os.fork()\n"
+        "    except OSError:\n"
+        "        break\n"
+        "    if pid == 0:\n"
+        "        time.sleep(60)\n"
+        "        os._exit(0)\n"
+        "    n += 1\n"
+        "print(n)\n"
+    )
+    job = {
+        "mode": "run",
+        "uid": None,
+        "python": default_python(dedicated_uid=True),
+        "code": program,
+        "tests": [{"input": "", "output": f"{errno.ENETUNREACH}\n{MAX_PROCESSES - 1}"}],
+        "workdir": str(workdir),
+        "deadline_seconds": 20,
+        "limits": {
+            "cpu_seconds": 2,
+            "memory_bytes": 256 * 2**20,
+            "max_processes": MAX_PROCESSES,
+            "max_file_bytes": 2**20,
+            "max_open_files": 64,
+            "wall_seconds": 10,
+            "max_output_bytes": 2**16,
+            "tmpfs_bytes": 2**24,
+        },
+    }
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    try:
+        done = subprocess.run(
+            [*nobody, job["python"], "-I", "-S", str(LAUNCHER)],
+            input=json.dumps(job).encode(),
+            capture_output=True,
+            timeout=60,
+        )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    assert done.returncode == 0, done.stderr.decode()
+    report = json.loads(done.stdout)
+    leftovers = subprocess.run(["pgrep", "-u", "65534"], capture_output=True).stdout
+    assert (report["isolation"]["network"], report["results"], leftovers) == (
+        "namespace",
+        [{"status": "passed", "detail": ""}],
+        b"",
+    )
