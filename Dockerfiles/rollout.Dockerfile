@@ -1,0 +1,40 @@
+# syntax=docker/dockerfile:1
+# kuberl/kuberl-rollout: a pinned SGLang image with kuberl's rollout service added. One image for
+# both containers of a rollout pod: the SGLang server (`python3 -m sglang.launch_server ...`, set by
+# the chart) and the kuberl rollout worker (the entry point, `kuberl serve rollout ...`).
+# SGLang brings its own CUDA, PyTorch and transformers; kuberl is added without replacing them
+# (`pip check` fails the build on a conflict). Build from the repository root:
+#   docker build -f Dockerfiles/rollout.Dockerfile -t kuberl/kuberl-rollout:0.1.0 .
+
+ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.23-cu129
+
+FROM ${SGLANG_IMAGE}
+LABEL org.opencontainers.image.title="kuberl-rollout" \
+      org.opencontainers.image.description="SGLang server and the kuberl rollout service" \
+      org.opencontainers.image.licenses="Apache-2.0"
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+WORKDIR /src
+COPY Dockerfiles/constraints.txt /src/Dockerfiles/constraints.txt
+COPY pyproject.toml setup.py README.md LICENSE /src/
+COPY services /src/services
+COPY protos /src/protos
+# kuberl's own package without dependencies, then only the dependencies SGLang does not ship,
+# pinned; torch, transformers and safetensors stay SGLang's.
+RUN python3 -m pip install --no-cache-dir --no-deps . \
+    && python3 -m pip install --no-cache-dir --constraint Dockerfiles/constraints.txt \
+        grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
+        protobuf==7.36.2 prometheus-client==0.26.0 httpx==0.28.1 \
+    && python3 -m pip check \
+    && rm -rf /src \
+    && groupadd --gid 10001 kuberl \
+    && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/kuberl --shell /usr/sbin/nologin kuberl
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    KUBERL_LOG_FORMAT=json \
+    HOME=/home/kuberl
+USER 10001:10001
+WORKDIR /home/kuberl
+EXPOSE 30000 50060 9110
+ENTRYPOINT ["kuberl"]
+CMD ["--help"]

@@ -1,0 +1,468 @@
+{{/*
+Shared named templates: names, labels, images, the rendered job file, and the pod pieces every
+kuberl component uses (security contexts, volumes, gRPC probes, environment).
+*/}}
+
+{{- define "kuberl.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The resource name prefix: <release>-<chart>, or <release> when it already names the chart. */}}
+{{- define "kuberl.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kuberl.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels of every resource. */}}
+{{- define "kuberl.labels" -}}
+helm.sh/chart: {{ include "kuberl.chart" . }}
+{{ include "kuberl.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kuberl
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "kuberl.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kuberl.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Labels of one component: (dict "root" $ "component" "buffer"). */}}
+{{- define "kuberl.componentLabels" -}}
+{{ include "kuberl.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "kuberl.componentSelectorLabels" -}}
+{{ include "kuberl.selectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "kuberl.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kuberl.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* An image reference from one entry of .Values.images: (dict "root" $ "image" .Values.images.kuberl). */}}
+{{- define "kuberl.image" -}}
+{{- $repo := .image.repository }}
+{{- if .image.registry }}{{ $repo = printf "%s/%s" .image.registry .image.repository }}{{ end }}
+{{- if .image.digest }}
+{{- printf "%s@%s" $repo .image.digest }}
+{{- else }}
+{{- printf "%s:%s" $repo (default .root.Chart.AppVersion .image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/* Service DNS names and addresses. */}}
+{{- define "kuberl.redisHost" -}}
+{{- if .Values.redis.enabled }}{{ include "kuberl.fullname" . }}-redis{{ else }}{{ required "externalRedis.host is required when redis.enabled is false" .Values.externalRedis.host }}{{ end }}
+{{- end }}
+
+{{- define "kuberl.redisPort" -}}
+{{- if .Values.redis.enabled }}{{ .Values.redis.port }}{{ else }}{{ .Values.externalRedis.port }}{{ end }}
+{{- end }}
+
+{{- define "kuberl.redisUrl" -}}
+{{- if .Values.redis.enabled -}}
+redis://{{ include "kuberl.redisHost" . }}:{{ .Values.redis.port }}/0
+{{- else -}}
+{{ ternary "rediss" "redis" .Values.externalRedis.tls.enabled }}://{{ include "kuberl.redisHost" . }}:{{ .Values.externalRedis.port }}/{{ .Values.externalRedis.db }}
+{{- end -}}
+{{- end }}
+
+{{/* The Secret and key holding the Redis password, or nothing when there is no password. */}}
+{{- define "kuberl.redisSecretName" -}}
+{{- if .Values.redis.enabled }}
+{{- default (printf "%s-redis" (include "kuberl.fullname" .)) .Values.redis.auth.existingSecret }}
+{{- else if .Values.externalRedis.existingSecret }}
+{{- .Values.externalRedis.existingSecret }}
+{{- else if .Values.externalRedis.password }}
+{{- printf "%s-external-redis" (include "kuberl.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{- define "kuberl.redisSecretKey" -}}
+{{- if .Values.redis.enabled }}{{ .Values.redis.auth.existingSecretPasswordKey }}{{ else }}{{ .Values.externalRedis.existingSecretPasswordKey }}{{ end }}
+{{- end }}
+
+{{- define "kuberl.trainerHeadless" -}}
+{{ include "kuberl.fullname" . }}-trainer-headless
+{{- end }}
+
+{{/* Address of trainer rank 0 (pod 0 of the StatefulSet) through the headless Service. */}}
+{{- define "kuberl.trainerMaster" -}}
+{{ include "kuberl.fullname" . }}-trainer-0.{{ include "kuberl.trainerHeadless" . }}.{{ .Release.Namespace }}.svc
+{{- end }}
+
+{{/* The model SGLang serves. */}}
+{{- define "kuberl.sglangModel" -}}
+{{- $model := default .Values.model.path .Values.rollout.sglang.model }}
+{{- required "rollout.sglang.model or model.path is required when rollout.sglang.enabled (SGLang needs a model path or Hugging Face id)" $model }}
+{{- end }}
+
+{{/*
+The job file every service reads: values.job with the chart's wiring merged over it (endpoints,
+Redis URL, listeners, volumes, the SGLang engine). The ConfigMap and the pods' checksum annotation
+both use it.
+*/}}
+{{- define "kuberl.jobConfig" -}}
+{{- $fullname := include "kuberl.fullname" . }}
+{{- $job := deepCopy (default dict .Values.job) }}
+{{- $wiring := dict
+  "endpoints" (dict
+    "buffer" (printf "%s-buffer:%v" $fullname .Values.buffer.port)
+    "reward" (printf "%s-reward:%v" $fullname .Values.reward.port)
+    "weight_sync" (printf "%s-weight-sync:%v" $fullname .Values.weightSync.port)
+    "trainer" (printf "%s:%v" (include "kuberl.trainerMaster" .) .Values.trainer.port))
+  "redis" (dict "url" (include "kuberl.redisUrl" .) "password_env" "REDIS_PASSWORD")
+  "buffer" (dict "server" (dict "host" "0.0.0.0" "port" .Values.buffer.port "metrics_port" .Values.buffer.metricsPort))
+  "reward" (dict "server" (dict "host" "0.0.0.0" "port" .Values.reward.port "metrics_port" .Values.reward.metricsPort))
+  "weight_sync" (dict "server" (dict "host" "0.0.0.0" "port" .Values.weightSync.port "metrics_port" .Values.weightSync.metricsPort) "snapshot_dir" "/var/lib/kuberl/snapshots")
+  "trainer" (dict "server" (dict "host" "0.0.0.0" "port" .Values.trainer.port "metrics_port" .Values.trainer.metricsPort) "checkpoint_dir" .Values.trainer.checkpoints.mountPath)
+  "rollout" (dict "server" (dict "host" "0.0.0.0" "port" .Values.rollout.port "metrics_port" .Values.rollout.metricsPort))
+}}
+{{- if .Values.model.path }}
+{{- $_ := set $wiring "model" (dict "path" .Values.model.path) }}
+{{- end }}
+{{- if .Values.rollout.sglang.enabled }}
+{{- $engine := dict }}
+{{- $jobEngine := dig "rollout" "engine" dict $job }}
+{{- if eq (default "" (get $jobEngine "kind")) "sglang" }}
+{{- $engine = deepCopy $jobEngine }}
+{{- else if hasKey (default dict (get $job "rollout")) "engine" }}
+{{- $_ := unset (get $job "rollout") "engine" }}
+{{- end }}
+{{- $_ := set $engine "kind" "sglang" }}
+{{- $_ := set $engine "url" (printf "http://127.0.0.1:%v" .Values.rollout.sglang.port) }}
+{{- $_ := set $engine "launch" false }}
+{{- $_ := set $engine "tp_size" .Values.rollout.sglang.tpSize }}
+{{- $_ := set $engine "mem_fraction_static" .Values.rollout.sglang.memFractionStatic }}
+{{- $_ := set (get $wiring "rollout") "engine" $engine }}
+{{- end }}
+{{- toYaml (mergeOverwrite $job $wiring) }}
+{{- end }}
+
+{{/* Pod annotations that restart pods when the job file changes. */}}
+{{- define "kuberl.checksumAnnotations" -}}
+checksum/job: {{ include "kuberl.jobConfig" . | sha256sum }}
+{{- end }}
+
+{{/* Pod-level settings shared by every kuberl pod (not Redis). */}}
+{{- define "kuberl.podCommon" -}}
+serviceAccountName: {{ include "kuberl.serviceAccountName" . }}
+automountServiceAccountToken: {{ .Values.serviceAccount.automountToken }}
+enableServiceLinks: false
+{{- with .Values.images.pullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- end }}
+
+{{/* Scheduling of one component: (dict "root" $ "values" .Values.buffer "gpu" false). */}}
+{{- define "kuberl.scheduling" -}}
+{{- $nodeSelector := .values.nodeSelector }}
+{{- $tolerations := .values.tolerations }}
+{{- if not .gpu }}
+{{- $nodeSelector = default .root.Values.nodeSelector .values.nodeSelector }}
+{{- $tolerations = default .root.Values.tolerations .values.tolerations }}
+{{- end }}
+{{- with $nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Environment of every kuberl container. */}}
+{{- define "kuberl.env" -}}
+- name: KUBERL_LOG_FORMAT
+  value: {{ .Values.logFormat | quote }}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: TMPDIR
+  value: /tmp
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* REDIS_PASSWORD from the Redis Secret, when there is one. */}}
+{{- define "kuberl.redisPasswordEnv" -}}
+{{- $secret := include "kuberl.redisSecretName" . }}
+{{- if $secret }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: {{ include "kuberl.redisSecretKey" . }}
+{{- end }}
+{{- if and (not .Values.redis.enabled) .Values.externalRedis.tls.caSecret }}
+- name: SSL_CERT_FILE
+  value: /etc/kuberl/redis-ca/ca.crt
+{{- end }}
+{{- end }}
+
+{{/* The job file mount. */}}
+{{- define "kuberl.jobVolume" -}}
+- name: job
+  configMap:
+    name: {{ include "kuberl.fullname" . }}-job
+- name: tmp
+  emptyDir:
+    sizeLimit: 1Gi
+{{- end }}
+
+{{- define "kuberl.jobVolumeMount" -}}
+- name: job
+  mountPath: /etc/kuberl
+  readOnly: true
+- name: tmp
+  mountPath: /tmp
+{{- end }}
+
+{{/* The kuberl command of a service: (dict "root" $ "service" "buffer"). */}}
+{{- define "kuberl.serveArgs" -}}
+- serve
+- {{ .service }}
+- --config
+- /etc/kuberl/job.yaml
+{{- end }}
+
+{{/* Native gRPC probes on grpc.health.v1 (every kuberl server serves it): (dict "root" $ "port" 50051). */}}
+{{- define "kuberl.grpcProbes" -}}
+startupProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: 5
+  timeoutSeconds: {{ .root.Values.probes.readiness.timeoutSeconds }}
+  failureThreshold: {{ .root.Values.probes.startupFailureThreshold }}
+readinessProbe:
+  grpc:
+    port: {{ .port }}
+  {{- toYaml .root.Values.probes.readiness | nindent 2 }}
+livenessProbe:
+  grpc:
+    port: {{ .port }}
+  {{- toYaml .root.Values.probes.liveness | nindent 2 }}
+{{- end }}
+
+{{- define "kuberl.containerPorts" -}}
+- name: grpc
+  containerPort: {{ .port }}
+  protocol: TCP
+- name: metrics
+  containerPort: {{ .metricsPort }}
+  protocol: TCP
+{{- end }}
+
+{{/* A ClusterIP Service with the grpc and metrics ports: (dict "root" $ "component" "buffer" "name" "buffer" "values" .Values.buffer). */}}
+{{- define "kuberl.service" -}}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ include "kuberl.fullname" .root }}-{{ .name }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "kuberl.componentLabels" (dict "root" .root "component" .component) | nindent 4 }}
+spec:
+  type: ClusterIP
+  selector:
+    {{- include "kuberl.componentSelectorLabels" (dict "root" .root "component" .component) | nindent 4 }}
+  ports:
+    - name: grpc
+      port: {{ .values.port }}
+      targetPort: grpc
+      protocol: TCP
+      appProtocol: grpc
+    - name: metrics
+      port: {{ .values.metricsPort }}
+      targetPort: metrics
+      protocol: TCP
+      appProtocol: http
+{{- end }}
+
+{{/* A PodDisruptionBudget: (dict "root" $ "component" "buffer" "name" "buffer" "pdb" .Values.buffer.pdb). */}}
+{{- define "kuberl.pdb" -}}
+{{- if .pdb.enabled }}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "kuberl.fullname" .root }}-{{ .name }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "kuberl.componentLabels" (dict "root" .root "component" .component) | nindent 4 }}
+spec:
+  maxUnavailable: {{ .pdb.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "kuberl.componentSelectorLabels" (dict "root" .root "component" .component) | nindent 6 }}
+{{- end }}
+{{- end }}
+
+{{/*
+A stateless kuberl gRPC service (buffer, reward, weight-sync): Deployment, Service and PDB.
+(dict "root" $ "component" "weight-sync" "service" "weight_sync" "values" .Values.weightSync
+      "replicas" 1 "recreate" true "redis" false "data" false "model" false "volumes" list "mounts" list)
+*/}}
+{{- define "kuberl.serviceDeployment" -}}
+{{- $root := .root }}
+{{- $values := .values }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ include "kuberl.fullname" $root }}-{{ .component }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "kuberl.componentLabels" (dict "root" $root "component" .component) | nindent 4 }}
+spec:
+  replicas: {{ .replicas }}
+  revisionHistoryLimit: 5
+  {{- if .recreate }}
+  strategy:
+    type: Recreate
+  {{- else }}
+  strategy:
+    type: RollingUpdate
+    rollingUpdate:
+      maxUnavailable: 0
+      maxSurge: 1
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- include "kuberl.componentSelectorLabels" (dict "root" $root "component" .component) | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "kuberl.componentSelectorLabels" (dict "root" $root "component" .component) | nindent 8 }}
+        {{- with $root.Values.podLabels }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      annotations:
+        {{- include "kuberl.checksumAnnotations" $root | nindent 8 }}
+        {{- with merge (deepCopy (default dict $values.podAnnotations)) $root.Values.podAnnotations }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+    spec:
+      {{- include "kuberl.podCommon" $root | nindent 6 }}
+      {{- include "kuberl.scheduling" (dict "root" $root "values" $values "gpu" false) | nindent 6 }}
+      terminationGracePeriodSeconds: 30
+      containers:
+        - name: {{ .component }}
+          image: {{ include "kuberl.image" (dict "root" $root "image" $root.Values.images.kuberl) }}
+          imagePullPolicy: {{ $root.Values.images.pullPolicy }}
+          args:
+            {{- include "kuberl.serveArgs" (dict "root" $root "service" .service) | nindent 12 }}
+          ports:
+            {{- include "kuberl.containerPorts" $values | nindent 12 }}
+          env:
+            {{- include "kuberl.env" $root | nindent 12 }}
+            {{- if .redis }}
+            {{- include "kuberl.redisPasswordEnv" $root | nindent 12 }}
+            {{- end }}
+            {{- with $values.extraEnv }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          {{- include "kuberl.grpcProbes" (dict "root" $root "port" $values.port) | nindent 10 }}
+          resources:
+            {{- toYaml $values.resources | nindent 12 }}
+          securityContext:
+            {{- toYaml $root.Values.securityContext | nindent 12 }}
+          volumeMounts:
+            {{- include "kuberl.jobVolumeMount" $root | nindent 12 }}
+            {{- if and .redis (not $root.Values.redis.enabled) $root.Values.externalRedis.tls.caSecret }}
+            - name: redis-ca
+              mountPath: /etc/kuberl/redis-ca
+              readOnly: true
+            {{- end }}
+            {{- if and .data $root.Values.data.volume }}
+            - name: data
+              mountPath: {{ $root.Values.data.mountPath }}
+              readOnly: true
+            {{- end }}
+            {{- if and .model $root.Values.model.volume }}
+            - name: model
+              mountPath: {{ $root.Values.model.mountPath }}
+              readOnly: true
+            {{- end }}
+            {{- with .mounts }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+      volumes:
+        {{- include "kuberl.jobVolume" $root | nindent 8 }}
+        {{- if and .redis (not $root.Values.redis.enabled) $root.Values.externalRedis.tls.caSecret }}
+        - name: redis-ca
+          secret:
+            secretName: {{ $root.Values.externalRedis.tls.caSecret }}
+        {{- end }}
+        {{- if and .data $root.Values.data.volume }}
+        - name: data
+          {{- toYaml $root.Values.data.volume | nindent 10 }}
+        {{- end }}
+        {{- if and .model $root.Values.model.volume }}
+        - name: model
+          {{- toYaml $root.Values.model.volume | nindent 10 }}
+        {{- end }}
+        {{- with .volumes }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+---
+{{ include "kuberl.service" (dict "root" $root "component" .component "name" .component "values" $values) }}
+{{- $pdb := include "kuberl.pdb" (dict "root" $root "component" .component "name" .component "pdb" $values.pdb) }}
+{{- if $pdb }}
+---
+{{ $pdb }}
+{{- end }}
+{{- end }}
+
+{{/*
+The rollout backlog the autoscalers follow: groups the buffer would let rollout generate right now,
+i.e. job.buffer.max_inflight_groups minus the groups waiting for or in training (what the buffer's
+backpressure counts besides leased prompts). Buffer gauges describe the whole job and every buffer
+replica reports them, hence max across replicas. (dict "namespace" "ns" "maxInflight" 64)
+*/}}
+{{- define "kuberl.backlogQuery" -}}
+{{- $sel := printf "kind=~\"train|sft\",namespace=\"%s\"" .namespace -}}
+clamp_min({{ .maxInflight }} - sum(max by (kind) (kuberl_buffer_groups_pending{ {{- $sel -}} })) - sum(max by (kind) (kuberl_buffer_groups_in_batches{ {{- $sel -}} })), 0)
+{{- end }}
+
+{{/* job.buffer.max_inflight_groups, or the job model's default (tests/helm checks they agree). */}}
+{{- define "kuberl.maxInflight" -}}
+{{- dig "buffer" "max_inflight_groups" 64 (.Values.job | default dict) }}
+{{- end }}

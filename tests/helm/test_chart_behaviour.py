@@ -1,0 +1,302 @@
+"""What the rendered chart does: the job file it hands the services (accepted by their own loader),
+pod restarts on job changes, Redis or external Redis, rollout with SGLang and its autoscalers,
+the multi-node trainer, security settings, probes, disruption budgets and dashboards."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import pytest
+import yaml
+
+from kuberl.common.config import parse_job_config
+from tests.helm.chart import (
+    CHART,
+    FULLNAME,
+    NAMESPACE,
+    VALUE_SETS,
+    pod_spec,
+    render,
+    render_values,
+    workloads,
+)
+
+GRPC_COMPONENTS = {"buffer": 50051, "reward": 50052, "weight-sync": 50053, "rollout": 50060}
+
+
+def _job(value_set: str, **overrides: Any) -> dict[str, Any]:
+    cm = render(value_set, **overrides).get("ConfigMap", "job")
+    job: dict[str, Any] = yaml.safe_load(cm["data"]["job.yaml"])
+    return job
+
+
+def _container(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in pod_spec(doc)["containers"] if c["name"] == name)
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_the_rendered_job_file_is_accepted_by_the_services_own_loader(value_set: str) -> None:
+    parse_job_config(_job(value_set), env={}, source=f"job ConfigMap ({value_set})")
+
+
+def test_endpoints_in_the_job_name_the_services_the_chart_creates() -> None:
+    rendered, job = render("defaults"), _job("defaults")
+    services = {
+        s["metadata"]["name"]: {p["port"] for p in s["spec"]["ports"]}
+        for s in rendered.all("Service")
+    }
+    resolved = {}
+    for name, endpoint in job["endpoints"].items():
+        host, port = endpoint.rsplit(":", 1)
+        # trainer rank 0 is reached as <pod>.<headless service>.<namespace>.svc
+        service = host.split(".")[1] if name == "trainer" else host
+        resolved[name] = int(port) in services[service]
+    assert resolved == {"buffer": True, "reward": True, "weight_sync": True, "trainer": True}
+
+
+def test_chart_wiring_overrides_the_job_and_keeps_the_rest() -> None:
+    job = _job(
+        "defaults",
+        job={
+            "endpoints": {"buffer": "elsewhere:1"},
+            "buffer": {"max_inflight_groups": 7, "server": {"port": 1}},
+        },
+    )
+    assert (job["endpoints"]["buffer"], job["buffer"]["max_inflight_groups"]) == (
+        f"{FULLNAME}-buffer:50051",
+        7,
+    )
+    assert job["buffer"]["server"] == {"host": "0.0.0.0", "port": 50051, "metrics_port": 9101}
+
+
+def test_every_kuberl_pod_restarts_when_the_job_changes() -> None:
+    def checksums(rendered):
+        return {
+            d["metadata"]["name"]: d["spec"]["template"]["metadata"]["annotations"]["checksum/job"]
+            for d in rendered.docs
+            if d["kind"] in ("Deployment", "StatefulSet")
+            and not d["metadata"]["name"].endswith("redis")
+        }
+
+    before = checksums(render("defaults"))
+    after = checksums(render("defaults", job={"trainer": {"total_steps": 7}}))
+    text = render("defaults").get("ConfigMap", "job")["data"]["job.yaml"]
+    digest = hashlib.sha256(text.removesuffix("\n").encode()).hexdigest()
+    assert set(before.values()) == {digest}
+    assert len(before) == 5 and all(after[name] != before[name] for name in before)
+
+
+def test_builtin_redis_keeps_an_aof_on_a_volume_and_its_password_in_a_secret() -> None:
+    rendered = render("defaults")
+    redis = rendered.get("StatefulSet", "redis")
+    conf = rendered.get("ConfigMap", "redis")["data"]["redis.conf"]
+    container = _container(redis, "redis")
+    assert "appendonly yes" in conf and "appendfsync everysec" in conf
+    assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    assert _env(container)["REDIS_PASSWORD"] == {
+        "secretKeyRef": {"name": f"{FULLNAME}-redis", "key": "redis-password"}
+    }
+    assert rendered.get("Secret", "redis")["metadata"]["annotations"] == {
+        "helm.sh/resource-policy": "keep"
+    }
+
+
+def test_no_secret_value_appears_in_a_command_line() -> None:
+    for value_set in VALUE_SETS:
+        for doc in workloads(render(value_set)):
+            for c in pod_spec(doc)["containers"]:
+                line = json.dumps(c.get("command", []) + c.get("args", []))
+                assert "secretKeyRef" not in line and "password=" not in line.lower()
+
+
+def test_external_redis_replaces_the_statefulset_with_a_tls_url_and_its_secret() -> None:
+    rendered = render("external-redis")
+    buffer = _container(rendered.get("Deployment", "buffer"), "buffer")
+    env = _env(buffer)
+    assert not rendered.has("StatefulSet", "redis")
+    assert _job("external-redis")["redis"]["url"] == "rediss://redis.storage.svc:6380/2"
+    assert env["REDIS_PASSWORD"] == {"secretKeyRef": {"name": "redis-auth", "key": "password"}}
+    assert env["SSL_CERT_FILE"] == "/etc/kuberl/redis-ca/ca.crt"
+
+
+def test_external_redis_without_a_host_fails_with_a_clear_message() -> None:
+    from helm_python import HelmRenderError
+
+    with pytest.raises(HelmRenderError, match="externalRedis.host is required"):
+        render_values({"redis": {"enabled": False}})
+
+
+def test_rollout_pods_pair_an_sglang_server_with_the_kuberl_worker() -> None:
+    rendered = render("multi-node-trainer")
+    rollout = rendered.get("Deployment", "rollout")
+    sglang = _container(rollout, "sglang")
+    args = sglang["args"]
+    engine = _job("multi-node-trainer")["rollout"]["engine"]
+    assert rollout["spec"]["replicas"] == 3
+    assert args[args.index("--model-path") + 1] == "/models/Qwen2.5-7B"
+    assert args[args.index("--tp-size") + 1] == "2"
+    assert sglang["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert engine == {
+        "kind": "sglang",
+        "url": "http://127.0.0.1:30000",
+        "launch": False,
+        "tp_size": 2,
+        "mem_fraction_static": 0.85,
+    }
+
+
+def test_without_sglang_the_rollout_keeps_the_jobs_own_engine() -> None:
+    rollout = render("cpu-only").get("Deployment", "rollout")
+    names = [c["name"] for c in pod_spec(rollout)["containers"]]
+    assert (names, _job("cpu-only")["rollout"]["engine"]) == (
+        ["rollout"],
+        {"kind": "torch", "device": "cpu"},
+    )
+
+
+def test_hpa_autoscaling_owns_the_rollout_replicas() -> None:
+    rendered = render("autoscaling-hpa")
+    hpa = rendered.get("HorizontalPodAutoscaler", "rollout")
+    metric = hpa["spec"]["metrics"][0]["external"]
+    assert "replicas" not in rendered.get("Deployment", "rollout")["spec"]
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 12)
+    assert metric["metric"]["selector"]["matchLabels"] == {"namespace": NAMESPACE}
+    assert metric["target"] == {"type": "AverageValue", "averageValue": "16"}
+
+
+def test_keda_autoscaling_queries_the_buffer_backlog_of_this_namespace() -> None:
+    rendered = render("autoscaling-keda", job={"buffer": {"max_inflight_groups": 96}})
+    scaled = rendered.get("ScaledObject", "rollout")
+    trigger = scaled["spec"]["triggers"][0]
+    assert "replicas" not in rendered.get("Deployment", "rollout")["spec"]
+    assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (0, 6)
+    assert trigger["metadata"]["query"] == (
+        'clamp_min(96 - sum(max by (kind) (kuberl_buffer_groups_pending{kind=~"train|sft",'
+        f'namespace="{NAMESPACE}"}})) - sum(max by (kind) (kuberl_buffer_groups_in_batches'
+        f'{{kind=~"train|sft",namespace="{NAMESPACE}"}})), 0)'
+    )
+
+
+def test_autoscaling_with_min_above_max_fails() -> None:
+    from helm_python import HelmRenderError
+
+    with pytest.raises(HelmRenderError, match="must not exceed maxReplicas"):
+        render_values(
+            {"rollout": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}}
+        )
+
+
+def test_multi_node_trainer_runs_torchrun_across_statefulset_pods() -> None:
+    rendered = render("multi-node-trainer")
+    trainer = rendered.get("StatefulSet", "trainer")
+    container = _container(trainer, "trainer")
+    headless = rendered.get("Service", "trainer-headless")
+    master = f"{FULLNAME}-trainer-0.{FULLNAME}-trainer-headless.{NAMESPACE}.svc"
+    assert trainer["spec"]["replicas"] == 4 and trainer["spec"]["podManagementPolicy"] == "Parallel"
+    assert container["args"][:5] == [
+        "--nnodes=4",
+        "--nproc-per-node=8",
+        "--node-rank=$(NODE_RANK)",
+        f"--master-addr={master}",
+        "--master-port=29500",
+    ]
+    assert _env(container)["NODE_RANK"] == {
+        "fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}
+    }
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert (headless["spec"]["clusterIP"], headless["spec"]["publishNotReadyAddresses"]) == (
+        "None",
+        True,
+    )
+    assert rendered.get("PersistentVolumeClaim", "checkpoints")["spec"]["accessModes"] == [
+        "ReadWriteMany"
+    ]
+    assert "NCCL_SOCKET_IFNAME" in _env(container)
+
+
+def test_multi_node_trainer_refuses_a_checkpoint_volume_only_one_node_can_write() -> None:
+    from helm_python import HelmRenderError
+
+    with pytest.raises(HelmRenderError, match="ReadWriteMany"):
+        render_values({"trainer": {"nodes": 2}})
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_every_container_runs_unprivileged_on_a_read_only_root(value_set: str) -> None:
+    offenders = []
+    for doc in workloads(render(value_set)):
+        spec = pod_spec(doc)
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c.get("securityContext", {})
+            ok = (
+                sc.get("runAsNonRoot") is True
+                and sc.get("readOnlyRootFilesystem") is True
+                and sc.get("allowPrivilegeEscalation") is False
+                and sc.get("capabilities", {}).get("drop") == ["ALL"]
+                and spec["securityContext"].get("runAsUser", 0) != 0
+                and spec["automountServiceAccountToken"] is False
+            )
+            if not ok:
+                offenders.append(f"{doc['metadata']['name']}/{c['name']}")
+    assert offenders == []
+
+
+def test_the_service_account_has_no_api_rights() -> None:
+    kinds = {d["kind"] for value_set in VALUE_SETS for d in render(value_set).docs}
+    sa = render("defaults").get("ServiceAccount", "")
+    assert kinds.isdisjoint({"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"})
+    assert sa["automountServiceAccountToken"] is False
+
+
+def test_grpc_services_are_probed_with_grpc_health_on_their_port() -> None:
+    rendered = render("defaults")
+    probes = {}
+    for component, port in {**GRPC_COMPONENTS, "trainer": 50054}.items():
+        kind = "StatefulSet" if component == "trainer" else "Deployment"
+        container = _container(rendered.get(kind, component), component)
+        probes[component] = {
+            name: container[name]["grpc"]["port"]
+            for name in ("startupProbe", "readinessProbe", "livenessProbe")
+        }
+        assert set(probes[component].values()) == {port}, component
+
+
+def test_stateless_services_have_disruption_budgets() -> None:
+    rendered = render("defaults")
+    budgets = {
+        d["metadata"]["name"]: d["spec"]["maxUnavailable"]
+        for d in rendered.all("PodDisruptionBudget")
+    }
+    assert budgets == {f"{FULLNAME}-{c}": 1 for c in GRPC_COMPONENTS}
+
+
+def test_weight_sync_is_a_single_replica_replaced_not_rolled() -> None:
+    ws = render("defaults").get("Deployment", "weight-sync")
+    assert (ws["spec"]["replicas"], ws["spec"]["strategy"]["type"]) == (1, "Recreate")
+
+
+def test_each_dashboard_file_becomes_a_labelled_configmap() -> None:
+    files = sorted(p.name for p in (CHART / "dashboards").glob("*.json"))
+    maps = render("monitoring").all("ConfigMap")
+    dashboards = {
+        key: m["metadata"]["annotations"]
+        for m in maps
+        if m["metadata"]["labels"].get("grafana_dashboard") == "1"
+        for key in m["data"]
+    }
+    assert files and sorted(dashboards) == [f"kuberl-{name}" for name in files]
+    assert set(map(json.dumps, dashboards.values())) == {'{"grafana_folder": "kuberl"}'}
+    assert not any("grafana_dashboard" in d["metadata"]["labels"] for d in render("cpu-only").docs)
+
+
+def test_notes_tell_the_user_what_is_missing_and_what_to_run_next() -> None:
+    notes = render("defaults").notes
+    ready = render("multi-node-trainer").notes
+    assert "job.data.train is empty" in notes and "helm test rl" in notes
+    assert "job.data.train is empty" not in ready and "4 node(s) x 8 GPU(s)" in ready
