@@ -188,8 +188,8 @@ def token_level_rewards(
     positions = torch.arange(T, device=valid.device).expand(B, T)  # [B, T]
     last = torch.where(valid, positions, -1).amax(dim=-1)  # [B]
     out = torch.zeros(B, T, dtype=rewards.dtype, device=rewards.device)  # [B, T]
-    has = last >= 0  # [B]
-    out[has, last[has]] = rewards[has]
+    # A row without response tokens puts 0 at position 0, which its mask ignores anyway.
+    out.scatter_(1, last.clamp_min(0)[:, None], torch.where(last >= 0, rewards, 0)[:, None])
     if kl is not None and kl_coef:
         out = out - kl_coef * torch.where(
             valid, kl, torch.zeros((), dtype=kl.dtype, device=kl.device)
@@ -573,10 +573,11 @@ def policy_loss_and_metrics(
         ref_logprobs=ref_logprobs,
         entropy=entropy,
     )
-    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)  # bf16 ratios would be coarse
+    zero = torch.zeros((), dtype=dtype, device=logprobs.device)
 
     def clean(x: Tensor) -> Tensor:  # padding may hold -inf or NaN: make it a harmless 0
-        return torch.where(valid, x, zero)
+        return torch.where(valid, x.to(dtype), zero)
 
     logprobs, advantages = clean(logprobs), clean(advantages)
     old = clean(old_logprobs).detach() if old_logprobs is not None else logprobs.detach()
@@ -612,10 +613,10 @@ def policy_loss_and_metrics(
         ),
         "policy/approx_kl": masked_mean(torch.expm1(-log_ratio) + log_ratio, valid),
         "policy/ratio_mean": masked_mean(ratio, valid),
-        "policy/ratio_min": torch.where(valid, ratio, torch.inf).amin() if valid.any() else zero,
-        "policy/ratio_max": torch.where(valid, ratio, -torch.inf).amax() if valid.any() else zero,
+        "policy/ratio_min": torch.where(valid, ratio, torch.inf).amin().nan_to_num(0, 0, 0),
+        "policy/ratio_max": torch.where(valid, ratio, -torch.inf).amax().nan_to_num(0, 0, 0),
         "advantages/mean": masked_mean(advantages.detach(), valid),
-        "advantages/abs_max": advantages.detach().abs().amax() if advantages.numel() else zero,
+        "advantages/abs_max": F.pad(advantages.detach().abs().flatten(), (0, 1)).amax(),
     }
     if "dual_clipped" in stats:
         m["policy/dual_clip_frac"] = masked_mean(stats["dual_clipped"].to(ratio.dtype), valid)

@@ -116,6 +116,21 @@ def test_gae_is_exact_for_lengths_around_block_boundaries(shape: tuple[int, int]
     assert max(row_relative_error(adv, ref_adv), row_relative_error(ret, ref_ret)) < 1e-5
 
 
+def test_gae_equals_verls_masked_loop_on_every_response_token() -> None:
+    # verl's compute_gae_advantage_return carries the next value and advantage across mask 0.
+    rewards, values, mask = random_batch(B=4, T=200, seed=21, holes=True)
+    m = mask.double()
+    next_value, last, out = torch.zeros(4), torch.zeros(4), []
+    for t in reversed(range(200)):
+        delta = rewards[:, t] + 0.99 * next_value - values[:, t]
+        next_value = values[:, t] * m[:, t] + (1 - m[:, t]) * next_value
+        last = (delta + 0.99 * 0.95 * last) * m[:, t] + (1 - m[:, t]) * last
+        out.append(last)
+    verl = torch.stack(out[::-1], dim=1)
+    adv, _ = compute_gae(rewards, values, mask, 0.99, 0.95)
+    torch.testing.assert_close(adv[mask], verl[mask].float(), rtol=1e-5, atol=1e-5)
+
+
 def test_gae_ignores_whatever_padding_holds_even_nan() -> None:
     rewards, values, mask = random_batch(B=4, T=64, seed=3, holes=True)
     clean = compute_gae(rewards, values, mask, 0.99, 0.95)
