@@ -78,6 +78,10 @@ class EngineClient:
         self._threads: list[threading.Thread] = []
         #: Last error of a failed update (for the replica's status page).
         self.last_error = ""
+        #: (version, transport name) of every version loaded, oldest first.
+        self.history: list[tuple[int, str]] = []
+        #: Transport of the update being delivered to `load` right now.
+        self.current_transport = ""
 
     # ------------------------------------------------------------------ public API
 
@@ -142,6 +146,7 @@ class EngineClient:
             timeout_s=timeout,
         )  # fmt: skip
         if version > self._version:
+            self.current_transport = "snapshot"
             self._deliver(version, manifest, flat)
         return self._version
 
@@ -178,6 +183,8 @@ class EngineClient:
                     ),
                     timeout=self.heartbeat_seconds + 10,
                 )
+                if self._stopping.is_set():
+                    return
                 if not answer.known:
                     log.warning("engine.unknown_to_service", engine_id=self.engine_id)
                     self.register()
@@ -209,14 +216,15 @@ class EngineClient:
         name = transport_name(instruction.transport)
         started = time.perf_counter()
         log.info("engine.update_started", version=instruction.version, transport=name)
+        self.current_transport = name
         try:
             if self._apply is not None:
                 self._apply(instruction)
                 self._set_version(instruction.version)
             else:
                 receiver = make_receiver(
-                    instruction.transport, device=self.device, engine_id=self.engine_id,
-                    chunk_bytes=self.chunk_bytes,
+                    instruction.transport, device=self.device, address=self.address,
+                    engine_id=self.engine_id, chunk_bytes=self.chunk_bytes,
                 )  # fmt: skip
                 manifest, flat = receiver.receive(instruction)
                 self._deliver(instruction.version, manifest, flat)
@@ -252,5 +260,6 @@ class EngineClient:
 
     def _set_version(self, version: int) -> None:
         with self._cond:
+            self.history.append((version, self.current_transport or "snapshot"))
             self._version = max(self._version, version)
             self._cond.notify_all()

@@ -83,19 +83,25 @@ class WeightPublisher:
     def publish(
         self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> PublishResult:
-        """Send every (name, tensor) as `version`; returns once the service has the bytes."""
-        started = time.perf_counter()
+        """Send every (name, tensor) as `version`; returns once the service has the bytes.
+
+        VersionConflict when `version` is not above the latest one, or when a later version
+        was published (by another trainer rank or a restarted trainer) while this one was sent."""
         try:
-            answer = self._stub.Publish(
-                pb.PublishRequest(
-                    version=version, transports=self.transports, trainer_host=self.host
-                ),
-                timeout=30,
-            )
+            return self._publish(version, named_tensors)
         except grpc.RpcError as exc:
             if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
                 raise VersionConflict(exc.details()) from None
             raise
+
+    def _publish(
+        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> PublishResult:
+        started = time.perf_counter()
+        answer = self._stub.Publish(
+            pb.PublishRequest(version=version, transports=self.transports, trainer_host=self.host),
+            timeout=30,
+        )
         builder = ManifestBuilder(answer.send.manifest.bucket_bytes or DEFAULT_BUCKET_BYTES)
         count = 0
         if answer.send.transport == pb.TRANSPORT_SHM:

@@ -266,13 +266,19 @@ def download_snapshot(
 
 
 class SnapshotReceiver(Receiver):
-    def __init__(self, engine_id: str = "", chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-        self.engine_id, self.chunk_bytes = engine_id, chunk_bytes
+    """Streams the instructed version from `snapshot_endpoint` (empty: `address`, the
+    weight-sync service the engine registered with)."""
+
+    def __init__(
+        self, address: str = "", engine_id: str = "", chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    ) -> None:
+        self.address, self.engine_id, self.chunk_bytes = address, engine_id, chunk_bytes
 
     def receive(self, instruction: pb.UpdateInstruction) -> tuple[Manifest, torch.Tensor]:
+        address = instruction.snapshot_endpoint or self.address
         try:
             version, manifest, flat = download_snapshot(
-                instruction.snapshot_endpoint,
+                address,
                 instruction.version,
                 engine_id=self.engine_id,
                 chunk_bytes=self.chunk_bytes,
@@ -280,8 +286,8 @@ class SnapshotReceiver(Receiver):
             )
         except grpc.RpcError as exc:
             raise RuntimeError(
-                f"snapshot of version {instruction.version} from "
-                f"{instruction.snapshot_endpoint}: {exc.code().name}: {exc.details()}"
+                f"snapshot of version {instruction.version} from {address}: "
+                f"{exc.code().name}: {exc.details()}"
             ) from None
         if version != instruction.version:
             raise ValueError(f"asked for version {instruction.version}, received {version}")
@@ -370,16 +376,22 @@ class CudaIpcReceiver(Receiver):
 
 
 def make_receiver(
-    transport: str | int, *, device: str = "cpu", engine_id: str = "", chunk_bytes: int = 0
+    transport: str | int,
+    *,
+    device: str = "cpu",
+    address: str = "",
+    engine_id: str = "",
+    chunk_bytes: int = 0,
 ) -> Receiver:
-    """The receiver for a transport name or `pb.Transport` value."""
+    """The receiver for a transport name or `pb.Transport` value (`address`: the weight-sync
+    service, for snapshots whose instruction names no other endpoint)."""
     name = transport_name(transport_value(transport))
     if name in ("gloo", "nccl"):
         return BroadcastReceiver(device if name == "nccl" else "cpu")
     if name == "shm":
         return ShmReceiver()
     if name == "snapshot":
-        return SnapshotReceiver(engine_id, chunk_bytes or DEFAULT_CHUNK_BYTES)
+        return SnapshotReceiver(address, engine_id, chunk_bytes or DEFAULT_CHUNK_BYTES)
     if name == "cuda_ipc":
         return CudaIpcReceiver()
     raise ValueError(f"no receiver for transport {name!r}")

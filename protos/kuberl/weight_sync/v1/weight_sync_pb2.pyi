@@ -85,7 +85,7 @@ class UpdateInstruction(_message.Message):
     def __init__(self, version: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., group: _Optional[_Union[BroadcastGroup, _Mapping]] = ..., rank: _Optional[int] = ..., snapshot_endpoint: _Optional[str] = ..., handles_json: _Optional[str] = ..., deadline_seconds: _Optional[float] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("engine_id", "endpoint", "transports", "device", "host", "loaded_version", "last_seen_seconds")
+    __slots__ = ("engine_id", "endpoint", "transports", "device", "host", "loaded_version", "last_seen_seconds", "ranks", "last_transport", "last_error")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,9 @@ class EngineInfo(_message.Message):
     HOST_FIELD_NUMBER: _ClassVar[int]
     LOADED_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    LAST_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     endpoint: str
     transports: _containers.RepeatedScalarFieldContainer[Transport]
@@ -100,7 +103,10 @@ class EngineInfo(_message.Message):
     host: str
     loaded_version: int
     last_seen_seconds: float
-    def __init__(self, engine_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., device: _Optional[str] = ..., host: _Optional[str] = ..., loaded_version: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ...) -> None: ...
+    ranks: int
+    last_transport: Transport
+    last_error: str
+    def __init__(self, engine_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., device: _Optional[str] = ..., host: _Optional[str] = ..., loaded_version: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., ranks: _Optional[int] = ..., last_transport: _Optional[_Union[Transport, str]] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
     __slots__ = ("engine",)

@@ -1,0 +1,130 @@
+"""The pool of rollout engines the weight-sync service knows: who they are, what they hold, and
+the update each is receiving. Pure state with an injectable clock (the server drives it from its
+event loop; tests drive it by hand). An engine is alive while it heartbeats or holds a long poll
+open; one silent for `heartbeat_seconds * missed_heartbeats` is expired.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
+
+
+@dataclass
+class Assignment:
+    """The update an engine is receiving: its instruction, when it was given, its deadline."""
+
+    instruction: pb.UpdateInstruction
+    started: float
+    deadline: float
+    #: The relay's sender for broadcast transports (closed when the assignment ends).
+    sender: Any = None
+
+    @property
+    def version(self) -> int:
+        return int(self.instruction.version)
+
+    @property
+    def transport(self) -> int:
+        return int(self.instruction.transport)
+
+
+@dataclass
+class Engine:
+    engine_id: str
+    endpoint: str
+    transports: list[int]
+    device: str
+    host: str
+    ranks: int
+    loaded_version: int
+    last_seen: float
+    registered_at: float
+    polls: int = 0
+    assignment: Assignment | None = None
+    last_transport: int = 0
+    last_error: str = ""
+    #: Versions this engine must not get by broadcast (it joined after their fan-out began).
+    catch_up_below: int = 0
+    wake: Any = field(default=None, repr=False)
+
+    def info(self, now: float) -> pb.EngineInfo:
+        return pb.EngineInfo(
+            engine_id=self.engine_id,
+            endpoint=self.endpoint,
+            transports=self.transports,
+            device=self.device,
+            host=self.host,
+            loaded_version=self.loaded_version,
+            last_seen_seconds=0.0 if self.polls else max(0.0, now - self.last_seen),
+            ranks=self.ranks,
+            last_transport=self.last_transport,  # type: ignore[arg-type]
+            last_error=self.last_error,
+        )
+
+
+class Registry:
+    """Engines by id, with liveness by heartbeat."""
+
+    def __init__(
+        self,
+        heartbeat_seconds: float,
+        missed_heartbeats: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.heartbeat_seconds = heartbeat_seconds
+        self.missed_heartbeats = missed_heartbeats
+        self.clock = clock
+        self.engines: dict[str, Engine] = {}
+
+    @property
+    def silence_limit(self) -> float:
+        return self.heartbeat_seconds * self.missed_heartbeats
+
+    def register(self, info: pb.EngineInfo) -> tuple[Engine, bool]:
+        """Add (or, for a known id, replace) an engine; returns it and whether it is new."""
+        now = self.clock()
+        engine_id = info.engine_id or f"engine-{uuid.uuid4().hex[:12]}"
+        previous = self.engines.get(engine_id)
+        engine = Engine(
+            engine_id=engine_id,
+            endpoint=info.endpoint,
+            transports=list(info.transports) or [pb.TRANSPORT_SNAPSHOT],
+            device=info.device or "cpu",
+            host=info.host,
+            ranks=max(1, info.ranks),
+            loaded_version=max(0, info.loaded_version),
+            last_seen=now,
+            registered_at=now,
+        )
+        if previous is not None:
+            engine.wake = previous.wake
+        self.engines[engine_id] = engine
+        return engine, previous is None
+
+    def get(self, engine_id: str) -> Engine | None:
+        return self.engines.get(engine_id)
+
+    def touch(self, engine: Engine) -> None:
+        engine.last_seen = self.clock()
+
+    def remove(self, engine_id: str) -> Engine | None:
+        return self.engines.pop(engine_id, None)
+
+    def expired(self) -> list[Engine]:
+        """Engines silent for longer than the limit (none while a long poll is open)."""
+        now = self.clock()
+        return [
+            e
+            for e in self.engines.values()
+            if not e.polls and now - e.last_seen > self.silence_limit
+        ]
+
+    def engines_per_version(self) -> dict[int, int]:
+        return dict(Counter(e.loaded_version for e in self.engines.values()))

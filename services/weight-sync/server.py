@@ -1,0 +1,671 @@
+"""The weight-sync service: versioned weights from the trainer to an elastic pool of engines.
+
+`kuberl serve weight_sync` runs it. Control plane: engines register, heartbeat (a long poll that
+returns as soon as an update is pending) and leave; one silent for `missed_heartbeats` beats is
+dropped. The trainer announces a version (`Publish`, strictly increasing, else
+FAILED_PRECONDITION), hands over its bytes — written straight into this service's shared memory
+on the same host (`CommitPublish`), or streamed in checked chunks (`UploadSnapshot`) — and
+returns: the trainer never waits for engines. The service is then the relay: for every engine
+present and idle it starts an update over the first transport of `weight_sync.transports` the
+engine offers — `shm` (same host), `gloo` (a group formed for this version and this engine, the
+relay at rank 0, one broadcast per bucket), else `snapshot` (`StreamSnapshot`). One group per
+engine is the choice that makes a slow or dead engine fail alone: in a shared gloo group one dead
+member breaks the broadcast for everyone. An engine that joins after a version's fan-out began,
+or whose update failed or timed out (`broadcast_timeout_seconds`), catches up by snapshot and
+takes broadcasts from the next version on. `GetStatus` and the metrics say who holds what.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from kuberl.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
+from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
+from kuberl.common import metrics
+from kuberl.common.channels import aio_channel
+from kuberl.common.config import JobConfig, WeightSyncConfig
+from kuberl.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from kuberl.common.logs import get_logger
+from kuberl.common.server import Service
+from kuberl.common.weights.chunks import ChunkReceiver, CorruptSnapshot, iter_chunks
+from kuberl.common.weights.manifest import Manifest
+from kuberl.common.weights.transports import BroadcastSender, transport_name, transport_value
+from kuberl.weight_sync.registry import Assignment, Engine, Registry
+from kuberl.weight_sync.store import StoredVersion, VersionStore
+
+log = get_logger(__name__)
+
+SERVICE_NAME = "kuberl.weight_sync.v1.WeightSyncService"
+#: Longest a heartbeat long poll is held, whatever the engine asks.
+MAX_POLL_SECONDS = 30.0
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        p = "kuberl_weight_sync"
+        self.version = metrics.gauge(f"{p}_version", "Latest complete policy version")
+        self.publish_seconds = metrics.histogram(
+            f"{p}_publish_seconds",
+            "From Publish to the version being complete here (what the trainer waits)",
+            ["transport"],
+        )
+        self.update_seconds = metrics.histogram(
+            f"{p}_engine_update_seconds",
+            "From a version's fan-out to an engine reporting it loaded",
+            ["transport"],
+        )
+        self.bytes = metrics.counter(
+            f"{p}_bytes_total", "Payload bytes moved", ["transport", "direction"]
+        )
+        self.bandwidth = metrics.gauge(
+            f"{p}_bandwidth_bytes_per_second",
+            "Bandwidth of the last completed transfer",
+            ["transport", "direction"],
+        )
+        self.engines = metrics.gauge(f"{p}_engines", "Engines holding each version", ["version"])
+        self.joins = metrics.counter(f"{p}_engine_joins_total", "Engines registered")
+        self.leaves = metrics.counter(
+            f"{p}_engine_leaves_total", "Engines gone (left, or dropped after silence)", ["reason"]
+        )
+        self.timeouts = metrics.counter(
+            f"{p}_timeouts_total",
+            "Engines timed out: of the pool (heartbeat) or of one version's update (update)",
+            ["kind"],
+        )
+        self.update_failures = metrics.counter(
+            f"{p}_engine_update_failures_total", "Updates an engine failed", ["transport"]
+        )
+        self.rejected = metrics.counter(
+            f"{p}_rejected_total", "Requests refused, by reason", ["reason"]
+        )
+        self.notify_failures = metrics.counter(
+            f"{p}_notify_failures_total", "Best-effort NotifyWeightsUpdate pushes that failed"
+        )
+
+
+@dataclass
+class _Announced:
+    version: int
+    transport: int
+    started: float
+
+
+def _default_advertise_host() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
+    name = "weight_sync"
+    service_names = (SERVICE_NAME,)
+
+    def __init__(self, config: WeightSyncConfig, job: str = "kuberl", address: str = "") -> None:
+        self.config = config
+        self.job = job
+        self.hostname = socket.gethostname()
+        self.advertise_host = config.advertise_host or _default_advertise_host()
+        #: host:port engines use for StreamSnapshot; empty = the address they registered at.
+        self.address = address
+        self.offered = [transport_value(t) for t in config.transports]
+        self.registry = Registry(config.heartbeat_seconds, config.missed_heartbeats)
+        self.store: VersionStore | None = None
+        self.metrics = _Metrics()
+        self.current = 0
+        self.announced: dict[int, _Announced] = {}
+        self.highest_announced = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._reaper: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def register(self, server: grpc.aio.Server) -> None:
+        pb_grpc.add_WeightSyncServiceServicer_to_server(self, server)
+
+    def _store_dir(self) -> Path:
+        shm = Path(self.config.shm_dir)
+        if shm.parent.is_dir() and os.access(shm.parent, os.W_OK):
+            return shm / self.job
+        return Path(self.config.snapshot_dir) / self.job
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.store = VersionStore(self._store_dir(), self.config.retain_versions)
+        self._reaper = asyncio.create_task(self._reap_forever())
+        log.info(
+            "weight_sync.ready",
+            store=str(self.store.directory),
+            shm=self.store.in_shared_memory,
+            transports=",".join(self.config.transports),
+            advertise_host=self.advertise_host,
+        )
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for engine in self.registry.engines.values():
+            self._end_assignment(engine)
+        if self.store is not None:
+            self.store.close()
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[call-overload]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ engines
+
+    async def RegisterEngine(
+        self, request: pb.RegisterEngineRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterEngineResponse:
+        for t in request.engine.transports:
+            if transport_name(t) == "unspecified":
+                self.metrics.rejected.labels("bad_transport").inc()
+                raise InvalidArgument(f"engine transports: unknown transport value {t}")
+        engine, new = self.registry.register(request.engine)
+        engine.wake = engine.wake or asyncio.Event()
+        # A version whose fan-out already began reaches this engine by snapshot.
+        engine.catch_up_below = self.current + 1
+        if new:
+            self.metrics.joins.inc()
+        log.info(
+            "engine.joined", engine_id=engine.engine_id, host=engine.host, device=engine.device,
+            transports=",".join(transport_name(t) for t in engine.transports),
+            loaded=engine.loaded_version, current=self.current,
+        )  # fmt: skip
+        self._catch_up(engine)
+        self._refresh_engine_gauge()
+        answer = pb.RegisterEngineResponse(
+            engine_id=engine.engine_id,
+            heartbeat_seconds=self.config.heartbeat_seconds,
+            current_version=self.current,
+        )
+        if engine.assignment is not None:
+            answer.pending.CopyFrom(engine.assignment.instruction)
+        return answer
+
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatResponse:
+        engine = self.registry.get(request.engine_id)
+        if engine is None:
+            return pb.HeartbeatResponse(current_version=self.current, known=False)
+        self.registry.touch(engine)
+        self._note_loaded(engine, request.loaded_version)
+        self._catch_up(engine)
+        wait = min(request.wait_seconds, MAX_POLL_SECONDS)
+        if engine.assignment is None and wait > 0:
+            engine.wake.clear()
+            engine.polls += 1
+            try:
+                await asyncio.wait_for(engine.wake.wait(), wait)
+            except TimeoutError:
+                pass
+            finally:
+                engine.polls -= 1
+                self.registry.touch(engine)
+            if self.registry.get(engine.engine_id) is not engine:
+                return pb.HeartbeatResponse(current_version=self.current, known=False)
+        answer = pb.HeartbeatResponse(current_version=self.current, known=True)
+        if engine.assignment is not None:
+            answer.pending.CopyFrom(engine.assignment.instruction)
+        return answer
+
+    async def LeaveEngine(
+        self, request: pb.LeaveEngineRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LeaveEngineResponse:
+        engine = self.registry.remove(request.engine_id)
+        if engine is not None:
+            self._end_assignment(engine)
+            engine.wake.set()
+            self.metrics.leaves.labels("leave").inc()
+            self._refresh_engine_gauge()
+            log.info("engine.left", engine_id=engine.engine_id, loaded=engine.loaded_version)
+        return pb.LeaveEngineResponse()
+
+    async def ReportLoaded(
+        self, request: pb.ReportLoadedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportLoadedResponse:
+        engine = self.registry.get(request.engine_id)
+        if engine is None:
+            self.metrics.rejected.labels("unknown_engine").inc()
+            raise NotFound(f"engine {request.engine_id!r} is not registered (dropped?); register")
+        self.registry.touch(engine)
+        assignment = engine.assignment
+        transport = transport_name(assignment.transport) if assignment else "unknown"
+        if request.ok:
+            self._note_loaded(engine, request.version)
+            engine.last_error = ""
+            if assignment is not None and assignment.version == request.version:
+                seconds = time.monotonic() - assignment.started
+                self.metrics.update_seconds.labels(transport).observe(seconds)
+                if assignment.transport in (pb.TRANSPORT_SHM, pb.TRANSPORT_SNAPSHOT):
+                    self._count_out(transport, self._version_bytes(request.version), seconds)
+            log.info(
+                "engine.loaded", engine_id=engine.engine_id, version=request.version,
+                transport=transport, seconds=round(request.load_seconds, 4),
+            )  # fmt: skip
+        else:
+            engine.last_error = request.error
+            self.metrics.update_failures.labels(transport).inc()
+            log.warning(
+                "engine.update_failed", engine_id=engine.engine_id, version=request.version,
+                transport=transport, error=request.error,
+            )  # fmt: skip
+        if assignment is not None and assignment.version <= request.version:
+            self._end_assignment(engine)
+        if not request.ok:
+            # Retry by snapshot: the failed transport may be what is broken.
+            engine.catch_up_below = max(engine.catch_up_below, request.version + 1)
+        self._catch_up(engine)
+        self._refresh_engine_gauge()
+        return pb.ReportLoadedResponse()
+
+    def _note_loaded(self, engine: Engine, version: int) -> None:
+        if version > engine.loaded_version:
+            engine.loaded_version = version
+            self._refresh_engine_gauge()
+
+    # ------------------------------------------------------------------ publishing
+
+    async def Publish(
+        self, request: pb.PublishRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PublishResponse:
+        version = request.version
+        if version <= 0:
+            self.metrics.rejected.labels("bad_version").inc()
+            raise InvalidArgument(f"version must be a positive integer, got {version}")
+        latest = max(self.current, self.highest_announced)
+        if version <= latest:
+            self.metrics.rejected.labels("stale_version").inc()
+            raise FailedPrecondition(
+                f"version {version} is not above the latest published version {latest}; "
+                "versions must increase"
+            )
+        offered = set(request.transports) or {pb.TRANSPORT_SNAPSHOT}
+        assert self.store is not None
+        if (
+            pb.TRANSPORT_SHM in offered
+            and pb.TRANSPORT_SHM in self.offered
+            and request.trainer_host == self.hostname
+            and self.store.in_shared_memory
+        ):
+            transport = pb.TRANSPORT_SHM
+        elif pb.TRANSPORT_SNAPSHOT in offered:
+            transport = pb.TRANSPORT_SNAPSHOT
+        else:
+            self.metrics.rejected.labels("no_common_transport").inc()
+            raise InvalidArgument(
+                "the trainer must offer shm (on this service's host) or snapshot (a gRPC "
+                f"upload); it offered {sorted(transport_name(t) for t in offered)}"
+            )
+        # A lower announced version can no longer win: forget it.
+        for old in [v for v in self.announced if v < version]:
+            self.announced.pop(old)
+            self.store.discard(old)
+        self.highest_announced = version
+        self.announced[version] = _Announced(version, transport, time.monotonic())
+        send = pb.UpdateInstruction(version=version, transport=transport)
+        send.manifest.bucket_bytes = self.config.bucket_bytes
+        if transport == pb.TRANSPORT_SHM:
+            path = self.store.path(version)
+            self.store.discard(version)
+            send.handles_json = json.dumps({"path": path})
+        log.info(
+            "publish.announced", version=version, transport=transport_name(transport),
+            trainer_host=request.trainer_host,
+        )  # fmt: skip
+        return pb.PublishResponse(
+            version=version, send=send, upload_snapshot=transport == pb.TRANSPORT_SNAPSHOT
+        )
+
+    def _announced(self, version: int, transport: int) -> _Announced:
+        announced = self.announced.get(version)
+        if announced is None or announced.transport != transport:
+            self.metrics.rejected.labels("not_announced").inc()
+            raise FailedPrecondition(
+                f"version {version} was not announced for {transport_name(transport)} by "
+                f"Publish, or a later version superseded it (latest {self.highest_announced})"
+            )
+        return announced
+
+    async def UploadSnapshot(
+        self, request_iterator: AsyncIterator[pb.SnapshotChunk], context: grpc.aio.ServicerContext
+    ) -> pb.UploadSnapshotResponse:
+        assert self.store is not None
+        fd = -1
+        version = 0
+        receiver: ChunkReceiver | None = None
+
+        def write(offset: int, data: bytes) -> None:
+            view = memoryview(data)
+            while view.nbytes:
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+
+        try:
+            async for chunk in request_iterator:
+                if receiver is None:
+                    version = chunk.version
+                    self._announced(version, pb.TRANSPORT_SNAPSHOT)
+                    fd = self.store.open_upload(version)
+                    receiver = ChunkReceiver(write, version=version)
+                receiver.feed(chunk)
+            if receiver is None:
+                raise CorruptSnapshot("empty upload: no chunk was sent")
+            manifest = receiver.finish()
+        except CorruptSnapshot as exc:
+            self.metrics.rejected.labels("corrupt_snapshot").inc()
+            if version:
+                self.store.discard(version)
+            raise InvalidArgument(f"upload of version {version} rejected: {exc}") from None
+        except BaseException:
+            if version:
+                self.store.discard(version)
+            raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        engine_ids = self._commit(version, manifest, uploaded=True)
+        return pb.UploadSnapshotResponse(
+            version=version, bytes_received=receiver.received, engine_ids=engine_ids
+        )
+
+    async def CommitPublish(
+        self, request: pb.CommitPublishRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CommitPublishResponse:
+        self._announced(request.version, pb.TRANSPORT_SHM)
+        try:
+            manifest = Manifest.from_proto(request.manifest)
+        except ValueError as exc:
+            self.metrics.rejected.labels("bad_manifest").inc()
+            raise InvalidArgument(f"version {request.version}: {exc}") from None
+        engine_ids = self._commit(request.version, manifest, uploaded=False, sha256=request.sha256)
+        return pb.CommitPublishResponse(version=request.version, engine_ids=engine_ids)
+
+    def _commit(
+        self, version: int, manifest: Manifest, *, uploaded: bool, sha256: str = ""
+    ) -> list[str]:
+        assert self.store is not None
+        announced = self.announced.pop(version, None)
+        if announced is None or version <= self.current:
+            self.store.discard(version)
+            self.metrics.rejected.labels("superseded").inc()
+            raise FailedPrecondition(
+                f"version {version} was superseded by version {self.current} while it was sent"
+            )
+        try:
+            stored = self.store.commit(version, manifest, uploaded)
+        except ValueError:
+            self.metrics.rejected.labels("bad_payload").inc()
+            self.store.discard(version)
+            raise
+        if sha256:
+            digest = hashlib.sha256(stored.flat.numpy()).hexdigest()
+            if digest != sha256:
+                self.metrics.rejected.labels("corrupt_snapshot").inc()
+                self.store.versions.pop(version, None)
+                self.store.discard(version)
+                raise InvalidArgument(f"version {version}: SHA-256 {digest} != {sha256}")
+        seconds = time.monotonic() - announced.started
+        transport = transport_name(announced.transport)
+        self.current = version
+        self.metrics.version.set(version)
+        self.metrics.publish_seconds.labels(transport).observe(seconds)
+        self.metrics.bytes.labels(transport, "in").inc(manifest.total_bytes)
+        if seconds > 0:
+            self.metrics.bandwidth.labels(transport, "in").set(manifest.total_bytes / seconds)
+        engine_ids = self._fan_out(stored)
+        log.info(
+            "publish.committed", version=version, transport=transport,
+            bytes=manifest.total_bytes, tensors=len(manifest.entries),
+            buckets=manifest.num_buckets, seconds=round(seconds, 4), engines=len(engine_ids),
+        )  # fmt: skip
+        return engine_ids
+
+    # ------------------------------------------------------------------ relay
+
+    def _choose(self, engine: Engine) -> int:
+        for transport in self.offered:
+            if transport not in engine.transports:
+                continue
+            if transport == pb.TRANSPORT_SHM:
+                assert self.store is not None
+                if engine.host == self.hostname and self.store.in_shared_memory:
+                    return transport
+            elif transport in (pb.TRANSPORT_GLOO, pb.TRANSPORT_SNAPSHOT):
+                return transport
+        return pb.TRANSPORT_SNAPSHOT
+
+    def _fan_out(self, stored: StoredVersion) -> list[str]:
+        started = []
+        for engine in list(self.registry.engines.values()):
+            if engine.assignment is not None or engine.loaded_version >= stored.version:
+                continue
+            transport = (
+                pb.TRANSPORT_SNAPSHOT
+                if stored.version < engine.catch_up_below
+                else self._choose(engine)
+            )
+            self._assign(engine, stored, transport)
+            started.append(engine.engine_id)
+        return started
+
+    def _catch_up(self, engine: Engine) -> None:
+        """An idle engine behind the current version gets it by snapshot."""
+        if engine.assignment is not None or engine.loaded_version >= self.current:
+            return
+        assert self.store is not None
+        stored = self.store.latest()
+        if stored is not None:
+            self._assign(engine, stored, pb.TRANSPORT_SNAPSHOT)
+
+    def _assign(self, engine: Engine, stored: StoredVersion, transport: int) -> None:
+        now = time.monotonic()
+        timeout = self.config.broadcast_timeout_seconds
+        instruction = pb.UpdateInstruction(
+            version=stored.version,
+            transport=transport,
+            manifest=stored.manifest.to_proto(),
+            deadline_seconds=timeout,
+        )
+        assignment = Assignment(instruction, started=now, deadline=now + timeout)
+        if transport == pb.TRANSPORT_SHM:
+            instruction.handles_json = json.dumps({"path": stored.path})
+        elif transport == pb.TRANSPORT_SNAPSHOT:
+            # Empty: the address the engine already talks to (right behind a Kubernetes Service).
+            instruction.snapshot_endpoint = self.address
+        elif transport == pb.TRANSPORT_GLOO:
+            sender = BroadcastSender(
+                backend="gloo",
+                advertise_host=self.advertise_host,
+                world_size=1 + engine.ranks,
+                group_name=f"kuberl-ws-{self.job}-v{stored.version}-{engine.engine_id}",
+                timeout_s=timeout,
+            )
+            instruction.group.CopyFrom(sender.group)
+            instruction.rank = 1
+            assignment.sender = sender
+            self._start_broadcast(engine.engine_id, stored, sender)
+        engine.assignment = assignment
+        engine.last_transport = transport
+        engine.wake.set()
+        if self.config.notify_engines and engine.endpoint:
+            self._spawn(self._notify(engine.endpoint, instruction))
+        log.info(
+            "update.assigned", engine_id=engine.engine_id, version=stored.version,
+            transport=transport_name(transport),
+        )  # fmt: skip
+
+    def _start_broadcast(
+        self, engine_id: str, stored: StoredVersion, sender: BroadcastSender
+    ) -> None:
+        loop = self._loop
+        assert loop is not None
+
+        def run() -> None:
+            started = time.monotonic()
+            error = ""
+            try:
+                sender.send(stored.manifest, stored.flat)
+            except Exception as exc:  # a dead or slow peer: only this engine's update fails
+                error = f"{type(exc).__name__}: {exc}"
+            seconds = time.monotonic() - started
+            loop.call_soon_threadsafe(self._broadcast_done, engine_id, stored, error, seconds)
+
+        threading.Thread(target=run, name=f"broadcast-{engine_id}", daemon=True).start()
+
+    def _broadcast_done(
+        self, engine_id: str, stored: StoredVersion, error: str, seconds: float
+    ) -> None:
+        engine = self.registry.get(engine_id)
+        if not error:
+            self._count_out("gloo", stored.manifest.total_bytes, seconds)
+            return
+        self.metrics.update_failures.labels("gloo").inc()
+        log.warning(
+            "broadcast.failed", engine_id=engine_id, version=stored.version, error=error[:300]
+        )
+        if (
+            engine is not None
+            and engine.assignment is not None
+            and engine.assignment.version == stored.version
+            and engine.assignment.transport == pb.TRANSPORT_GLOO
+        ):
+            engine.last_error = error[:500]
+            self._end_assignment(engine)
+            engine.catch_up_below = max(engine.catch_up_below, stored.version + 1)
+
+    def _end_assignment(self, engine: Engine) -> None:
+        assignment, engine.assignment = engine.assignment, None
+        if assignment is not None and assignment.sender is not None:
+            assignment.sender.close()
+
+    def _count_out(self, transport: str, nbytes: int, seconds: float) -> None:
+        self.metrics.bytes.labels(transport, "out").inc(nbytes)
+        if seconds > 0:
+            self.metrics.bandwidth.labels(transport, "out").set(nbytes / seconds)
+
+    def _version_bytes(self, version: int) -> int:
+        assert self.store is not None
+        stored = self.store.get(version)
+        return stored.manifest.total_bytes if stored else 0
+
+    async def _notify(self, endpoint: str, instruction: pb.UpdateInstruction) -> None:
+        try:
+            async with aio_channel(endpoint) as channel:
+                stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+                await stub.NotifyWeightsUpdate(
+                    rollout_pb2.NotifyWeightsUpdateRequest(instruction=instruction), timeout=2.0
+                )
+        except grpc.aio.AioRpcError as exc:
+            self.metrics.notify_failures.inc()
+            log.debug("notify.failed", endpoint=endpoint, code=exc.code().name)
+
+    # ------------------------------------------------------------------ liveness
+
+    async def _reap_forever(self) -> None:
+        period = min(1.0, self.config.heartbeat_seconds / 2)
+        while True:
+            await asyncio.sleep(period)
+            self.reap()
+
+    def reap(self) -> None:
+        """Drop silent engines and time out updates past their deadline."""
+        for engine in self.registry.expired():
+            self.registry.remove(engine.engine_id)
+            self._end_assignment(engine)
+            self.metrics.timeouts.labels("heartbeat").inc()
+            self.metrics.leaves.labels("dropped").inc()
+            log.warning(
+                "engine.dropped", engine_id=engine.engine_id, loaded=engine.loaded_version,
+                silent_seconds=round(time.monotonic() - engine.last_seen, 2),
+            )  # fmt: skip
+            self._refresh_engine_gauge()
+        now = time.monotonic()
+        for engine in self.registry.engines.values():
+            assignment = engine.assignment
+            if assignment is not None and now > assignment.deadline:
+                self.metrics.timeouts.labels("update").inc()
+                log.warning(
+                    "update.timed_out", engine_id=engine.engine_id, version=assignment.version,
+                    transport=transport_name(assignment.transport),
+                )  # fmt: skip
+                engine.last_error = f"timed out of version {assignment.version}"
+                self._end_assignment(engine)
+                engine.catch_up_below = max(engine.catch_up_below, assignment.version + 1)
+
+    def _refresh_engine_gauge(self) -> None:
+        self.metrics.engines.clear()
+        for version, count in self.registry.engines_per_version().items():
+            self.metrics.engines.labels(str(version)).set(count)
+
+    # ------------------------------------------------------------------ reads
+
+    async def StreamSnapshot(
+        self, request: pb.StreamSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.SnapshotChunk]:
+        assert self.store is not None
+        stored = self.store.get(request.version) if request.version else self.store.latest()
+        if stored is None:
+            self.metrics.rejected.labels("snapshot_not_found").inc()
+            raise NotFound(
+                f"version {request.version} is not kept here; the latest is {self.current}"
+                if request.version
+                else "no version has been published yet"
+            )
+        limit = self.config.server.max_message_bytes - 64 * 1024
+        chunk_bytes = min(
+            max(request.chunk_bytes or self.config.snapshot_chunk_bytes, 64 * 1024), limit
+        )
+        flat = stored.flat.numpy()
+        started = time.monotonic()
+
+        def pieces() -> Iterator[memoryview]:
+            for at in range(0, len(flat), chunk_bytes):
+                yield memoryview(flat[at : at + chunk_bytes])
+
+        for chunk in iter_chunks(
+            stored.version, pieces(), chunk_bytes=chunk_bytes, manifest_first=stored.manifest
+        ):
+            yield chunk
+        self._count_out("snapshot", stored.manifest.total_bytes, time.monotonic() - started)
+
+    async def GetVersion(
+        self, request: pb.GetVersionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetVersionResponse:
+        assert self.store is not None
+        stored = self.store.get(self.current)
+        answer = pb.GetVersionResponse(version=self.current)
+        if stored is not None:
+            answer.manifest.CopyFrom(stored.manifest.to_proto())
+        return answer
+
+    async def GetStatus(
+        self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetStatusResponse:
+        now = time.monotonic()
+        return pb.GetStatusResponse(
+            current_version=self.current,
+            engines=[e.info(now) for e in self.registry.engines.values()],
+            engines_per_version=self.registry.engines_per_version(),
+        )
+
+
+def create_service(config: JobConfig) -> WeightSyncService:
+    """Entry point of `kuberl serve weight_sync`."""
+    return WeightSyncService(config.weight_sync, job=config.job.name)

@@ -1,0 +1,398 @@
+"""The weight-sync service for real: `kuberl serve weight_sync` in a subprocess, engines and the
+trainer as their own OS processes using `kuberl.common.weights`, tensors compared bit for bit.
+
+This module is also the engines' and trainer's program (`python -m tests.integration.
+test_weight_sync engine|trainer ...`), so what runs in them is visible next to the assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
+from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
+from kuberl.common.channels import sync_channel
+from kuberl.common.weights import EngineClient, VersionConflict, WeightPublisher, plan
+from kuberl.common.weights.chunks import iter_chunks
+from tests.support import REPO, ServiceProcess
+
+MB = 1024 * 1024
+
+
+def make_tensors(seed: int, total_mb: float = 4.0) -> dict[str, torch.Tensor]:
+    """A deterministic mix of bf16 matrices, fp32 vectors and an odd-sized int8 tensor."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    per_layer = 512 * 1024  # elements of one bf16 matrix: 1 MiB
+    for i in range(max(1, int(total_mb))):
+        out[f"layers.{i}.mlp.weight"] = torch.randn(512, 1024, generator=g).to(torch.bfloat16)
+        out[f"layers.{i}.norm.weight"] = torch.randn(1000, generator=g)
+    out["lm_head.scale"] = torch.randint(-100, 100, (7,), generator=g, dtype=torch.int8)
+    assert out["layers.0.mlp.weight"].numel() == per_layer
+    return out
+
+
+# ---------------------------------------------------------------- the processes' programs
+
+
+def _engine_main(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    if args.die_after_buckets:
+        # Test hook: SIGKILL this engine in the middle of a broadcast, after N buckets arrived.
+        from kuberl.common.weights import transports
+
+        real, received = transports.broadcast, [0]
+
+        def dying_broadcast(group, tensor, timeout_s):  # type: ignore[no-untyped-def]
+            real(group, tensor, timeout_s)
+            received[0] += 1
+            if received[0] >= args.die_after_buckets:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        transports.broadcast = dying_broadcast
+    holder: dict[str, EngineClient] = {}
+
+    def load(tensors: dict[str, torch.Tensor], version: int) -> None:
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()}, out / f"{args.name}-v{version}.st"
+        )
+        line = {"version": version, "transport": holder["client"].current_transport}
+        with (out / f"{args.name}.jsonl").open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    client = EngineClient(args.address, load=load, engine_id=args.name, transports=args.transports)
+    holder["client"] = client
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    client.start()
+    stop.wait()
+    client.stop()
+
+
+def _trainer_main(args: argparse.Namespace) -> None:
+    with WeightPublisher(args.address, transports=args.transports) as publisher:
+        result = publisher.publish(args.version, iter(make_tensors(args.seed, args.mb).items()))
+    print(json.dumps({"version": result.version, "transport": result.transport}))
+
+
+# ---------------------------------------------------------------- fixtures and helpers
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    """One relay for the module (tests publish versions above whatever is current)."""
+    yield from _service(tmp_path_factory.mktemp("weight-sync"), ["gloo", "snapshot"])
+
+
+def _next_version(svc: ServiceProcess) -> int:
+    with sync_channel(svc.address) as channel:
+        stub = pb_grpc.WeightSyncServiceStub(channel)
+        return int(stub.GetVersion(pb.GetVersionRequest(), timeout=5).version) + 1
+
+
+def _service(tmp_path: Path, transports: list[str]) -> Iterator[ServiceProcess]:
+    shm_dir = f"/dev/shm/kuberl-test-{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "job": {"name": "wstest"},
+                "weight_sync": {
+                    "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
+                    "transports": transports,
+                    "bucket_bytes": MB,
+                    "heartbeat_seconds": 0.5,
+                    "missed_heartbeats": 3,
+                    "broadcast_timeout_seconds": 20,
+                    "shm_dir": shm_dir,
+                    "advertise_host": "127.0.0.1",
+                    "notify_engines": False,
+                },
+            }
+        )
+    )
+    with ServiceProcess.kuberl("weight_sync", config, tmp_path) as proc:
+        proc.wait_serving()
+        yield proc
+
+
+def _start(role: str, tmp_path: Path, name: str, *args: str) -> subprocess.Popen[bytes]:
+    log = (tmp_path / f"{name}.log").open("wb")
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.test_weight_sync", role, *args],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def _engine(svc: ServiceProcess, tmp_path: Path, name: str, *extra: str) -> subprocess.Popen[bytes]:
+    return _start("engine", tmp_path, name, svc.address, str(tmp_path), name, *extra)
+
+
+def _publish(svc: ServiceProcess, tmp_path: Path, version: int, seed: int, mb: float = 4) -> dict:
+    proc = _start(
+        "trainer", tmp_path, f"trainer-v{version}", svc.address, str(version), str(seed), str(mb)
+    )
+    assert proc.wait(60) == 0, (tmp_path / f"trainer-v{version}.log").read_text()
+    return json.loads((tmp_path / f"trainer-v{version}.log").read_text().strip().splitlines()[-1])
+
+
+def _status(svc: ServiceProcess) -> pb.GetStatusResponse:
+    with sync_channel(svc.address) as channel:
+        return pb_grpc.WeightSyncServiceStub(channel).GetStatus(pb.GetStatusRequest(), timeout=5)
+
+
+def _wait(condition, what: str, svc: ServiceProcess, timeout: float = 45.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}; status: {_status(svc)}\n{svc.log()}")
+
+
+def _holding(svc: ServiceProcess, version: int) -> set[str]:
+    return {e.engine_id for e in _status(svc).engines if e.loaded_version >= version}
+
+
+def _registered(svc: ServiceProcess) -> set[str]:
+    return {e.engine_id for e in _status(svc).engines}
+
+
+def _history(tmp_path: Path, name: str) -> list[tuple[int, str]]:
+    path = tmp_path / f"{name}.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [(json.loads(x)["version"], json.loads(x)["transport"]) for x in lines]
+
+
+def _bit_identical(tmp_path: Path, name: str, version: int, seed: int, mb: float = 4) -> bool:
+    got = load_file(str(tmp_path / f"{name}-v{version}.st"))
+    want = make_tensors(seed, mb)
+    return got.keys() == want.keys() and all(
+        got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8))
+        for k, v in want.items()
+    )
+
+
+def _stop(*procs: subprocess.Popen[bytes]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def _metric(svc: ServiceProcess, line_start: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{svc.metrics_port}/metrics").read().decode()
+    for line in text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_gloo_broadcast_from_a_trainer_process_to_three_engines_is_bit_identical(
+    service: ServiceProcess, tmp_path: Path
+) -> None:
+    names = ["e0", "e1", "e2"]
+    engines = [_engine(service, tmp_path, n) for n in names]
+    try:
+        _wait(lambda: len(_status(service).engines) == 3, "3 engines registered", service)
+        v = _next_version(service)
+        sent = _publish(service, tmp_path, version=v, seed=11)
+        _wait(lambda: _holding(service, v) >= set(names), "all engines at v", service)
+        results = {n: (_history(tmp_path, n), _bit_identical(tmp_path, n, v, 11)) for n in names}
+    finally:
+        _stop(*engines)
+    assert sent["transport"] == "snapshot"  # trainer -> relay upload; relay -> engines by gloo
+    assert results == {n: ([(v, "gloo")], True) for n in names}
+
+
+def test_an_engine_joining_mid_job_gets_the_current_version_by_snapshot_then_the_next_by_broadcast(
+    service: ServiceProcess, tmp_path: Path
+) -> None:
+    first = _engine(service, tmp_path, "early")
+    late = None
+    try:
+        _wait(lambda: "early" in _registered(service), "first engine registered", service)
+        v = _next_version(service)
+        _publish(service, tmp_path, version=v, seed=1)
+        _wait(lambda: "early" in _holding(service, v), "early engine at v", service)
+        late = _engine(service, tmp_path, "late")
+        _wait(lambda: "late" in _holding(service, v), "late engine caught up to v", service)
+        _publish(service, tmp_path, version=v + 1, seed=2)
+        _wait(lambda: _holding(service, v + 1) >= {"early", "late"}, "both at v+1", service)
+        history = _history(tmp_path, "late")
+        identical = _bit_identical(tmp_path, "late", v, 1)
+        identical &= _bit_identical(tmp_path, "late", v + 1, 2)
+    finally:
+        _stop(first, *([late] if late else []))
+    assert (history, identical) == ([(v, "snapshot"), (v + 1, "gloo")], True)
+
+
+def test_an_engine_sigkilled_during_a_broadcast_is_dropped_and_the_others_finish(
+    service: ServiceProcess, tmp_path: Path
+) -> None:
+    engines = [_engine(service, tmp_path, n) for n in ("ok0", "ok1")]
+    engines.append(_engine(service, tmp_path, "doomed", "--die-after-buckets", "2"))
+    try:
+        names = {"ok0", "ok1", "doomed"}
+        _wait(lambda: _registered(service) >= names, "3 engines registered", service)
+        dropped_before = _metric(service, 'kuberl_weight_sync_timeouts_total{kind="heartbeat"}')
+        v = _next_version(service)
+        _publish(service, tmp_path, version=v, seed=5, mb=8)  # 9 buckets of 1 MiB
+        _wait(lambda: _holding(service, v) >= {"ok0", "ok1"}, "survivors at v", service)
+        _wait(lambda: "doomed" not in _registered(service), "the killed engine dropped", service)
+        killed = engines[2].wait(5)
+        identical = all(_bit_identical(tmp_path, n, v, 5, mb=8) for n in ("ok0", "ok1"))
+        dropped = _metric(service, 'kuberl_weight_sync_timeouts_total{kind="heartbeat"}')
+        dropped -= dropped_before
+    finally:
+        _stop(*engines)
+    assert (killed, identical, dropped) == (-signal.SIGKILL, True, 1.0)
+
+
+def test_versions_stay_monotonic_under_concurrent_publishes(
+    service: ServiceProcess, tmp_path: Path
+) -> None:
+    tensors = {"w": torch.arange(64, dtype=torch.float32)}
+    outcomes: list[tuple[int, str]] = []
+    seen: list[int] = []
+    done = threading.Event()
+
+    base = _next_version(service)
+
+    def publisher(start: int) -> None:
+        with WeightPublisher(service.address) as pub:
+            for version in range(base + start, base + 24, 4):
+                try:
+                    pub.publish(version, iter(tensors.items()))
+                    outcomes.append((version, "ok"))
+                except VersionConflict:
+                    outcomes.append((version, "conflict"))
+
+    def watcher() -> None:
+        with WeightPublisher(service.address) as pub:
+            while not done.is_set():
+                seen.append(pub.current_version())
+                time.sleep(0.01)
+
+    threads = [threading.Thread(target=publisher, args=(s,)) for s in (0, 1, 2, 3)]
+    watch = threading.Thread(target=watcher)
+    watch.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    done.set()
+    watch.join(10)
+    with WeightPublisher(service.address) as pub:
+        final = pub.current_version()
+    accepted = [v for v, r in outcomes if r == "ok"]
+    assert len(outcomes) == 24 and accepted
+    assert seen == sorted(seen) and final == max(accepted)
+
+
+def _upload(channel: grpc.Channel, version: int, chunks: list[pb.SnapshotChunk]) -> None:
+    stub = pb_grpc.WeightSyncServiceStub(channel)
+    stub.Publish(pb.PublishRequest(version=version, transports=[pb.TRANSPORT_SNAPSHOT]), timeout=5)
+    stub.UploadSnapshot(iter(chunks), timeout=10)
+
+
+def _chunks(version: int) -> list[pb.SnapshotChunk]:
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    manifest = plan([("w", torch.uint8, (len(payload),))], bucket_bytes=MB)
+    return list(iter_chunks(version, [payload], chunk_bytes=64 * 1024, manifest_first=manifest))
+
+
+def _damaged(version: int, damage: str) -> list[pb.SnapshotChunk]:
+    chunks = _chunks(version)
+    if damage == "flipped byte":
+        data = bytearray(chunks[5].data)
+        data[100] ^= 0xFF
+        chunks[5].data = bytes(data)
+    elif damage == "truncated":
+        chunks = chunks[:-1]
+    else:  # a chunk missing in the middle
+        del chunks[3]
+    return chunks
+
+
+def test_corrupt_truncated_or_gapped_snapshot_uploads_are_rejected_and_nothing_is_published(
+    service: ServiceProcess,
+) -> None:
+    metric = 'kuberl_weight_sync_rejected_total{reason="corrupt_snapshot"}'
+    rejected_before = _metric(service, metric)
+    codes, versions = [], []
+    before = _next_version(service) - 1
+    with sync_channel(service.address) as channel:
+        stub = pb_grpc.WeightSyncServiceStub(channel)
+        for v, damage in enumerate(("flipped byte", "truncated", "missing chunk"), before + 1):
+            with pytest.raises(grpc.RpcError) as err:
+                _upload(channel, v, _damaged(v, damage))
+            codes.append(err.value.code())
+            versions.append(stub.GetVersion(pb.GetVersionRequest()).version)
+        _upload(channel, before + 4, _chunks(before + 4))  # the service keeps working
+        latest = stub.GetVersion(pb.GetVersionRequest()).version
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+    assert (versions, latest) == ([before] * 3, before + 4)
+    assert _metric(service, metric) - rejected_before == 3
+
+
+def test_a_trainer_and_engine_on_the_services_host_move_weights_through_shared_memory(
+    tmp_path: Path,
+) -> None:
+    for svc in _service(tmp_path, ["shm", "gloo", "snapshot"]):
+        engine = _engine(svc, tmp_path, "local")
+        try:
+            _wait(lambda: len(_status(svc).engines) == 1, "engine registered", svc)  # noqa: B023
+            sent = _publish(svc, tmp_path, version=3, seed=3)
+            _wait(lambda: "local" in _holding(svc, 3), "engine at v3", svc)  # noqa: B023
+            history = _history(tmp_path, "local")
+            identical = _bit_identical(tmp_path, "local", 3, 3)
+        finally:
+            _stop(engine)
+        assert (sent["transport"], history, identical) == ("shm", [(3, "shm")], True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="role", required=True)
+    e = sub.add_parser("engine")
+    e.add_argument("address")
+    e.add_argument("out")
+    e.add_argument("name")
+    e.add_argument("--die-after-buckets", type=int, default=0)
+    e.add_argument("--transports", nargs="+", default=["shm", "gloo", "snapshot"])
+    t = sub.add_parser("trainer")
+    t.add_argument("address")
+    t.add_argument("version", type=int)
+    t.add_argument("seed", type=int)
+    t.add_argument("mb", type=float)
+    t.add_argument("--transports", nargs="+", default=["shm", "snapshot"])
+    ns = parser.parse_args()
+    _engine_main(ns) if ns.role == "engine" else _trainer_main(ns)
