@@ -223,7 +223,8 @@ def compute_advantages(
     """Advantages and returns, both [B, T] and 0 off the mask, by `config.advantage`.
 
     rewards [B] per sequence; values [B, T] the critic's V(s_t) (gae only). With
-    `config.kl.in_reward` the KL of the sampling policy (`old_logprobs`, [B, T]) to the reference
+    `config.kl.in_reward` the KL of the sampling policy (`old_logprobs`, [B, T]: the trainer's
+    recomputed ones or the rollout engine's) to the reference
     (`ref_logprobs`) is subtracted from the reward: per token for reinforce_pp and gae, summed over
     the response for grpo, drgrpo and rloo. `returns` are the critic's targets for gae, the
     discounted token returns for reinforce_pp, and the (KL-adjusted) sequence reward broadcast
