@@ -547,6 +547,7 @@ class OptimizerConfig(Section):
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0, description="AdamW's epsilon.")
     grad_clip: float = Field(1.0, gt=0)
     warmup_steps: int = Field(0, ge=0)
 

@@ -1,0 +1,132 @@
+"""The trainer's process group and the few collectives the training loop needs.
+
+`init_distributed` joins the torchrun world (torchrun's c10d rendezvous sets RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR and MASTER_PORT on every worker of every node) or, for a plain
+`kuberl serve trainer`, makes a world of one on a free loopback port. gloo on CPU, NCCL on GPU.
+
+Rank 0 talks to the buffer and broadcasts what it got as protobuf bytes (`broadcast_bytes`);
+per-rank metrics are merged as JSON (`gather_json`). Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kuberl.common.logs import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the training world."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed() -> DistInfo:
+    """Join the torchrun world (or make a world of one) and pick this rank's device."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    info = DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    log.info("dist.ready", rank=info.rank, world_size=info.world_size, backend=backend)
+    return info
+
+
+def _comm_device(info: DistInfo) -> torch.device:
+    return info.device if info.device.type == "cuda" else torch.device("cpu")
+
+
+def broadcast_bytes(data: bytes | None, info: DistInfo) -> bytes:
+    """Rank 0's `data` on every rank."""
+    import torch.distributed as dist
+
+    if info.world_size == 1:
+        assert data is not None
+        return data
+    dev = _comm_device(info)
+    size = torch.tensor([len(data) if info.is_main and data is not None else 0], device=dev)
+    dist.broadcast(size, 0)
+    n = int(size.item())
+    if info.is_main:
+        assert data is not None
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if n else None
+    else:
+        buf = torch.empty(n, dtype=torch.uint8, device=dev)
+    if n == 0:
+        return b""
+    assert buf is not None
+    dist.broadcast(buf, 0)
+    return bytes(buf.cpu().numpy().tobytes())
+
+
+def gather_json(value: Any, info: DistInfo) -> list[Any]:
+    """Every rank's JSON-serialisable `value`, in rank order, on every rank."""
+    import torch.distributed as dist
+
+    if info.world_size == 1:
+        return [value]
+    dev = _comm_device(info)
+    raw = json.dumps(value).encode()
+    size = torch.tensor([len(raw)], device=dev)
+    dist.all_reduce(size, op=dist.ReduceOp.MAX)
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=dev)
+    buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    out = [torch.empty_like(buf) for _ in range(info.world_size)]
+    dist.all_gather(out, buf)
+    return [json.loads(bytes(t.cpu().numpy().tobytes()).rstrip(b"\0")) for t in out]
+
+
+def all_reduce_max(value: int, info: DistInfo) -> int:
+    import torch.distributed as dist
+
+    if info.world_size == 1:
+        return value
+    t = torch.tensor([value], device=_comm_device(info))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def barrier(info: DistInfo) -> None:
+    import torch.distributed as dist
+
+    if info.world_size > 1:
+        dist.barrier()

@@ -1,0 +1,376 @@
+"""The trainer's model under DeepSpeed: ZeRO config, forward passes, steps, gathered weights.
+
+`TrainEngine` wraps a Hugging Face causal LM in a
+DeepSpeed engine with the ZeRO stage of the job file (0-3), bf16 on GPU and fp32 on CPU, a plain
+torch AdamW (DeepSpeed's compiled Adam would need an op build at first start), and
+gradient clipping. Gradient accumulation is owned by the caller (`managed_gradient_accumulation`
+off): it runs any number of micro-batches (chosen by a token budget) and then calls `step()`.
+
+The model's `lm_head` is replaced by `LogprobHead` so logprobs and entropies are computed in
+vocabulary chunks (see `kuberl.trainer.logprobs`). `FrozenModel` is the reference policy (no
+optimizer; ZeRO-3 partitioned when the policy is, else a plain module) and `ValueModel` the PPO
+critic (the policy's backbone architecture with a scalar head).
+
+Every rank must run the same number of forward and backward passes (ZeRO-3 gathers parameters
+and ZeRO-2 reduces gradients collectively in each of them); `kuberl.trainer.batching` pads the
+per-rank micro-batch lists to equal length for that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kuberl.common.config import ModelConfig, OptimizerConfig, TrainerConfig
+from kuberl.common.logs import get_logger
+from kuberl.trainer.batching import MicroBatch, padding_micro_batch
+from kuberl.trainer.distributed import DistInfo, all_reduce_max
+from kuberl.trainer.logprobs import LogprobHead
+
+log = get_logger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def train_dtype(model: ModelConfig, device: torch.device) -> torch.dtype:
+    """bf16 (or the job's dtype) on GPU; always fp32 on CPU, where bf16 matmuls are slow."""
+    if device.type != "cuda":
+        return torch.float32
+    return DTYPES[model.dtype]
+
+
+def deepspeed_config(
+    trainer: TrainerConfig, dtype: torch.dtype, *, train: bool = True
+) -> dict[str, Any]:
+    """The DeepSpeed config dict for the job's trainer section."""
+    stage = trainer.zero_stage
+    zero: dict[str, Any] = {
+        "stage": stage,
+        # Unmanaged gradient accumulation supports overlap_comm only on stage 2; it buys
+        # nothing on gloo anyway.
+        "overlap_comm": False,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 50_000_000,
+        "allgather_bucket_size": 50_000_000,
+    }
+    if stage == 3:
+        zero.update(
+            stage3_param_persistence_threshold=0,
+            stage3_prefetch_bucket_size=50_000_000,
+            stage3_max_live_parameters=100_000_000,
+            stage3_gather_16bit_weights_on_model_save=False,
+        )
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": dtype == torch.float16},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+    if train:
+        cfg["gradient_clipping"] = trainer.optimizer.grad_clip
+        cfg["managed_gradient_accumulation"] = False
+    return cfg
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype) -> Any:
+    """An HF causal LM from a local folder (never the hub), with eager-free SDPA attention."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, local_files_only=True, attn_implementation="sdpa"
+    )
+
+
+class PolicyModel(nn.Module):
+    """A causal LM whose forward returns per-token logprobs and entropies of the given ids.
+
+    forward(input_ids [B, T], attention_mask [B, T]) -> [B, T-1, 2]: the logprob and the
+    entropy (`split_outputs`) at position t of token t+1 given tokens 0..t (right padding; padded
+    positions hold garbage the caller masks out). One output tensor, not two: see `LogprobHead`.
+    """
+
+    def __init__(self, hf_model: Any, chunk_size: int = 4096, temperature: float = 1.0) -> None:
+        super().__init__()
+        self.hf = hf_model
+        old = hf_model.get_output_embeddings()
+        if not isinstance(old, LogprobHead):
+            hf_model.set_output_embeddings(LogprobHead(old.weight, chunk_size, temperature))
+
+    @property
+    def backbone(self) -> nn.Module:
+        return self.hf.get_decoder()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        hidden = out.last_hidden_state[:, :-1]  # [B, T-1, H]
+        targets = input_ids[:, 1:]  # [B, T-1]
+        return self.hf.get_output_embeddings()(hidden, targets)  # type: ignore[no-any-return]
+
+
+def split_outputs(outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`PolicyModel` outputs [B, T-1, 2] -> (logprobs [B, T-1], entropy [B, T-1])."""
+    return outputs[..., 0], outputs[..., 1]
+
+
+class ValueModel(nn.Module):
+    """PPO critic: the policy's architecture with a scalar value head on every position.
+
+    forward(input_ids [B, T], attention_mask [B, T]) -> values [B, T-1], aligned with
+    `PolicyModel`'s outputs (position t is the value of the state before token t+1).
+    """
+
+    def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        hidden = out.last_hidden_state[:, :-1]  # [B, T-1, H]
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)  # [B, T-1]
+
+
+def make_optimizer(module: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """torch AdamW; no weight decay on biases and norms (1-D parameters)."""
+    decay = [p for p in module.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in module.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False
+    )
+
+
+def make_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimizerConfig
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """Linear warm-up over `warmup_steps` optimizer steps, then constant."""
+    warmup = cfg.warmup_steps
+
+    def factor(step: int) -> float:
+        return 1.0 if warmup == 0 else min(1.0, (step + 1) / warmup)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class TrainEngine:
+    """One trainable module (policy or critic) under a DeepSpeed engine."""
+
+    def __init__(
+        self, module: nn.Module, trainer: TrainerConfig, dist_info: DistInfo, dtype: torch.dtype
+    ) -> None:
+        import deepspeed
+
+        self.dist = dist_info
+        self.dtype = dtype
+        self.zero_stage = trainer.zero_stage
+        module = module.to(device=dist_info.device, dtype=dtype)
+        optimizer = make_optimizer(module, trainer.optimizer)
+        scheduler = make_scheduler(optimizer, trainer.optimizer)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=module,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=deepspeed_config(trainer, dtype),
+        )
+        self._stage0_norm = float("nan")
+        if self.zero_stage == 0:
+            self._record_stage0_grad_norm()
+
+    def _record_stage0_grad_norm(self) -> None:
+        # Without ZeRO, DeepSpeed clips fp32 gradients and drops the norm; keep it.
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        eng = self.engine
+
+        def clip() -> None:
+            norm = clip_grad_norm_(
+                parameters=eng.module.parameters(), max_norm=eng.gradient_clipping(), mpu=eng.mpu
+            )
+            self._stage0_norm = float(norm)
+
+        eng.clip_fp32_gradients = clip
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module  # type: ignore[no-any-return]
+
+    def train(self) -> None:
+        self.engine.train()
+
+    def eval(self) -> None:
+        self.engine.eval()
+
+    def forward(self, *args: Any) -> Any:
+        return self.engine(*args)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> float:
+        """Reduce the accumulated gradients, clip, update; return the pre-clip grad norm."""
+        self.engine.step()
+        if self.zero_stage == 0:
+            return self._stage0_norm
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def lr(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    def save(self, directory: Path, tag: str) -> None:
+        self.engine.save_checkpoint(str(directory), tag=tag)
+
+    def load(self, directory: Path, tag: str) -> None:
+        path, _ = self.engine.load_checkpoint(
+            str(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} in {directory}")
+
+    def full_parameters(
+        self, bucket_bytes: int, prefix_strip: str = ""
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The full parameters in buckets of about `bucket_bytes`, as CPU tensors on rank 0.
+
+        Collective: every rank must iterate. Under ZeRO-3 each bucket is all-gathered, copied
+        and released before the next, so no rank ever holds the whole model at once; other
+        ranks get empty lists. Tied weights appear once, under their first name.
+        """
+        yield from iter_full_parameters(self.module, bucket_bytes, self.dist, prefix_strip)
+
+
+def iter_full_parameters(
+    module: nn.Module, bucket_bytes: int, dist_info: DistInfo, prefix_strip: str = ""
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """See `TrainEngine.full_parameters`."""
+    import deepspeed
+
+    seen: set[int] = set()
+    named: list[tuple[str, nn.Parameter]] = []
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        named.append((name.removeprefix(prefix_strip), p))
+
+    def numel(p: nn.Parameter) -> int:
+        return int(getattr(p, "ds_numel", p.numel()))
+
+    bucket: list[tuple[str, nn.Parameter]] = []
+    size = 0
+    for name, p in named:
+        nbytes = numel(p) * p.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield _gather_bucket(bucket, dist_info, deepspeed)
+            bucket, size = [], 0
+        bucket.append((name, p))
+        size += nbytes
+    if bucket:
+        yield _gather_bucket(bucket, dist_info, deepspeed)
+
+
+def _gather_bucket(
+    bucket: list[tuple[str, nn.Parameter]], dist_info: DistInfo, deepspeed: Any
+) -> list[tuple[str, torch.Tensor]]:
+    params = [p for _, p in bucket]
+    partitioned = any(hasattr(p, "ds_id") for p in params)
+    ctx = (
+        deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        if partitioned
+        else contextlib.nullcontext()
+    )
+    with ctx:
+        if not dist_info.is_main:
+            return []
+        return [(name, p.detach().to("cpu", copy=True)) for name, p in bucket]
+
+
+class FrozenModel:
+    """A frozen policy (the KL reference): forward only, never stepped.
+
+    With ZeRO-3 it is partitioned like the policy (DeepSpeed inference engine with ZeRO-3, as
+    OpenRLHF does); otherwise it is a plain module on the device (or on the CPU with
+    `offload`), which is cheapest for small models.
+    """
+
+    def __init__(
+        self, module: PolicyModel, trainer: TrainerConfig, dist_info: DistInfo, dtype: torch.dtype
+    ) -> None:
+        module.requires_grad_(False)
+        module.eval()
+        self.engine: Any = None
+        if trainer.zero_stage == 3:
+            import deepspeed
+
+            module = module.to(device=dist_info.device, dtype=dtype)
+            self.engine, *_ = deepspeed.initialize(
+                model=module, config=deepspeed_config(trainer, dtype, train=False)
+            )
+            self.module: nn.Module = self.engine.module
+        else:
+            self.module = module.to(device=dist_info.device, dtype=dtype)
+
+    @torch.no_grad()
+    def forward(self, *args: Any) -> Any:
+        return self.engine(*args) if self.engine is not None else self.module(*args)
+
+
+LossFn = Any  # Callable[[MicroBatch, Any], tuple[torch.Tensor, dict[str, float]]]
+
+
+def run_micro_batches(
+    engine: TrainEngine,
+    batches: list[MicroBatch],
+    loss_fn: LossFn,
+    pad_id: int,
+    names: tuple[str, ...] = (),
+) -> tuple[float, list[tuple[dict[str, float], int]]]:
+    """Forward and backward every micro-batch, then one optimizer step.
+
+    `loss_fn(micro_batch, outputs)` returns the loss to differentiate (already scaled by the
+    caller to its share of the global normaliser) and metrics for that micro-batch. Ranks with
+    fewer micro-batches run padding ones with a zero loss, so all ranks make the same collective
+    calls. Returns the grad norm and (metrics, tokens) of every real micro-batch of this rank.
+    """
+    count = all_reduce_max(len(batches), engine.dist)
+    batches = batches + [
+        padding_micro_batch(pad_id, engine.dist.device, names) for _ in range(count - len(batches))
+    ]
+    engine.train()
+    records: list[tuple[dict[str, float], int]] = []
+    for mb in batches:
+        outputs = engine.forward(mb.input_ids, mb.attention_mask)
+        if mb.is_padding:
+            loss = outputs.sum() * 0.0
+        else:
+            loss, metrics = loss_fn(mb, outputs)
+            records.append((metrics, mb.num_tokens))
+        engine.backward(loss)
+    return engine.step(), records
+
+
+@torch.no_grad()
+def run_forward(
+    forward: Any, batches: list[MicroBatch], pad_id: int, dist_info: DistInfo
+) -> list[Any]:
+    """Outputs of a no-grad forward over each micro-batch (padding ones run but are dropped)."""
+    count = all_reduce_max(len(batches), dist_info)
+    padded = batches + [
+        padding_micro_batch(pad_id, dist_info.device) for _ in range(count - len(batches))
+    ]
+    outs = [forward(mb.input_ids, mb.attention_mask) for mb in padded]
+    return outs[: len(batches)]

@@ -1,0 +1,170 @@
+"""DeepSpeed ZeRO 1, 2 and 3 on CPU with two gloo processes take the same step as plain torch.
+
+One `torchrun --nproc-per-node 2` run (this module with `--worker`) builds a DeepSpeed engine for
+each stage in turn, in the same two processes to pay DeepSpeed's start-up once, and takes one
+optimizer step of the trainer's SFT loss over the same eight sequences: each rank gets half of
+them, split into micro-batches by a small token budget (so gradient accumulation and the padding
+micro-batches that keep ranks in lock-step both run). The test then takes the same step in plain
+torch on one process from full logits, and compares the loss, the gradient norm and every
+updated weight (gathered bucket by bucket from the ZeRO-3 partitions).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.support import REPO
+
+STAGES = (1, 2, 3)
+LR = 1e-2
+# Adam's first update is about lr * sign(g) where |g| >> eps: a gradient element near zero could
+# flip with summation order. A larger eps makes the update smooth in g, so weights can be compared.
+EPS = 1e-4
+BUDGET = 24
+
+
+def _samples():  # type: ignore[no-untyped-def]
+    from kuberl.trainer.batching import Sample
+
+    rng = np.random.default_rng(0)
+    return [
+        Sample(
+            prompt_ids=rng.integers(5, 90, size=3 + i % 4),
+            response_ids=rng.integers(5, 90, size=2 + (i * 3) % 7),
+            loss_mask=np.ones(2 + (i * 3) % 7, dtype=np.float32),
+            index=i,
+        )
+        for i in range(8)
+    ]
+
+
+def _worker(out_dir: Path, model_dir: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from kuberl.common.config import TrainerConfig
+    from kuberl.trainer.batching import collate, micro_batches, shard
+    from kuberl.trainer.distributed import init_distributed
+    from kuberl.trainer.engine import (
+        PolicyModel,
+        TrainEngine,
+        iter_full_parameters,
+        load_causal_lm,
+        run_micro_batches,
+    )
+    from kuberl.trainer.sft import sft_loss_fn
+
+    info = init_distributed()
+    samples = _samples()
+    total = sum(int(s.loss_mask.sum()) for s in samples)
+    for stage in STAGES:
+        cfg = TrainerConfig(
+            zero_stage=stage,
+            micro_batch_tokens=BUDGET,
+            optimizer={"lr": LR, "eps": EPS, "grad_clip": 1.0},
+        )
+        engine = TrainEngine(
+            PolicyModel(load_causal_lm(model_dir, torch.float32)), cfg, info, torch.float32
+        )
+        mine = shard(samples, info.rank, info.world_size)
+        mbs = [collate(g, 0, info.device) for g in micro_batches(mine, BUDGET)]
+        grad_norm, records = run_micro_batches(
+            engine, mbs, sft_loss_fn(total, info.world_size), pad_id=0
+        )
+        loss = torch.tensor([sum(m["loss_share"] for m, _ in records)])
+        dist.all_reduce(loss)
+        weights = {}
+        for bucket in iter_full_parameters(engine.module, 64 * 1024, info, "hf."):
+            weights.update(dict(bucket))
+        if info.is_main:
+            save_file(weights, str(out_dir / f"stage{stage}.safetensors"))
+            result = {"loss": loss.item(), "grad_norm": grad_norm, "micro_batches": len(mbs)}
+            (out_dir / f"stage{stage}.json").write_text(json.dumps(result))
+
+
+def _plain_torch_step(model_dir: Path) -> tuple[float, float, dict, float]:  # type: ignore[type-arg]
+    import torch
+
+    from kuberl.trainer.batching import collate
+    from kuberl.trainer.engine import load_causal_lm
+    from kuberl.trainer.logprobs import full_logprobs_and_entropy
+
+    model = load_causal_lm(model_dir, torch.float32)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    samples = _samples()
+    mb = collate(samples, 0, torch.device("cpu"))
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
+    logprobs, _ = full_logprobs_and_entropy(logits, mb.input_ids[:, 1:])
+    loss = -(mb.to_response(logprobs) * mb.mask).sum() / mb.mask.sum()
+    loss.backward()
+    loss = loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=LR,
+        eps=EPS,
+        foreach=False,
+    )
+    opt.step()
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    moved = max((weights[k] - initial[k]).abs().max().item() for k in weights)
+    return float(loss), float(grad_norm), weights, moved
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    from kuberl.common.modelbuild import build_model
+
+    root = tmp_path_factory.mktemp("zero")
+    model_dir = build_model(root / "model", tokenizer="digits", seed=3)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:0",
+        "-m",
+        "tests.integration.test_trainer_zero",
+        "--worker",
+        str(root),
+        str(model_dir),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root, _plain_torch_step(model_dir)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_zero_stage_step_on_two_gloo_ranks_matches_plain_torch(runs, stage: int) -> None:  # type: ignore[no-untyped-def]
+    from safetensors.torch import load_file
+
+    root, (ref_loss, ref_norm, ref_weights, moved) = runs
+    result = json.loads((root / f"stage{stage}.json").read_text())
+    weights = load_file(str(root / f"stage{stage}.safetensors"))
+    worst = max(
+        (weights[k] - ref_weights[k]).abs().max().item() for k in weights if k in ref_weights
+    )
+    assert result["micro_batches"] >= 2  # accumulation ran
+    assert result["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    assert result["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
+    assert set(weights) <= set(ref_weights)
+    assert moved > 1e-3  # the step really changed the weights (lr 1e-2)
+    assert worst < 1e-5, f"max weight difference {worst}"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        _worker(Path(sys.argv[2]), Path(sys.argv[3]))

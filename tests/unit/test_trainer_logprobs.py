@@ -1,0 +1,84 @@
+"""Vocabulary-chunked logprobs and entropies equal the full-logits computation, values and
+gradients, and the model head built on them gives the HF model's own numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kuberl.trainer.logprobs import (
+    LogprobHead,
+    chunked_logprobs_and_entropy,
+    full_logprobs_and_entropy,
+)
+
+
+def _inputs(n: int = 37, h: int = 16, v: int = 1000, dtype: torch.dtype = torch.float64):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, dtype=dtype, generator=g, requires_grad=True)
+    weight = torch.randn(v, h, dtype=dtype, generator=g, requires_grad=True)
+    targets = torch.randint(0, v, (n,), generator=g)
+    return hidden, weight, targets
+
+
+@pytest.mark.parametrize(("chunk", "temperature"), [(128, 1.0), (7, 0.7), (1000, 1.3), (4096, 1.0)])
+def test_chunked_logprobs_and_entropy_equal_full_logits(chunk: int, temperature: float) -> None:
+    hidden, weight, targets = _inputs()
+    lp, ent = chunked_logprobs_and_entropy(hidden, weight, targets, chunk, temperature)
+    ref_lp, ref_ent = full_logprobs_and_entropy(hidden @ weight.T, targets, temperature)
+    assert torch.allclose(lp, ref_lp, rtol=0, atol=1e-12)
+    assert torch.allclose(ent, ref_ent, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk", [64, 333])
+def test_chunked_gradients_equal_full_logits_gradients(chunk: int) -> None:
+    hidden, weight, targets = _inputs()
+    g = torch.Generator().manual_seed(1)
+    w_lp = torch.randn(targets.shape, dtype=torch.float64, generator=g)
+    w_ent = torch.randn(targets.shape, dtype=torch.float64, generator=g)
+    lp, ent = chunked_logprobs_and_entropy(hidden, weight, targets, chunk, 0.9)
+    ours = torch.autograd.grad((lp * w_lp + ent * w_ent).sum(), [hidden, weight])
+    ref_lp, ref_ent = full_logprobs_and_entropy(hidden @ weight.T, targets, 0.9)
+    ref = torch.autograd.grad((ref_lp * w_lp + ref_ent * w_ent).sum(), [hidden, weight])
+    for a, b in zip(ours, ref, strict=True):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_float32_inputs_agree_with_full_logits_to_float32_precision() -> None:
+    hidden, weight, targets = _inputs(n=64, v=5000, dtype=torch.float32)
+    lp, ent = chunked_logprobs_and_entropy(hidden, weight, targets, 512)
+    ref_lp, ref_ent = full_logprobs_and_entropy(hidden @ weight.T, targets)
+    assert (lp - ref_lp).abs().max() < 1e-4 and (ent - ref_ent).abs().max() < 1e-4
+
+
+def test_a_batch_shape_is_kept() -> None:
+    hidden, weight, targets = _inputs(n=12)
+    lp, ent = chunked_logprobs_and_entropy(hidden.reshape(3, 4, -1), weight, targets.reshape(3, 4))
+    assert lp.shape == ent.shape == (3, 4)
+
+
+def test_bad_arguments_are_rejected_with_the_reason() -> None:
+    hidden, weight, targets = _inputs(n=4)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunked_logprobs_and_entropy(hidden, weight, targets, 0)
+    with pytest.raises(ValueError, match="temperature"):
+        chunked_logprobs_and_entropy(hidden, weight, targets, 8, 0.0)
+    with pytest.raises(ValueError, match="positions"):
+        chunked_logprobs_and_entropy(hidden, weight, targets[:3], 8)
+
+
+def test_policy_model_logprobs_equal_the_hf_models_own_logits(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kuberl.common.modelbuild import build_model
+    from kuberl.trainer.engine import PolicyModel, load_causal_lm, split_outputs
+
+    path = build_model(tmp_path / "m", tokenizer="digits", seed=1)
+    ids = torch.randint(5, 90, (2, 9), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    ref_lp, ref_ent = full_logprobs_and_entropy(
+        load_causal_lm(path, torch.float32)(input_ids=ids, attention_mask=mask).logits[:, :-1],
+        ids[:, 1:],
+    )
+    policy = PolicyModel(load_causal_lm(path, torch.float32), chunk_size=16)
+    lp, ent = split_outputs(policy(ids, mask))
+    assert isinstance(policy.hf.get_output_embeddings(), LogprobHead)
+    assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
