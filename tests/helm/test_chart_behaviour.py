@@ -45,6 +45,24 @@ def test_the_rendered_job_file_is_accepted_by_the_services_own_loader(value_set:
     parse_job_config(_job(value_set), env={}, source=f"job ConfigMap ({value_set})")
 
 
+@pytest.mark.parametrize("value_set", ["defaults", "multi-node-trainer"])
+def test_each_container_accepts_the_job_with_its_env_overrides(value_set: str) -> None:
+    downward = {"$(POD_IP)": "10.1.2.3", "$(POD_NAME)": "rl-kuberl-rollout-7d9f-x2x4q"}
+    overridden = {}
+    for doc in workloads(render(value_set)):
+        for c in pod_spec(doc)["containers"]:
+            env = {
+                name: downward.get(value, value)
+                for name, value in _env(c).items()
+                if name.startswith("KUBERL_") and "__" in name and isinstance(value, str)
+            }
+            if env:
+                config = parse_job_config(_job(value_set), env=env, source=c["name"])
+                overridden[c["name"]] = config
+    assert overridden["weight-sync"].weight_sync.advertise_host == "10.1.2.3"
+    assert overridden["rollout"].rollout.replica_id == downward["$(POD_NAME)"]
+
+
 def test_endpoints_in_the_job_name_the_services_the_chart_creates() -> None:
     rendered, job = render("defaults"), _job("defaults")
     services = {

@@ -32,14 +32,12 @@ DOCUMENTED = {
     ("trainer", "weight-sync", 50053),
     ("weight-sync", "rollout", 50060),
     ("buffer", "redis", 6379),
-    # NCCL (the weight broadcast group of trainer ranks and SGLang engines, the trainer's own
-    # collectives) and the torchrun store pick ports at run time: every port is open there.
+    # The broadcast groups weight-sync relays versions over (gloo/NCCL, weight-sync is rank 0),
+    # the trainer's torchrun store and collectives: ports picked at run time, all open.
     *{
         (a, b, port)
-        for a in ("trainer", "rollout")
-        for b in ("trainer", "rollout")
+        for a, b in (("weight-sync", "rollout"), ("rollout", "weight-sync"), ("trainer", "trainer"))
         for port in (NCCL_PORT, 29500, 6379, PORTS[b])
-        if "trainer" in (a, b)
     },
     # helm test
     *{("test", c, PORTS[c]) for c in ("buffer", "reward", "weight-sync", "trainer", "rollout")},

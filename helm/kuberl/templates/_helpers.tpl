@@ -136,7 +136,7 @@ both use it.
   "redis" (dict "url" (include "kuberl.redisUrl" .) "password_env" "REDIS_PASSWORD")
   "buffer" (dict "server" (dict "host" "0.0.0.0" "port" .Values.buffer.port "metrics_port" .Values.buffer.metricsPort))
   "reward" (dict "server" (dict "host" "0.0.0.0" "port" .Values.reward.port "metrics_port" .Values.reward.metricsPort))
-  "weight_sync" (dict "server" (dict "host" "0.0.0.0" "port" .Values.weightSync.port "metrics_port" .Values.weightSync.metricsPort) "snapshot_dir" "/var/lib/kuberl/snapshots")
+  "weight_sync" (dict "server" (dict "host" "0.0.0.0" "port" .Values.weightSync.port "metrics_port" .Values.weightSync.metricsPort) "snapshot_dir" "/var/lib/kuberl/snapshots/files" "shm_dir" "/var/lib/kuberl/snapshots/versions")
   "trainer" (dict "server" (dict "host" "0.0.0.0" "port" .Values.trainer.port "metrics_port" .Values.trainer.metricsPort) "checkpoint_dir" .Values.trainer.checkpoints.mountPath)
   "rollout" (dict "server" (dict "host" "0.0.0.0" "port" .Values.rollout.port "metrics_port" .Values.rollout.metricsPort))
 }}
@@ -395,6 +395,9 @@ spec:
             {{- include "kuberl.env" $root | nindent 12 }}
             {{- if .redis }}
             {{- include "kuberl.redisPasswordEnv" $root | nindent 12 }}
+            {{- end }}
+            {{- with .env }}
+            {{- toYaml . | nindent 12 }}
             {{- end }}
             {{- with $values.extraEnv }}
             {{- toYaml . | nindent 12 }}
