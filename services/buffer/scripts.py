@@ -5,7 +5,12 @@ keys runs inside one script (Redis runs a script with nothing interleaved). `kub
 calls them with the keys declared in KEYS; all keys of a job share the `{job}` hash tag, so the
 scripts also work on Redis Cluster. Stream entry fields: prompts `p` (prompt id), `e` (epoch),
 `rq` (present on re-queued entries); groups `p`, `e`, `v` (oldest policy version of the group),
-`z` ("1" when all rewards agree), `g` (the serialized `kuberl.common.v1.Group`).
+`z` ("1" when all rewards agree), `k` (field of the group's bytes in the `payloads:<kind>` hash).
+
+Group bytes (~150 KB for 8 x 2k tokens) never pass through Lua: copying them into and out of the
+Lua VM made a put cost three times a plain XADD. The service writes them with HSET in the same
+MULTI/EXEC transaction as the PUT script (so both apply or neither does), and reads them back
+with HMGET; scripts only add and remove the hash fields.
 """
 
 from __future__ import annotations
@@ -129,30 +134,43 @@ redis.call('HSET', KEYS[2], ARGV[1] .. ':filled', ARGV[2])
 return #ARGV - 2
 """
 
-# Accept whole groups, at most one per prompt and epoch, and complete their leases.
-# KEYS: group stream, accepted, prompt stream of the leases, lease map, state, prompt data
+# Accept whole groups, at most one per prompt and epoch, and complete their leases. Runs in one
+# MULTI/EXEC after the HSET of the groups' bytes into the payloads hash; the bytes of a group
+# that is not accepted (duplicate, or the request is refused) are removed again.
+# KEYS: group stream, accepted, prompt stream of the leases, lease map, state, prompt data,
+#       payloads
 # ARGV: kind, lease kind, count, then per group: prompt id, epoch, version, zero-variance,
-#       payload ('' = an empty SFT group: complete the lease, store nothing), lease id ('' = none)
+#       payload field ('' = an empty SFT group: complete the lease, store nothing), lease id
+#       ('' = none)
 # Returns {"ok", status...} with 1 accepted / 2 duplicate, or {"unknown_prompt", i},
 # {"bad_epoch", i, filled}, {"foreign_lease", i, owner prompt, owner epoch}.
 PUT = (
     _PRELUDE
     + """
-local groups, accepted, prompts, leasemap, state, data =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local groups, accepted, prompts, leasemap, state, data, payloads =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local kind, lease_kind, count = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local filled = num(redis.call('HGET', state, lease_kind .. ':filled'), -1)
+local function refuse(res)
+  for i = 0, count - 1 do
+    local field = ARGV[4 + i * 6 + 4]
+    if field ~= '' then redis.call('HDEL', payloads, field) end
+  end
+  return res
+end
 -- Check every group before changing anything: a rejected request stores nothing.
 for i = 0, count - 1 do
   local b = 4 + i * 6
   local pid, ep, lease = ARGV[b], tonumber(ARGV[b + 1]), ARGV[b + 5]
-  if redis.call('HEXISTS', data, pid) == 0 then return {'unknown_prompt', i} end
-  if ep < 0 or ep > filled then return {'bad_epoch', i, filled} end
+  if redis.call('HEXISTS', data, pid) == 0 then return refuse({'unknown_prompt', i}) end
+  if ep < 0 or ep > filled then return refuse({'bad_epoch', i, filled}) end
   if lease ~= '' then
     local entry = redis.call('XRANGE', prompts, lease, lease)
     if entry[1] then
       local f = fieldmap(entry[1][2])
-      if f.p ~= pid or tonumber(f.e) ~= ep then return {'foreign_lease', i, f.p, f.e} end
+      if f.p ~= pid or tonumber(f.e) ~= ep then
+        return refuse({'foreign_lease', i, f.p, f.e})
+      end
     end
   end
 end
@@ -166,13 +184,13 @@ local res = {'ok'}
 local n_acc, n_dup, n_empty = 0, 0, 0
 for i = 0, count - 1 do
   local b = 4 + i * 6
-  local pid, ep, payload = ARGV[b], ARGV[b + 1], ARGV[b + 4]
+  local pid, ep, field = ARGV[b], ARGV[b + 1], ARGV[b + 4]
   local key = pid .. '@' .. ep
   complete(ARGV[b + 5])
   if redis.call('HSETNX', accepted, key, 1) == 1 then
-    if payload ~= '' then
+    if field ~= '' then
       redis.call('XADD', groups, '*', 'p', pid, 'e', ep, 'v', ARGV[b + 2], 'z', ARGV[b + 3],
-                 'g', payload)
+                 'k', field)
     else
       n_empty = n_empty + 1
     end
@@ -184,6 +202,7 @@ for i = 0, count - 1 do
     n_acc = n_acc + 1
     table.insert(res, 1)
   else
+    if field ~= '' then redis.call('HDEL', payloads, field) end
     n_dup = n_dup + 1
     table.insert(res, 2)
   end
@@ -213,7 +232,7 @@ return n
 # Read new groups for a batch being assembled and note them in the batch record, so that a
 # buffer replica dying mid-assembly leaves a record another replica can recover.
 # KEYS: group stream, batch record, deadlines; ARGV: consumer, count, batch id, deadline ms, kind
-# Returns {last stream id, id, prompt id, epoch, version, zero-variance, payload, ...}
+# Returns {last stream id, id, prompt id, epoch, version, zero-variance, payload field, ...}
 TAKE = (
     _PRELUDE
     + """
@@ -226,7 +245,7 @@ local ids = {}
 if r then
   for _, e in ipairs(r[1][2]) do
     local f = fieldmap(e[2])
-    for _, v in ipairs({e[1], f.p, f.e, f.v, f.z, f.g}) do table.insert(res, v) end
+    for _, v in ipairs({e[1], f.p, f.e, f.v, f.z, f.k}) do table.insert(res, v) end
     table.insert(ids, e[1])
   end
 end
@@ -243,15 +262,16 @@ return res
 )
 
 # Drop groups (stale, filtered): they leave the stream; stale ones may re-queue their prompt.
-# KEYS: group stream, accepted, train prompt stream, train lease map, state
-# ARGV: kind, count, then per group: id, prompt id, epoch, reason, requeue (0/1)
+# KEYS: group stream, accepted, train prompt stream, train lease map, state, payloads
+# ARGV: kind, count, then per group: id, prompt id, epoch, reason, requeue (0/1), payload field
 DROP = """
 local kind, count = ARGV[1], tonumber(ARGV[2])
 for i = 0, count - 1 do
-  local b = 3 + i * 5
+  local b = 3 + i * 6
   local id, pid, ep, reason = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3]
   redis.call('XACK', KEYS[1], 'trainer', id)
   if redis.call('XDEL', KEYS[1], id) == 1 then
+    redis.call('HDEL', KEYS[6], ARGV[b + 5])
     redis.call('HINCRBY', KEYS[5], 'c:' .. kind .. ':dropped:' .. reason, 1)
     if ARGV[b + 4] == '1' then
       local key = pid .. '@' .. ep
@@ -316,7 +336,7 @@ return due[1]
 """
 
 # Read a claimed batch for re-delivery. KEYS: batch record, deadlines, group stream, state
-# ARGV: batch id, kind. Returns {state, id, prompt id, epoch, version, zero-variance, payload...}
+# ARGV: batch id, kind. Returns {state, id, prompt id, epoch, version, zero-variance, field...}
 # or {"gone"} when the batch was acknowledged or removed meanwhile.
 FETCH = (
     _PRELUDE
@@ -332,7 +352,7 @@ for id in string.gmatch(ids, '%S+') do
   local e = redis.call('XRANGE', KEYS[3], id, id)
   if e[1] then
     local f = fieldmap(e[1][2])
-    for _, v in ipairs({id, f.p, f.e, f.v, f.z, f.g}) do table.insert(res, v) end
+    for _, v in ipairs({id, f.p, f.e, f.v, f.z, f.k}) do table.insert(res, v) end
   end
 end
 if st == 'issued' then
@@ -344,15 +364,19 @@ return res
 )
 
 # Acknowledge a batch: its groups are trained and leave the stream. Idempotent.
-# KEYS: batch record, group stream, deadlines, state; ARGV: batch id, kind, ttl ms
+# KEYS: batch record, group stream, deadlines, state, payloads; ARGV: batch id, kind, ttl ms
 # Returns 1 acked now, 0 acked before, -1 unknown.
-ACK = """
+ACK = (
+    _PRELUDE
+    + """
 local st = redis.call('HGET', KEYS[1], 'state')
 if st == 'acked' then return 0 end
 if st ~= 'issued' then return -1 end
 local ids = redis.call('HGET', KEYS[1], 'entries') or ''
 local n = 0
 for id in string.gmatch(ids, '%S+') do
+  local e = redis.call('XRANGE', KEYS[2], id, id)
+  if e[1] then redis.call('HDEL', KEYS[5], fieldmap(e[1][2]).k) end
   redis.call('XACK', KEYS[2], 'trainer', id)
   redis.call('XDEL', KEYS[2], id)
   n = n + 1
@@ -364,6 +388,7 @@ redis.call('HINCRBY', KEYS[4], 'c:' .. ARGV[2] .. ':acked_batches', 1)
 redis.call('HINCRBY', KEYS[4], 'c:' .. ARGV[2] .. ':trained_groups', n)
 return 1
 """
+)
 
 # Monotonic policy version. KEYS: state; ARGV: version. Returns {1, v} or {0, current}.
 SET_VERSION = """

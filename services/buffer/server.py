@@ -127,6 +127,7 @@ class BufferService(Service):
         self.store = BufferStore.from_config(self.config)
         await self.store.wait_ready(self.config.redis.connect_timeout_seconds)
         await self.store.ensure_groups()
+        await self.store.load_scripts()
         for ds in self.config.data.train:
             await self._load_config_dataset(ds, "train", self.config.data.num_epochs)
         for ds in self.config.data.eval:
@@ -437,6 +438,8 @@ class BufferService(Service):
     ) -> str | None:
         """Why a group is dropped from a batch, or None to keep it. Only training groups are
         filtered: eval results are measurements and SFT samples are off-policy by design."""
+        if not g.payload:
+            return "missing_payload"  # only if Redis lost data (see docs/buffer.md)
         if kind != "train":
             return None
         if max_staleness >= 0 and current_version - g.version > max_staleness:
@@ -478,7 +481,7 @@ class BufferService(Service):
                 m.BATCHES_TOTAL.labels(kind, "redelivered").inc()
                 log.info("batch.redelivered", batch_id=batch_id, groups=len(groups))
                 head = bpb.GetBatchResponse(batch_id=batch_id, redelivered=True)
-                return encode_batch(head, [g.payload for g in groups])
+                return encode_batch(head, [g.payload for g in groups if g.payload])
             # Taken by a replica that died before handing it out: assemble it anew.
             pending = groups
         else:

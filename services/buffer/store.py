@@ -17,6 +17,7 @@ train prompts), each key prefixed by `kuberl:{<job>}:`:
   epoch at a time in that epoch's seeded order; an entry stays pending while leased.
 - `leases:<kind>` (hash): `<prompt>@<epoch>` -> the entry that currently stands for it.
 - `groups:<kind>` (stream, consumer group `trainer`): one entry per accepted group.
+- `payloads:<kind>` (hash): the serialized `kuberl.common.v1.Group` of each entry of `groups`.
 - `accepted:<kind>` (hash): `<prompt>@<epoch>` of every accepted group (the idempotency record).
 - `batch:<id>` (hash): state (assembling, issued, acked) and the entry ids of a batch.
 - `batches:<kind>` (sorted set): batch id -> deadline in ms, for re-delivery after the timeout.
@@ -32,14 +33,15 @@ import json
 import os
 import re
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import BusyLoadingError, ResponseError
+from redis.exceptions import BusyLoadingError, NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -99,6 +101,9 @@ class Keys:
     def accepted(self, kind: str) -> str:
         return f"{self.prefix}accepted:{kind}"
 
+    def payloads(self, kind: str) -> str:
+        return f"{self.prefix}payloads:{kind}"
+
     def batch(self, batch_id: str) -> str:
         return f"{self.prefix}batch:{batch_id}"
 
@@ -145,7 +150,8 @@ class StoredGroup:
     epoch: int
     version: int
     zero_variance: bool
-    payload: bytes
+    payload_key: str  # its field in the payloads hash
+    payload: bytes = b""  # the serialized Group; b"" if it is missing
 
 
 @dataclass(frozen=True)
@@ -167,7 +173,7 @@ def _groups_from(flat: Sequence[Any]) -> list[StoredGroup]:
             epoch=int(flat[i + 2]),
             version=int(flat[i + 3]),
             zero_variance=flat[i + 4] in (b"1", "1"),
-            payload=bytes(flat[i + 5]),
+            payload_key=_s(flat[i + 5]),
         )
         for i in range(0, len(flat), 6)
     ]
@@ -298,6 +304,11 @@ class BufferStore:
                 if time.monotonic() > deadline:
                     raise Unavailable(f"Redis not reachable after {timeout:.0f}s: {exc}") from exc
                 await asyncio.sleep(0.2)
+
+    async def load_scripts(self) -> None:
+        """Load every script into Redis' script cache (done at start and after a restart)."""
+        for name in self._scripts:
+            await self.r.script_load(getattr(scripts, name))
 
     async def ensure_groups(self) -> None:
         """Create the streams and consumer groups of the job if missing (idempotent)."""
@@ -475,16 +486,6 @@ class BufferStore:
         for item in items:
             if item.lease_id and not _ENTRY_ID.match(item.lease_id):
                 raise InvalidArgument(f"lease_id {item.lease_id!r} is not a lease handle")
-        args: list[Any] = [kind, lease_kind(kind), len(items)]
-        for it in items:
-            args += [
-                it.prompt_id,
-                it.epoch,
-                it.version,
-                "1" if it.zero_variance else "0",
-                it.payload,
-                it.lease_id,
-            ]
         keys = [
             self.keys.groups(kind),
             self.keys.accepted(kind),
@@ -492,8 +493,31 @@ class BufferStore:
             self.keys.leases(kind),
             self.keys.state,
             self.keys.prompt_data,
+            self.keys.payloads(kind),
         ]
-        res = await self._script("PUT", keys, args)
+        sha = self._scripts["PUT"].sha
+
+        async def op() -> Any:
+            # Fresh fields on every attempt: if an attempt was applied but its reply lost, the
+            # retry's copies are the duplicates the script removes, not the accepted ones.
+            fields = [uuid.uuid4().hex if it.payload else "" for it in items]
+            args: list[Any] = [kind, lease_kind(kind), len(items)]
+            for it, f in zip(items, fields, strict=True):
+                zv = "1" if it.zero_variance else "0"
+                args += [it.prompt_id, it.epoch, it.version, zv, f, it.lease_id]
+            for _attempt in range(2):
+                pipe = self.r.pipeline(transaction=True)
+                mapping = {f: it.payload for it, f in zip(items, fields, strict=True) if f}
+                if mapping:
+                    pipe.hset(self.keys.payloads(kind), mapping=mapping)
+                pipe.evalsha(sha, len(keys), *keys, *args)
+                try:
+                    return (await pipe.execute())[-1]
+                except NoScriptError:  # Redis restarted: its script cache is empty
+                    await self.load_scripts()
+            raise Unavailable("the PUT script could not be loaded into Redis")
+
+        res = await self._retry(op, "put")
         status = _s(res[0])
         if status == "unknown_prompt":
             i = int(res[1])
@@ -523,7 +547,20 @@ class BufferStore:
             [self.keys.groups(kind), self.keys.batch(batch_id), self.keys.batches(kind)],
             [consumer, count, batch_id, deadline_ms, kind],
         )
-        return _s(res[0]), _groups_from(res[1:])
+        return _s(res[0]), await self._with_payloads(kind, _groups_from(res[1:]))
+
+    async def _with_payloads(self, kind: str, groups: list[StoredGroup]) -> list[StoredGroup]:
+        """The groups with their bytes read from the payloads hash (one HMGET)."""
+        if not groups:
+            return groups
+        fields = [g.payload_key for g in groups]
+        raw = await self._retry(lambda: self.r.hmget(self.keys.payloads(kind), fields), "payloads")
+        out = []
+        for g, payload in zip(groups, raw, strict=True):
+            if payload is None:
+                log.error("group.payload_missing", kind=kind, entry=g.entry_id, prompt=g.prompt_id)
+            out.append(replace(g, payload=payload or b""))
+        return out
 
     async def wait_for_groups(self, kind: str, after_id: str, timeout: float) -> None:
         """Block until a group newer than after_id arrives or timeout passes."""
@@ -539,13 +576,21 @@ class BufferStore:
         args: list[Any] = [kind, len(drops)]
         for d in drops:
             g = d.group
-            args += [g.entry_id, g.prompt_id, g.epoch, d.reason, "1" if d.requeue else "0"]
+            args += [
+                g.entry_id,
+                g.prompt_id,
+                g.epoch,
+                d.reason,
+                "1" if d.requeue else "0",
+                g.payload_key,
+            ]
         keys = [
             self.keys.groups(kind),
             self.keys.accepted(kind),
             self.keys.prompts("train"),
             self.keys.leases("train"),
             self.keys.state,
+            self.keys.payloads(kind),
         ]
         await self._script("DROP", keys, args)
 
@@ -579,7 +624,7 @@ class BufferStore:
             res = await self._script("FETCH", keys, [bid, kind])
             state = _s(res[0])
             if state != "gone":
-                return bid, state, _groups_from(res[1:])
+                return bid, state, await self._with_payloads(kind, _groups_from(res[1:]))
 
     async def ack(self, kind: str, batch_id: str) -> int:
         """1 acknowledged now, 0 acknowledged before, -1 unknown batch."""
@@ -588,6 +633,7 @@ class BufferStore:
             self.keys.groups(kind),
             self.keys.batches(kind),
             self.keys.state,
+            self.keys.payloads(kind),
         ]
         return int(await self._script("ACK", keys, [batch_id, kind, self.acked_batch_ttl_ms]))
 

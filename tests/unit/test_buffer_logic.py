@@ -591,3 +591,28 @@ def test_prompts_carry_text_answer_and_metadata(redis_url: str, tmp_path: Path) 
             return p.text, p.answer, json.loads(p.metadata_json)
 
     assert run(scenario()) == ("0 + 0 = ?", "0", {"level": 0})
+
+
+def test_no_group_bytes_are_left_behind_by_acks_drops_duplicates_or_rejections(
+    redis_url: str, tmp_path: Path
+) -> None:
+    import redis
+
+    async def scenario() -> tuple[int, int]:
+        async with buffer(redis_url, tmp_path, prompts=4) as svc:
+            a, b, c, d = (await lease(svc, 4)).prompts
+            await complete(svc, [a, b, c])
+            with pytest.raises(AlreadyExists):
+                await complete(svc, [a])
+            with pytest.raises(InvalidArgument):
+                await put(svc, [make_group(d.prompt_id), make_group("nope:0")])
+            stored = redis.Redis.from_url(redis_url).hlen(svc.db.keys.payloads("train"))
+            await put(svc, [make_group(d.prompt_id, version=0)], [d.lease_id])
+            batch = await get(svc, 4, version=9, staleness=0)  # all stale: dropped, requeued
+            again = (await lease(svc, 4)).prompts
+            await complete(svc, again, version=9)
+            await ack(svc, (await get(svc, 4, version=9, staleness=0)).batch_id)
+            assert batch.dropped["stale"] == 4
+            return stored, redis.Redis.from_url(redis_url).hlen(svc.db.keys.payloads("train"))
+
+    assert run(scenario()) == (3, 0)

