@@ -39,7 +39,7 @@ class Assignment:
 class Engine:
     engine_id: str
     endpoint: str
-    transports: list[int]
+    transports: list[Any]
     device: str
     host: str
     ranks: int

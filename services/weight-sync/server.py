@@ -415,7 +415,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             self.store.discard(version)
             raise
         if sha256:
-            digest = hashlib.sha256(stored.flat.numpy()).hexdigest()
+            digest = hashlib.sha256(stored.flat.numpy().data).hexdigest()
             if digest != sha256:
                 self.metrics.rejected.labels("corrupt_snapshot").inc()
                 self.store.versions.pop(version, None)
@@ -479,7 +479,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         timeout = self.config.broadcast_timeout_seconds
         instruction = pb.UpdateInstruction(
             version=stored.version,
-            transport=transport,
+            transport=transport,  # type: ignore[arg-type]
             manifest=stored.manifest.to_proto(),
             deadline_seconds=timeout,
         )
@@ -637,7 +637,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
 
         def pieces() -> Iterator[memoryview]:
             for at in range(0, len(flat), chunk_bytes):
-                yield memoryview(flat[at : at + chunk_bytes])
+                yield flat[at : at + chunk_bytes].data
 
         for chunk in iter_chunks(
             stored.version, pieces(), chunk_bytes=chunk_bytes, manifest_first=stored.manifest

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 import torch
@@ -62,7 +63,7 @@ class EngineClient:
         self.address = address
         self.engine_id = engine_id
         self.endpoint = endpoint
-        self.transports = [transport_value(t) for t in transports]
+        self.transports: list[Any] = [transport_value(t) for t in transports]
         self.device = device
         self.host = host or socket.gethostname()
         self.chunk_bytes = chunk_bytes

@@ -16,6 +16,7 @@ import socket
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import torch
@@ -52,7 +53,7 @@ class PublishResult:
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A tensor's raw little-endian bytes on the host (copied from the GPU if needed)."""
     data = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
-    return memoryview(data.numpy())
+    return data.numpy().data
 
 
 class WeightPublisher:
@@ -69,7 +70,7 @@ class WeightPublisher:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self.address = address
-        self.transports = [transport_value(t) for t in transports]
+        self.transports: list[Any] = [transport_value(t) for t in transports]
         self.host = host or socket.gethostname()
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s

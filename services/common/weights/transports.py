@@ -41,14 +41,14 @@ from kuberl.common.channels import DEFAULT_MAX_MESSAGE_BYTES, sync_channel
 from kuberl.common.weights.chunks import DEFAULT_CHUNK_BYTES, ChunkReceiver
 from kuberl.common.weights.manifest import Manifest
 
-TRANSPORT_NAMES = {
+TRANSPORT_NAMES: dict[str, int] = {
     "nccl": pb.TRANSPORT_NCCL,
     "gloo": pb.TRANSPORT_GLOO,
     "cuda_ipc": pb.TRANSPORT_CUDA_IPC,
     "snapshot": pb.TRANSPORT_SNAPSHOT,
     "shm": pb.TRANSPORT_SHM,
 }
-_BY_VALUE = {v: k for k, v in TRANSPORT_NAMES.items()}
+_BY_VALUE: dict[int, str] = {v: k for k, v in TRANSPORT_NAMES.items()}
 
 
 def transport_value(name: str | int) -> int:
@@ -80,9 +80,7 @@ def _timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(seconds, 1.0))
 
 
-def new_group(
-    backend: str, store: dist.Store, rank: int, world_size: int, timeout_s: float
-) -> dist.ProcessGroup:
+def new_group(backend: str, store: dist.Store, rank: int, world_size: int, timeout_s: float) -> Any:
     """A process group of its own (not the global default group) on `store`."""
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, _timeout(timeout_s))
@@ -193,7 +191,7 @@ class ShmWriter:
 
     def write(self, offset: int, tensor: torch.Tensor) -> None:
         data = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()
-        view = memoryview(data)
+        view = data.data
         while view.nbytes:
             n = os.pwrite(self._fd, view, offset)
             view, offset = view[n:], offset + n
@@ -212,7 +210,7 @@ class ShmWriter:
 def read_file_into(path: str, size: int) -> torch.Tensor:
     """The first `size` bytes of a file as a new flat uint8 tensor (one kernel copy)."""
     flat = torch.empty(size, dtype=torch.uint8)
-    view = memoryview(flat.numpy())
+    view = flat.numpy().data
     with open(path, "rb", buffering=0) as f:
         got = 0
         while got < size:

@@ -1,0 +1,286 @@
+"""Weight-sync benchmark: time to move a 0.5B-parameter-sized set of bf16 tensors (~1 GB, the
+shapes of Qwen2.5-0.5B) from a trainer process to 1, 2 and 4 engine processes through the real
+weight-sync service, until every engine holds the new version.
+
+Transports: `gloo` (trainer -> relay by shared memory, relay -> engines by per-engine gloo
+broadcast groups) and `shm` (trainer -> relay -> engines all through shared memory, the fastest
+local path). Baseline, measured in the same run: one raw `torch.distributed.broadcast` (gloo) of
+the same bytes between two processes. Goal: 4 engines within 1.5x of the raw pair. With CUDA, a
+CUDA IPC update of the same bytes is compared to a device-to-device copy (goal 2x); without CUDA
+that part is skipped. Prints one JSON object as its last line.
+
+    .venv/bin/python benchmarks/weight_sync.py [--gb 1.0] [--engines 1 2 4] [--repeat 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+GB = 1e9
+
+
+def qwen05b_shapes(gb: float) -> list[tuple[str, tuple[int, ...]]]:
+    """Qwen2.5-0.5B's parameter shapes (~0.99 GB in bf16), scaled to about `gb`."""
+    scale = gb / 0.988
+    hidden, inter, kv = 896, 4864, 128
+    layers = max(1, round(24 * scale))
+    shapes: list[tuple[str, tuple[int, ...]]] = [
+        ("model.embed_tokens.weight", (max(1024, int(151936 * scale)), hidden))
+    ]
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        shapes += [
+            (f"{p}.self_attn.q_proj.weight", (hidden, hidden)),
+            (f"{p}.self_attn.k_proj.weight", (kv, hidden)),
+            (f"{p}.self_attn.v_proj.weight", (kv, hidden)),
+            (f"{p}.self_attn.o_proj.weight", (hidden, hidden)),
+            (f"{p}.mlp.gate_proj.weight", (inter, hidden)),
+            (f"{p}.mlp.up_proj.weight", (inter, hidden)),
+            (f"{p}.mlp.down_proj.weight", (hidden, inter)),
+            (f"{p}.input_layernorm.weight", (hidden,)),
+            (f"{p}.post_attention_layernorm.weight", (hidden,)),
+        ]
+    return [*shapes, ("model.norm.weight", (hidden,))]
+
+
+def make_tensors(gb: float, version: int) -> dict[str, torch.Tensor]:
+    return {
+        name: torch.full(shape, float(version % 7 + i % 5), dtype=torch.bfloat16)
+        for i, (name, shape) in enumerate(qwen05b_shapes(gb))
+    }
+
+
+# ---------------------------------------------------------------- child processes
+
+
+def _engine(address: str, name: str) -> None:
+    from kuberl.common.weights import EngineClient
+
+    held: dict[str, object] = {}
+
+    def load(tensors: dict[str, torch.Tensor], version: int) -> None:
+        held["weights"] = tensors  # the engine keeps the whole version (one buffer)
+
+    client = EngineClient(address, load=load, engine_id=name)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    client.start()
+    stop.wait()
+    client.stop()
+
+
+def _raw_pair(rank: int, port: int, nbytes: int, out: str) -> None:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, datetime.timedelta(seconds=120))
+    group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=300))
+    flat = (
+        torch.ones(nbytes, dtype=torch.uint8)
+        if rank == 0
+        else torch.empty(nbytes, dtype=torch.uint8)
+    )
+    flat.zero_() if rank else None  # touch the pages so page faults are not timed
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    times = []
+    for _ in range(2):
+        group.barrier().wait()
+        started = time.perf_counter()
+        group.broadcast([flat], opts).wait()
+        group.barrier().wait()  # the sender returns early; count until the receiver has it all
+        times.append(time.perf_counter() - started)
+    if rank == 1:
+        Path(out).write_text(json.dumps({"seconds": min(times)}))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def raw_pair_seconds(nbytes: int) -> float:
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/raw.json"
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--raw-rank", str(r), str(port), str(nbytes), out]
+            )
+            for r in (0, 1)
+        ]
+        for p in procs:
+            if p.wait(600) != 0:
+                raise RuntimeError("raw broadcast pair failed")
+        return float(json.loads(Path(out).read_text())["seconds"])
+
+
+# ---------------------------------------------------------------- relay runs
+
+
+def relay_run(gb: float, transport: str, engines: int, repeat: int) -> dict[str, float]:
+    from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
+    from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
+    from kuberl.common.channels import sync_channel
+    from kuberl.common.weights import WeightPublisher
+    from tests.support import ServiceProcess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        config = work / "job.yaml"
+        config.write_text(
+            json.dumps(
+                {
+                    "job": {"name": f"bench-{uuid.uuid4().hex[:6]}"},
+                    "weight_sync": {
+                        "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
+                        # the trainer hands over by shared memory in both settings
+                        "transports": [transport, "shm", "snapshot"],
+                        "bucket_bytes": 256 * 1024 * 1024,
+                        "retain_versions": 1,
+                        "broadcast_timeout_seconds": 300,
+                        "advertise_host": "127.0.0.1",
+                        "notify_engines": False,
+                    },
+                }
+            )
+        )
+        with ServiceProcess.kuberl("weight_sync", config, work) as svc:
+            svc.wait_serving()
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, __file__, "--engine", svc.address, f"e{i}"],
+                    stdout=subprocess.DEVNULL,
+                    stderr=(work / f"e{i}.log").open("wb"),
+                )
+                for i in range(engines)
+            ]
+            try:
+                with sync_channel(svc.address) as channel, WeightPublisher(svc.address) as pub:
+                    stub = pb_grpc.WeightSyncServiceStub(channel)
+
+                    def status() -> pb.GetStatusResponse:
+                        return stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+
+                    while len(status().engines) < engines:
+                        time.sleep(0.1)
+                    # version 1 warms the engines up (first allocation of their buffers)
+                    results = []
+                    for version in range(1, repeat + 2):
+                        tensors = make_tensors(gb, version)
+                        started = time.perf_counter()
+                        sent = pub.publish(version, iter(tensors.items()))
+                        returned = time.perf_counter() - started
+                        while min(e.loaded_version for e in status().engines) < version:
+                            time.sleep(0.005)
+                        total = time.perf_counter() - started
+                        del tensors
+                        if version > 1:
+                            results.append((total, returned, sent.total_bytes))
+            finally:
+                for p in procs:
+                    p.terminate()
+                for p in procs:
+                    p.wait(30)
+        best = min(results)
+        return {"seconds": best[0], "trainer_blocked_seconds": best[1], "bytes": best[2]}
+
+
+def gpu_part(gb: float) -> dict[str, object]:
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device"}
+    from kuberl.common.weights.transports import export_cuda_ipc, import_cuda_ipc
+
+    nbytes = int(gb * GB)
+    src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    copy_s = time.perf_counter() - started
+    handles = export_cuda_ipc([src])
+    code = (
+        "import sys,time,torch;from kuberl.common.weights.transports import import_cuda_ipc;"
+        "h=sys.stdin.read();t=import_cuda_ipc(h)[0];d=torch.empty_like(t);torch.cuda.synchronize();"
+        "s=time.perf_counter();t2=import_cuda_ipc(h)[0];d.copy_(t2);torch.cuda.synchronize();"
+        "print(time.perf_counter()-s)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=handles, capture_output=True, text=True, check=True
+    )
+    ipc_s = float(out.stdout.strip().splitlines()[-1])
+    del import_cuda_ipc
+    return {
+        "device": torch.cuda.get_device_name(),
+        "bytes": nbytes,
+        "d2d_copy_seconds": copy_s,
+        "cuda_ipc_update_seconds": ipc_s,
+        "ratio_vs_d2d_copy": ipc_s / copy_s,
+        "goal_2x_met": ipc_s / copy_s <= 2.0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--gb", type=float, default=1.0, help="payload size in GB (1.0 ~ 0.5B bf16)"
+    )
+    parser.add_argument("--engines", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--transports", nargs="+", default=["gloo", "shm"])
+    parser.add_argument("--repeat", type=int, default=2, help="timed versions per setting (best)")
+    parser.add_argument("--engine", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--raw-rank", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.engine:
+        return _engine(*args.engine)
+    if args.raw_rank:
+        rank, port, nbytes, out = args.raw_rank
+        return _raw_pair(int(rank), int(port), int(nbytes), out)
+
+    nbytes = sum(torch.Size(s).numel() * 2 for _, s in qwen05b_shapes(args.gb))
+    raw = raw_pair_seconds(nbytes)
+    runs: dict[str, dict[str, dict[str, float]]] = {}
+    for transport in args.transports:
+        for n in args.engines:
+            r = relay_run(args.gb, transport, n, args.repeat)
+            r["gb_per_second"] = r["bytes"] / r["seconds"] / GB
+            r["ratio_vs_raw_pair"] = r["seconds"] / raw
+            runs.setdefault(transport, {})[str(n)] = r
+            print(f"{transport} engines={n}: {json.dumps(r)}", file=sys.stderr)
+    four = {t: v["4"]["ratio_vs_raw_pair"] for t, v in runs.items() if "4" in v}
+    result = {
+        "benchmark": "weight_sync",
+        "machine": f"{platform.node()} {os.cpu_count()} CPU cores, {platform.machine()}, "
+        f"torch {torch.__version__}",
+        "payload_bytes": nbytes,
+        "payload_gb": nbytes / GB,
+        "baseline_raw_gloo_broadcast_pair": {"seconds": raw, "gb_per_second": nbytes / raw / GB},
+        "relay": runs,
+        "goal": "4-engine sync within 1.5x of the raw pair",
+        "goal_met": {t: r <= 1.5 for t, r in four.items()},
+        "gpu": gpu_part(args.gb),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    main()

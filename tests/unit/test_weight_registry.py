@@ -1,0 +1,52 @@
+"""The weight-sync engine registry: liveness by heartbeat with a hand-driven clock."""
+
+from __future__ import annotations
+
+from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
+from kuberl.weight_sync.registry import Registry
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _registry() -> tuple[Registry, Clock]:
+    clock = Clock()
+    return Registry(heartbeat_seconds=2.0, missed_heartbeats=3, clock=clock), clock
+
+
+def test_an_engine_silent_for_more_than_the_missed_heartbeats_expires() -> None:
+    registry, clock = _registry()
+    registry.register(pb.EngineInfo(engine_id="a"))
+    clock.now += 5.9
+    early = [e.engine_id for e in registry.expired()]
+    clock.now += 0.2  # 6.1 s > 2 s * 3
+    assert (early, [e.engine_id for e in registry.expired()]) == ([], ["a"])
+
+
+def test_an_engine_holding_a_long_poll_open_is_alive() -> None:
+    registry, clock = _registry()
+    engine, _ = registry.register(pb.EngineInfo(engine_id="a"))
+    engine.polls = 1
+    clock.now += 60
+    assert registry.expired() == []
+
+
+def test_engines_per_version_counts_what_each_engine_holds() -> None:
+    registry, _ = _registry()
+    for name, version in (("a", 3), ("b", 3), ("c", 2)):
+        registry.register(pb.EngineInfo(engine_id=name, loaded_version=version))
+    assert registry.engines_per_version() == {3: 2, 2: 1}
+
+
+def test_registering_again_replaces_the_engine_and_an_empty_id_gets_one() -> None:
+    registry, _ = _registry()
+    _, first = registry.register(pb.EngineInfo(engine_id="a", loaded_version=1))
+    again, second = registry.register(pb.EngineInfo(engine_id="a", loaded_version=4))
+    anonymous, _ = registry.register(pb.EngineInfo())
+    assert (first, second, again.loaded_version) == (True, False, 4)
+    assert anonymous.engine_id.startswith("engine-") and len(registry.engines) == 2
