@@ -2,12 +2,21 @@
 
 `concurrent.futures.ProcessPoolExecutor` cannot stop one task: a verifier that never returns
 holds its worker forever and the pool leaks capacity. Here each worker (`kuberl.reward.worker`) is
-a subprocess in its own session driven by one asyncio task that feeds it one request at a time
-from a shared queue. The timeout starts when a request reaches a worker (not while it queues).
-When it passes, the worker's whole process group is SIGKILLed, the request fails with reason
-`timeout` naming the verifier that was running, and a fresh worker takes the slot; a worker that
-dies (a verifier calling `os._exit`, a segfault in a C extension) fails its request with
-`worker_died` and is replaced the same way. Requests and answers are JSON lines, never pickles.
+a subprocess in its own session driven by one asyncio task that feeds it from a shared queue.
+
+Each exchange carries a chunk of up to `chunk_size` queued samples (one pipe write each way for
+a fast chunk instead of one per sample: on a busy machine the context switches of a round trip
+cost more than a GSM8K check). The worker streams results back whenever 50 ms have passed since
+its last write, so the pool sees progress. The per-sample timeout is measured from the last sign
+of progress (the chunk's dispatch or the last result received), never while samples queue.
+
+When it passes, the worker's whole process group is SIGKILLed and a fresh worker takes the
+slot. Samples of the chunk without a result are put back at the head of the queue to run alone,
+so results lost with the worker are recomputed and the sample that really hangs is found: run
+alone, it fails with reason `timeout` naming the verifier that was running (at the cost of a
+second timeout). A worker that dies (a verifier calling `os._exit`, a segfault in a C
+extension) is handled the same way, ending in `worker_died`. Requests and answers are JSON lines,
+never pickles.
 """
 
 from __future__ import annotations
@@ -29,6 +38,9 @@ log = get_logger(__name__)
 
 READY_TIMEOUT_SECONDS = 120.0
 STREAM_LIMIT = 64 * 1024 * 1024
+CHUNK_SIZE = 32
+# Queue priorities: samples re-run alone after a failed chunk go before new ones.
+SOLO, NEW = 0, 1
 
 _restarts = metrics.counter(
     "kuberl_reward_worker_restarts_total",
@@ -37,13 +49,14 @@ _restarts = metrics.counter(
 )
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     id: int
     verifiers: list[str]
     sample: dict[str, Any]
     future: asyncio.Future[dict[str, Any]]
     running: str = ""
+    solo: bool = False
 
 
 @dataclass
@@ -58,11 +71,14 @@ class _Worker:
 class WorkerPool:
     """`size` worker processes scoring requests with a per-request `timeout`."""
 
-    def __init__(self, size: int, config_json: str, timeout: float) -> None:
+    def __init__(
+        self, size: int, config_json: str, timeout: float, chunk_size: int = CHUNK_SIZE
+    ) -> None:
         self.size = size
         self.timeout = timeout
+        self.chunk_size = chunk_size
         self._config_line = config_json.encode() + b"\n"
-        self._queue: asyncio.Queue[_Request] = asyncio.Queue()
+        self._queue: asyncio.PriorityQueue[tuple[int, int, _Request]] = asyncio.PriorityQueue()
         self._ids = itertools.count()
         self._workers: list[_Worker | None] = [None] * size
         self._tasks: list[asyncio.Task[None]] = []
@@ -95,7 +111,8 @@ class WorkerPool:
     async def run(self, verifiers: list[str], sample: dict[str, Any]) -> dict[str, Any]:
         """Results by verifier name: `{"score": ...}` or `{"error": reason, "message": ...}`."""
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(_Request(next(self._ids), verifiers, sample, future))
+        request = _Request(next(self._ids), verifiers, sample, future)
+        self._queue.put_nowait((NEW, request.id, request))
         return await future
 
     async def _spawn(self) -> _Worker:
@@ -143,52 +160,77 @@ class WorkerPool:
                 delay = min(delay * 2, 10.0)
         log.info("pool.worker_replaced", slot=slot, reason=reason, old=old and old.pid)
 
+    async def _next_chunk(self) -> list[_Request]:
+        """Up to chunk_size queued requests whose callers still wait; a solo one goes alone."""
+        chunk: list[_Request] = []
+        while not chunk:
+            _, _, first = await self._queue.get()
+            if first.future.done():  # its caller went away while it queued
+                continue
+            chunk.append(first)
+            # Share what is queued among the workers rather than give it all to the first.
+            size = min(self.chunk_size, -(-(self._queue.qsize() + 1) // self.size))
+            while not first.solo and len(chunk) < size and not self._queue.empty():
+                entry = self._queue.get_nowait()
+                request = entry[2]
+                if request.solo:
+                    self._queue.put_nowait(entry)
+                    break
+                if not request.future.done():
+                    chunk.append(request)
+        return chunk
+
     async def _serve(self, slot: int) -> None:
         while True:
-            request = await self._queue.get()
-            if request.future.done():  # its caller went away while it queued
-                continue
+            chunk = await self._next_chunk()
             worker = self._workers[slot]
             assert worker is not None
-            outcome = await self._exchange(worker, request)
-            if isinstance(outcome, dict):
-                if not request.future.done():
-                    request.future.set_result(outcome)
+            failure = await self._exchange(worker, chunk)
+            if failure is None:
                 continue
-            reason, message = outcome
-            running = request.running or request.verifiers[0]
-            results = {
-                name: {"error": "skipped", "message": f"not scored: {running} failed"}
-                for name in request.verifiers
-            }
-            results[running] = {"error": reason, "message": message}
-            if not request.future.done():
+            reason, message = failure
+            unanswered = [r for r in chunk if not r.future.done()]
+            if len(chunk) == 1 and unanswered:
+                request = unanswered[0]
+                running = request.running or request.verifiers[0]
+                results = {
+                    name: {"error": "skipped", "message": f"not scored: {running} failed"}
+                    for name in request.verifiers
+                }
+                results[running] = {"error": reason, "message": message}
                 request.future.set_result(results)
+            else:
+                for request in unanswered:
+                    request.solo, request.running = True, ""
+                    self._queue.put_nowait((SOLO, request.id, request))
             await self._replace(slot, "timeout" if reason == "timeout" else "died")
 
-    async def _exchange(
-        self, worker: _Worker, request: _Request
-    ) -> dict[str, Any] | tuple[str, str]:
-        """Send one request and read its results, or say why the worker must be replaced."""
+    async def _exchange(self, worker: _Worker, chunk: list[_Request]) -> tuple[str, str] | None:
+        """Send a chunk and hand out its results; or say why the worker must be replaced."""
         proc = worker.proc
         assert proc.stdin is not None and proc.stdout is not None
-        line = {"id": request.id, "verifiers": request.verifiers, "sample": request.sample}
+        items = [{"i": r.id, "verifiers": r.verifiers, "sample": r.sample} for r in chunk]
+        pending = {r.id: r for r in chunk}
         try:
-            proc.stdin.write(json.dumps(line).encode() + b"\n")
+            proc.stdin.write(json.dumps({"items": items}).encode() + b"\n")
             await proc.stdin.drain()
-            async with asyncio.timeout(self.timeout):
-                while True:
-                    raw = await proc.stdout.readline()
-                    if not raw:
-                        return "worker_died", f"worker process {worker.pid} died"
-                    answer = json.loads(raw)
-                    if "running" in answer:
-                        request.running = answer["running"]
-                        continue
-                    return dict(answer["results"])
+            while pending:
+                # Each line is progress: the timeout restarts from the last one received.
+                raw = await asyncio.wait_for(proc.stdout.readline(), self.timeout)
+                if not raw:
+                    return "worker_died", f"worker process {worker.pid} died"
+                answer = json.loads(raw)
+                request = pending[answer["i"]]
+                if "running" in answer:
+                    request.running = answer["running"]
+                    continue
+                del pending[answer["i"]]
+                if not request.future.done():
+                    request.future.set_result(dict(answer["results"]))
         except TimeoutError:
             return "timeout", f"no result after {self.timeout:g}s (worker killed)"
         except (ConnectionError, BrokenPipeError):
             return "worker_died", f"worker process {worker.pid} died"
         except (ValueError, KeyError) as exc:  # a line that is not the protocol
             return "worker_died", f"worker process {worker.pid} sent a bad answer: {exc}"
+        return None

@@ -181,7 +181,10 @@ def kill_uid(uid: int) -> None:
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
-            for _ in range(1000):
+            # One kill(-1) reaches every process of the uid at once (the task list is locked
+            # meanwhile, so a fork bomb cannot outrun it); it does not report whether any was
+            # found, so repeat it a couple of times rather than loop on its result.
+            for _ in range(3):
                 os.kill(-1, signal.SIGKILL)  # never signals the caller itself
         except (ProcessLookupError, PermissionError):
             pass
@@ -190,11 +193,16 @@ def kill_uid(uid: int) -> None:
     os.waitpid(pid, 0)
 
 
-def kill_leftovers(uid: int | None, reap: bool) -> None:
-    """Kill everything the last program left running; with `reap`, collect the zombies (only
-    once the program itself has been waited for, or its exit status would be lost)."""
+def kill_leftovers(uid: int | None) -> None:
+    """Kill everything the last program left running.
+
+    With a dedicated uid one kill(-1) as that uid is enough: without capabilities or setuid
+    binaries (no_new_privs) nothing the program starts can change uid. With a shared uid, every
+    descendant of this subreaper is killed, repeatedly, until none is left.
+    """
     if uid is not None:
         kill_uid(uid)
+        return
     for _ in range(200):
         pids = _live_descendants()
         if not pids:
@@ -203,8 +211,11 @@ def kill_leftovers(uid: int | None, reap: bool) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.002)
-    if not reap:
-        return
+
+
+def reap_zombies() -> None:
+    """Collect killed orphans (only once the program itself has been waited for, or its exit
+    status would be lost)."""
     with contextlib.suppress(ChildProcessError):
         while os.waitpid(-1, os.WNOHANG)[0]:
             pass
@@ -279,7 +290,7 @@ class Program:
                 if key.data == "exit":
                     sel.unregister(pidfd)
                     exited = True
-                    kill_leftovers(uid, reap=False)  # nothing may outlive its program
+                    kill_leftovers(uid)  # nothing may outlive its program
                 elif key.data == "in":
                     try:
                         pending = pending[os.write(key.fd, pending[:65536]) :]
@@ -300,7 +311,7 @@ class Program:
                         err = (err + data)[-STDERR_KEEP:]
         sel.close()
         if not exited:
-            kill_leftovers(uid, reap=False)
+            kill_leftovers(uid)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # the shared-uid case has no kill_uid
         # wait4, not proc.wait: the rusage tells a CPU-limit kill from any other SIGKILL.
@@ -311,7 +322,7 @@ class Program:
             if stream is not None:
                 with contextlib.suppress(OSError):
                     stream.close()
-        kill_leftovers(uid, reap=True)
+        reap_zombies()
         return {
             "status": status,
             "returncode": proc.returncode,

@@ -2,10 +2,12 @@
 
 Started as `python -m kuberl.reward.worker`. The first line on stdin is the job configuration
 (JSON); the worker loads the verifiers it names, answers `{"ready": true}`, then handles one
-request per line, `{"id": 7, "verifiers": ["gsm8k", "format"], "sample": {...}}`, with one
-response line `{"id": 7, "results": {"gsm8k": {"score": 1.0, ...}, ...}}`. When a request asks
-for several verifiers, a `{"id": 7, "running": "format"}` line precedes each, so that a pool
-which has to kill a hung worker knows which verifier hung.
+chunk per line, `{"items": [{"i": 7, "verifiers": ["gsm8k", "format"], "sample": {...}}, ...]}`,
+answering one line per sample, `{"i": 7, "results": {"gsm8k": {"score": 1.0, ...}, ...}}`.
+When a sample asks for several verifiers, a `{"i": 7, "running": "format"}` line precedes each,
+so that a pool which has to kill a hung worker knows which verifier hung. Lines are flushed at
+least every 50 ms while a chunk runs (the pool reads them as progress) and at its end; a chunk of
+one sample is flushed line by line.
 
 The protocol uses private copies of the original stdin/stdout; file descriptors 0 and 1 are
 pointed at /dev/null and stderr, so a verifier that prints or reads cannot corrupt it. A verifier
@@ -31,6 +33,7 @@ from kuberl.reward.verifiers import Verdict, VerifierFailure, as_verdict
 log = get_logger(__name__)
 
 PoolFunction = Callable[[RewardSample], Any]
+FLUSH_SECONDS = 0.05
 
 
 def pool_functions(job: JobConfig) -> dict[str, PoolFunction]:
@@ -80,20 +83,29 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
     out.write(b'{"ready": true}\n')
     out.flush()
     for line in inp:
-        request = json.loads(line)
-        rid, names = request["id"], request["verifiers"]
-        sample = RewardSample.from_json(request["sample"])
-        results = {}
-        for name in names:
-            if len(names) > 1:
-                out.write(json.dumps({"id": rid, "running": name}).encode() + b"\n")
+        items = json.loads(line)["items"]
+        # Alone, a sample's lines go out at once (the pool is looking for the verifier that
+        # hangs); in a chunk they are written at least every FLUSH_SECONDS, and at its end.
+        eager = len(items) == 1
+        last_flush = time.monotonic()
+        for item in items:
+            rid, names = item["i"], item["verifiers"]
+            sample = RewardSample.from_json(item["sample"])
+            results = {}
+            for name in names:
+                if len(names) > 1:
+                    out.write(json.dumps({"i": rid, "running": name}).encode() + b"\n")
+                    if eager:
+                        out.flush()
+                fn = functions.get(name)
+                if fn is None:
+                    results[name] = {"error": "exception", "message": f"unknown verifier {name!r}"}
+                else:
+                    results[name] = run_one(fn, name, sample)
+            out.write(json.dumps({"i": rid, "results": results}).encode() + b"\n")
+            if eager or time.monotonic() - last_flush > FLUSH_SECONDS:
                 out.flush()
-            fn = functions.get(name)
-            if fn is None:
-                results[name] = {"error": "exception", "message": f"unknown verifier {name!r}"}
-            else:
-                results[name] = run_one(fn, name, sample)
-        out.write(json.dumps({"id": rid, "results": results}).encode() + b"\n")
+                last_flush = time.monotonic()
         out.flush()
 
 
