@@ -5,6 +5,7 @@ counted, Prometheus metrics, and the `kuberl reward score` CLI on JSONL."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -232,3 +233,25 @@ def test_the_cli_refuses_an_unknown_verifier_before_reading_input() -> None:
         timeout=60,
     )
     assert (done.returncode, "unknown verifier 'nope'" in done.stderr) == (2, True)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            found.append(int(entry))
+    return found
+
+
+def test_sigterm_stops_the_service_and_its_worker_processes(tmp_path: Path) -> None:
+    with ServiceProcess.kuberl("reward", reward_job(tmp_path), tmp_path) as proc:
+        proc.wait_serving(timeout=120)
+        workers = _children(proc.proc.pid)
+        code = proc.stop()
+    alive = [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+    assert (len(workers) >= 2, code, alive) == (True, 0, [])
