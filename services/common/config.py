@@ -553,24 +553,71 @@ class OptimizerConfig(Section):
 
 
 class TrainerConfig(Section):
+    """The trainer (`kuberl.trainer`): DeepSpeed engine, training loop, checkpoints and modes.
+
+    docs/trainer.md is the user guide. One trainer *step* consumes one batch of
+    `groups_per_step` whole groups from the buffer (rl) or `sft_batch_size` sequences (sft) and
+    makes `algorithm.ppo_epochs * algorithm.mini_batches` optimizer updates from it; the policy
+    version goes up by one per step."""
+
     server: ServerConfig = _server(50054, 9104)
-    mode: Literal["rl", "sft", "eval"] = "rl"
-    total_steps: int = Field(100, ge=1)
+    mode: Literal["rl", "sft", "eval"] = Field(
+        "rl",
+        description="rl: RL on the buffer's TRAIN stream; sft: supervised fine-tuning on "
+        "`sft_data` (or the buffer's SFT stream when null); eval: one evaluation round, then exit.",
+    )
+    total_steps: int = Field(100, ge=1, description="The job ends (exit 0) after this step.")
     groups_per_step: int = Field(8, ge=1, description="Whole groups per optimizer batch.")
     micro_batch_tokens: int = Field(
-        8192, ge=16, description="Token budget of one micro-batch (gradient accumulation)."
+        8192,
+        ge=16,
+        description="Token budget of one micro-batch (gradient accumulation): sequences are "
+        "bucketed by length so that longest * count stays within it.",
     )
-    zero_stage: Literal[0, 1, 2, 3] = 0
-    gradient_checkpointing: bool = False
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        0, description="DeepSpeed ZeRO stage (0 = plain data parallel)."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass (less memory, ~30% slower)."
+    )
+    logprob_chunk_size: int = Field(
+        4096,
+        ge=1,
+        description="Vocabulary rows per chunk when computing logprobs and entropies, so that "
+        "full [tokens, vocab] logits are never materialised.",
+    )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     max_staleness: int = Field(1, ge=-1, description="0 = strictly on-policy; -1 = unbounded.")
+    batch_wait_seconds: float = Field(
+        10.0, gt=0, description="How long one GetBatch call waits for a full batch."
+    )
     publish_every: int = Field(1, ge=1, description="Publish weights every k optimizer steps.")
+    publish_weights: bool = Field(
+        True, description="Publish to weight-sync (endpoints.weight_sync); off for SFT-only jobs."
+    )
     checkpoint_every: int = Field(50, ge=0, description="0 disables periodic checkpoints.")
-    checkpoint_dir: str = "checkpoints"
+    checkpoint_dir: str = Field(
+        "checkpoints", description="DeepSpeed checkpoints, job cursor and HF exports go here."
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="Older checkpoints are deleted.")
+    export_hf: bool = Field(
+        True, description="Write an HF safetensors folder (hf/) inside each checkpoint."
+    )
+    resume: bool = Field(True, description="Resume from the latest checkpoint in checkpoint_dir.")
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0 = start and end).")
+    eval_correct_threshold: float = Field(
+        0.5, description="An eval sample counts as correct when its reward is >= this."
+    )
+    eval_timeout_seconds: float = Field(
+        600.0, gt=0, description="Give up on an eval round's missing groups after this."
+    )
     sft_data: str | None = Field(None, description="JSONL of prompt/response pairs (sft mode).")
     sft_steps: int = Field(0, ge=0, description="SFT warm-start steps before RL.")
+    sft_batch_size: int = Field(32, ge=1, description="Sequences per SFT step.")
+    linger_seconds: float = Field(
+        2.0, ge=0, description="After the last step, keep answering GetStatus this long, then exit."
+    )
 
 
 TransportName = Literal["nccl", "gloo", "cuda_ipc", "snapshot", "shm"]

@@ -113,7 +113,7 @@ class PolicyModel(nn.Module):
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         hidden = out.last_hidden_state[:, :-1]  # [B, T-1, H]
         targets = input_ids[:, 1:]  # [B, T-1]
-        return self.hf.get_output_embeddings()(hidden, targets)  # type: ignore[no-any-return]
+        return self.hf.get_output_embeddings()(hidden, targets)
 
 
 def split_outputs(outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,7 +206,7 @@ class TrainEngine:
 
     @property
     def module(self) -> nn.Module:
-        return self.engine.module  # type: ignore[no-any-return]
+        return self.engine.module
 
     def train(self) -> None:
         self.engine.train()

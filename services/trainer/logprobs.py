@@ -60,7 +60,7 @@ def _chunk_stats(
 
 class _ChunkedLogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
@@ -79,7 +79,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         return logprobs, entropy
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: Any, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         hidden, weight, targets, lse, mean_z = ctx.saved_tensors

@@ -82,7 +82,7 @@ def tokenize_pairs(pairs: Sequence[tuple[str, str]], tokenizer: Any) -> list[Sam
 
 def samples_from_groups(groups: Sequence[Group]) -> list[Sample]:
     """SFT samples from the buffer's SFT stream (rejection sampling keeps whole groups)."""
-    out = []
+    out: list[Sample] = []
     for g in groups:
         for t in g.trajectories:
             out.append(

@@ -1,0 +1,136 @@
+"""Checkpoints: DeepSpeed engine state plus the job cursor, written so a crash never leaves a
+half checkpoint as "latest".
+
+Layout under `trainer.checkpoint_dir`::
+
+    step-000040/
+      policy/step-000040/...     DeepSpeed's own files (model, optimizer, scheduler per rank)
+      critic/step-000040/...     the same for the PPO critic, when there is one
+      cursor.json                step, policy version, epochs, sft step, eval round (rank 0)
+      rng-rank<r>.json           torch RNG state of each rank (base64)
+      hf/                        HF safetensors export of the policy (rank 0, `export_hf`)
+    latest                       the name of the last complete checkpoint, replaced atomically
+
+Every rank writes its DeepSpeed shards; after a barrier rank 0 replaces `latest`. A trainer
+killed mid-save resumes from the previous `latest`. DeepSpeed's files are its own format
+(torch.save); everything kuberl adds is JSON or safetensors.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kuberl.common.logs import get_logger
+
+log = get_logger(__name__)
+
+LATEST = "latest"
+
+
+@dataclass
+class Cursor:
+    """Where the job is: restored on resume."""
+
+    step: int = 0
+    policy_version: int = 0
+    epoch: int = 0
+    sft_step: int = 0
+    eval_round: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Cursor:
+        data = json.loads(text)
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+def tag_for(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def latest(directory: Path) -> Path | None:
+    """The last complete checkpoint folder, or None."""
+    pointer = directory / LATEST
+    if not pointer.exists():
+        return None
+    path = directory / pointer.read_text().strip()
+    if not (path / "cursor.json").exists():
+        raise FileNotFoundError(
+            f"{pointer} names {path.name} but {path}/cursor.json is missing; the checkpoint "
+            "folder was changed by hand"
+        )
+    return path
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available():
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    def tensor(text: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+    torch.set_rng_state(tensor(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensor(state["cuda"]))
+
+
+def write_rank_files(path: Path, rank: int) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"rng-rank{rank}.json").write_text(json.dumps(rng_state()))
+
+
+def write_cursor(path: Path, cursor: Cursor) -> None:
+    tmp = path / "cursor.json.tmp"
+    tmp.write_text(cursor.to_json())
+    os.replace(tmp, path / "cursor.json")
+
+
+def commit(directory: Path, path: Path, keep: int) -> None:
+    """Point `latest` at `path` (atomically), then delete all but the newest `keep`."""
+    tmp = directory / f".{LATEST}.tmp"
+    tmp.write_text(path.name)
+    os.replace(tmp, directory / LATEST)
+    done = sorted(p for p in directory.glob("step-*") if (p / "cursor.json").exists())
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    log.info("checkpoint.committed", path=str(path))
+
+
+def read_cursor(path: Path, rank: int) -> Cursor:
+    """The cursor of a checkpoint; restores this rank's RNG state as a side effect."""
+    cursor = Cursor.from_json((path / "cursor.json").read_text())
+    rng = path / f"rng-rank{rank}.json"
+    if rng.exists():
+        set_rng_state(json.loads(rng.read_text()))
+    return cursor
+
+
+def export_hf(
+    named: list[tuple[str, torch.Tensor]], model_dir: Path, out: Path, tied: bool
+) -> Path:
+    """An HF folder: the source model's config and tokenizer files plus model.safetensors."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".index.json")):
+            shutil.copy2(f, out / f.name)
+    tensors = {n: t.contiguous() for n, t in named if not (tied and n == "lm_head.weight")}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

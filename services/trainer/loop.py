@@ -1,0 +1,885 @@
+"""The training loop: the trainer drives the job.
+
+One RL step (every rank runs it; rank 0 alone talks to the buffer and weight-sync):
+
+    GetBatch (rank 0, whole groups) -> broadcast to all ranks as protobuf bytes
+    -> old logprobs recomputed by the trainer if configured (else the rollout's, with TIS/MIS),
+       reference logprobs (KL) and critic values, each rank on its share, summed over ranks
+    -> advantages (`kuberl.trainer.algorithms.compute_advantages`, the whole batch on every rank)
+    -> ppo_epochs x mini_batches optimizer updates, each over token-budget micro-batches
+    -> Ack the batch -> policy version + 1 (buffer SetPolicyVersion)
+    -> publish the weights every `publish_every` steps (ZeRO-3 parameters gathered bucket by
+       bucket, streamed to weight-sync) -> checkpoint every `checkpoint_every` steps.
+
+A batch acknowledged but not yet checkpointed is lost to the model if the trainer dies (the
+buffer will not re-deliver it); a batch not yet acknowledged is re-delivered to the restarted
+trainer. `sft` mode trains on a JSONL file (or the buffer's SFT stream) with the loss on the
+response; `eval` mode, and `eval_every` in rl mode, queue an eval round in the buffer
+(StartEval), read the EVAL groups that rollout replicas put back and report accuracy per dataset.
+
+Rank 0 drives control flow: at each decision point it broadcasts one message (a batch, "stop",
+"checkpoint now", "data exhausted") so every rank makes the same collective calls.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kuberl.common import metrics as prom
+from kuberl.common.config import JobConfig
+from kuberl.common.logs import get_logger
+from kuberl.common.trajectory import Group
+from kuberl.trainer import algorithms as algo
+from kuberl.trainer import checkpoint as ckpt
+from kuberl.trainer.batching import MicroBatch, Sample, collate, micro_batches, shard
+from kuberl.trainer.distributed import (
+    DistInfo,
+    barrier,
+    broadcast_bytes,
+    gather_json,
+)
+from kuberl.trainer.engine import (
+    FrozenModel,
+    PolicyModel,
+    TrainEngine,
+    ValueModel,
+    load_causal_lm,
+    run_forward,
+    run_micro_batches,
+    split_outputs,
+    train_dtype,
+)
+from kuberl.trainer.sft import (
+    epoch_batches,
+    read_pairs,
+    samples_from_groups,
+    sft_loss_fn,
+    tokenize_pairs,
+)
+
+log = get_logger(__name__)
+
+METRICS_JSONL_ENV = "KUBERL_METRICS_JSONL"
+
+# Peak dense bf16 FLOP/s per GPU for MFU, by a substring of the device name.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+STEP_SECONDS = prom.histogram("kuberl_trainer_step_seconds", "Wall time of one trainer step")
+TOKENS = prom.counter("kuberl_trainer_tokens_total", "Tokens trained on (prompt + response)")
+STEPS = prom.counter("kuberl_trainer_steps_total", "Trainer steps completed", ["mode"])
+POLICY_VERSION = prom.gauge("kuberl_trainer_policy_version", "Policy version of the trainer")
+STEP_GAUGE = prom.gauge("kuberl_trainer_step", "Last completed trainer step")
+LOSS = prom.gauge("kuberl_trainer_loss", "Loss terms of the last step", ["term"])
+GRAD_NORM = prom.gauge("kuberl_trainer_grad_norm", "Gradient norm before clipping (last step)")
+KL = prom.gauge("kuberl_trainer_kl", "KL to the reference policy (last step)")
+ENTROPY = prom.gauge("kuberl_trainer_entropy", "Mean token entropy of the policy (last step)")
+CLIP_FRACTION = prom.gauge("kuberl_trainer_clip_fraction", "PPO clipped token fraction")
+MISMATCH = prom.gauge(
+    "kuberl_trainer_mismatch", "Train-inference mismatch figures (TIS/MIS)", ["figure"]
+)
+REWARD = prom.gauge("kuberl_trainer_reward_mean", "Mean reward of the last batch")
+TOKENS_PER_SECOND = prom.gauge("kuberl_trainer_tokens_per_second", "Throughput of the last step")
+MFU = prom.gauge("kuberl_trainer_mfu_ratio", "Model FLOPs utilisation of the last step (GPU)")
+EVAL_ACCURACY = prom.gauge("kuberl_trainer_eval_accuracy", "Eval accuracy", ["dataset"])
+PUBLISH_SECONDS = prom.histogram("kuberl_trainer_publish_seconds", "Weight publish wall time")
+PUBLISH_FAILURES = prom.counter(
+    "kuberl_trainer_publish_failures_total", "Weight publishes that failed", ["reason"]
+)
+CHECKPOINT_SECONDS = prom.histogram("kuberl_trainer_checkpoint_seconds", "Checkpoint wall time")
+BATCHES = prom.counter("kuberl_trainer_batches_total", "Batches received", ["kind"])
+REJECTED = prom.counter(
+    "kuberl_trainer_rejected_groups_total", "Groups the trainer could not train on", ["reason"]
+)
+
+
+class TrainerError(RuntimeError):
+    """The job cannot go on (bad data for the configured algorithm, missing files)."""
+
+
+@dataclass
+class Status:
+    """What GetStatus reports; written by the training thread, read by the server."""
+
+    mode: str = "rl"
+    step: int = 0
+    total_steps: int = 0
+    policy_version: int = 0
+    epoch: int = 0
+    world_size: int = 1
+    last_checkpoint: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+    finished: bool = False
+    ready: bool = False
+    error: str = ""
+
+
+# Control messages broadcast by rank 0 (first byte), followed by a payload.
+MSG_BATCH, MSG_STOP, MSG_CHECKPOINT, MSG_EXHAUSTED = b"B", b"S", b"C", b"X"
+
+
+class Trainer:
+    """The whole trainer of one process (every rank builds one)."""
+
+    def __init__(self, config: JobConfig, dist_info: DistInfo, base_dir: Path | None = None):
+        self.config = config
+        self.tc = config.trainer
+        self.dist = dist_info
+        self.base = base_dir or Path.cwd()
+        self.status = Status(
+            mode=self.tc.mode, total_steps=self.tc.total_steps, world_size=dist_info.world_size
+        )
+        self.cursor = ckpt.Cursor()
+        self.stop_event = threading.Event()
+        self.checkpoint_request = threading.Event()
+        self.checkpoint_done = threading.Condition()
+        self.engine: TrainEngine | None = None
+        self.critic: TrainEngine | None = None
+        self.reference: FrozenModel | None = None
+        self.buffer: Any = None
+        self.publisher: Any = None
+        self.tokenizer: Any = None
+        self.model_dir = Path()
+        self.pad_id = 0
+        self.tied = False
+        self._metrics_file = os.environ.get(METRICS_JSONL_ENV)
+        self._sft_iter: Iterator[tuple[int, list[Sample]]] | None = None
+        self._checkpointed_step = -1
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        """Load the model(s), build the DeepSpeed engines, connect, resume. Collective."""
+        from transformers import AutoTokenizer
+
+        from kuberl.common.modelbuild import resolve_model
+
+        started = time.perf_counter()
+        self.model_dir = resolve_model(self.config, base_dir=self.base)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir), local_files_only=True)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id or 0)
+        dtype = train_dtype(self.config.model, self.dist.device)
+        temperature = self.config.rollout.sampling.temperature or 1.0
+        hf = load_causal_lm(self.model_dir, dtype)
+        self.tied = bool(getattr(hf.config, "tie_word_embeddings", False))
+        if self.tc.gradient_checkpointing:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy = PolicyModel(hf, self.tc.logprob_chunk_size, temperature)
+        self.engine = TrainEngine(policy, self.tc, self.dist, dtype)
+        alg = self.tc.algorithm
+        if alg.kl.coef > 0 and self.tc.mode == "rl":
+            ref = PolicyModel(
+                load_causal_lm(self.model_dir, dtype), self.tc.logprob_chunk_size, temperature
+            )
+            self.reference = FrozenModel(ref, self.tc, self.dist, dtype)
+        if alg.advantage == "gae" and self.tc.mode == "rl":
+            backbone = load_causal_lm(self.model_dir, dtype).get_decoder()
+            critic = ValueModel(backbone, int(hf.config.hidden_size))
+            self.critic = TrainEngine(critic, self.tc, self.dist, dtype)
+        if self.dist.is_main:
+            self._connect()
+        self._resume()
+        self.status.ready = True
+        log.info(
+            "trainer.ready",
+            model=str(self.model_dir),
+            zero_stage=self.tc.zero_stage,
+            world_size=self.dist.world_size,
+            dtype=str(dtype),
+            step=self.cursor.step,
+            seconds=round(time.perf_counter() - started, 2),
+        )
+
+    def _connect(self) -> None:
+        from kuberl.api.buffer.v1 import buffer_pb2_grpc
+        from kuberl.common.channels import sync_channel
+
+        needs_buffer = self.tc.mode != "sft" or self.tc.sft_data is None
+        if needs_buffer:
+            self._channel = sync_channel(self.config.endpoints.buffer)
+            self.buffer = buffer_pb2_grpc.BufferServiceStub(self._channel)
+        if self.tc.publish_weights and self.tc.mode != "eval":
+            from kuberl.common.weights import WeightPublisher
+
+            self.publisher = WeightPublisher(self.config.endpoints.weight_sync)
+
+    @property
+    def checkpoint_root(self) -> Path:
+        p = Path(self.tc.checkpoint_dir)
+        return p if p.is_absolute() else self.base / p
+
+    def _resume(self) -> None:
+        if not self.tc.resume:
+            return
+        path = ckpt.latest(self.checkpoint_root)
+        if path is None:
+            return
+        assert self.engine is not None
+        self.engine.load(path / "policy", path.name)
+        if self.critic is not None:
+            self.critic.load(path / "critic", path.name)
+        self.cursor = ckpt.read_cursor(path, self.dist.rank)
+        self.status.last_checkpoint = str(path)
+        self._sync_status()
+        log.info("trainer.resumed", path=str(path), step=self.cursor.step)
+
+    # ------------------------------------------------------------------ the job
+
+    def run(self) -> None:
+        """Train until total_steps (or the data ends, or stop). Collective."""
+        try:
+            self._run()
+        finally:
+            self.status.finished = True
+            with self.checkpoint_done:
+                self.checkpoint_done.notify_all()
+
+    def _run(self) -> None:
+        tc = self.tc
+        if tc.mode == "eval":
+            self._evaluate()
+            return
+        if self.cursor.policy_version > 0:
+            self._publish()  # engines that started from the base weights catch up
+        if tc.mode == "rl" and self.cursor.sft_step < tc.sft_steps:
+            while self.cursor.sft_step < tc.sft_steps:
+                if not self._one_step(sft=True):
+                    return
+        if tc.mode == "rl" and self.cursor.step == 0 and self.cursor.eval_round == 0:
+            self._evaluate()
+        while self.cursor.step < tc.total_steps:
+            if not self._one_step(sft=tc.mode == "sft"):
+                break
+            if tc.mode == "rl" and tc.eval_every and self.cursor.step % tc.eval_every == 0:
+                self._evaluate()
+        if tc.mode == "rl" and not tc.eval_every:
+            self._evaluate()
+        done = self.cursor.step >= tc.total_steps
+        if done and tc.checkpoint_every and self._checkpointed_step != self.cursor.step:
+            self._checkpoint()
+        log.info("trainer.finished", step=self.cursor.step, version=self.cursor.policy_version)
+
+    def _one_step(self, sft: bool) -> bool:
+        """One step; False when the job must end (stop requested or data exhausted)."""
+        msg, batch = self._next_batch(sft)
+        if msg == MSG_STOP:
+            return False
+        if msg == MSG_EXHAUSTED:
+            log.info("trainer.data_exhausted", step=self.cursor.step)
+            return False
+        if msg == MSG_CHECKPOINT:
+            self._checkpoint()
+            return True
+        started = time.perf_counter()
+        metrics = self._sft_step(batch) if sft else self._rl_step(batch)
+        if batch.get("batch_id") and self.dist.is_main:
+            from kuberl.api.buffer.v1 import buffer_pb2
+
+            self.buffer.Ack(buffer_pb2.AckRequest(batch_id=batch["batch_id"]), timeout=30)
+        self.cursor.policy_version += 1
+        if sft and self.tc.mode == "rl":
+            self.cursor.sft_step += 1
+        else:
+            self.cursor.step += 1
+        self._set_buffer_version()
+        elapsed = time.perf_counter() - started
+        metrics.update(self._speed(batch["tokens"], elapsed))
+        if self.cursor.policy_version % self.tc.publish_every == 0:
+            self._publish()
+        metrics["step_seconds"] = time.perf_counter() - started
+        self._record(metrics, "sft" if sft else "rl")
+        warmup = sft and self.tc.mode == "rl"
+        every = self.tc.checkpoint_every
+        if every and not warmup and self.cursor.step % every == 0:
+            self._checkpoint()
+        return True
+
+    # ------------------------------------------------------------------ batches
+
+    def _next_batch(self, sft: bool) -> tuple[bytes, dict[str, Any]]:
+        """Rank 0 gets the next batch (or a control message) and every rank receives it."""
+        from_file = sft and self.tc.sft_data is not None
+        if from_file:
+            msg = self._control_only()
+            if msg != MSG_BATCH:
+                return msg, {}
+            return MSG_BATCH, self._file_batch()
+        payload = self._fetch_batch(sft) if self.dist.is_main else None
+        data = broadcast_bytes(payload, self.dist)
+        tag, body = data[:1], data[1:]
+        if tag != MSG_BATCH:
+            return tag, {}
+        from kuberl.api.buffer.v1 import buffer_pb2
+
+        resp = buffer_pb2.GetBatchResponse.FromString(body)
+        groups = [Group.from_proto(g) for g in resp.groups]
+        samples = samples_from_groups(groups)
+        return MSG_BATCH, {
+            "batch_id": resp.batch_id,
+            "groups": groups,
+            "samples": samples,
+            "redelivered": resp.redelivered,
+            "dropped": dict(resp.dropped),
+            "tokens": sum(s.length for s in samples),
+        }
+
+    def _control_only(self) -> bytes:
+        tag = MSG_BATCH
+        if self.dist.is_main:
+            if self.stop_event.is_set():
+                tag = MSG_STOP
+            elif self.checkpoint_request.is_set():
+                tag = MSG_CHECKPOINT
+        return broadcast_bytes(tag, self.dist)[:1]
+
+    def _file_batch(self) -> dict[str, Any]:
+        if self._sft_iter is None:
+            assert self.tc.sft_data is not None
+            path = Path(self.tc.sft_data)
+            path = path if path.is_absolute() else self.base / path
+            samples = tokenize_pairs(read_pairs(path), self.tokenizer)
+            done = self.cursor.sft_step if self.tc.mode == "rl" else self.cursor.step
+            per_epoch = max(1, len(samples) // self.tc.sft_batch_size)
+            self._sft_iter = epoch_batches(
+                samples, self.tc.sft_batch_size, self.config.job.seed, done // per_epoch
+            )
+            for _ in range(done % per_epoch):  # skip what the checkpoint already saw
+                next(self._sft_iter)
+        epoch, samples = next(self._sft_iter)
+        self.cursor.epoch = epoch
+        return {"samples": samples, "tokens": sum(s.length for s in samples)}
+
+    def _fetch_batch(self, sft: bool) -> bytes:
+        from kuberl.api.buffer.v1 import buffer_pb2
+        from kuberl.api.common.v1 import trajectory_pb2
+
+        kind = trajectory_pb2.STREAM_KIND_SFT if sft else trajectory_pb2.STREAM_KIND_TRAIN
+        want = self.tc.groups_per_step
+        while True:
+            if self.stop_event.is_set():
+                return MSG_STOP
+            if self.checkpoint_request.is_set():
+                return MSG_CHECKPOINT
+            try:
+                raw = self.buffer.GetBatch.with_call(
+                    buffer_pb2.GetBatchRequest(
+                        num_groups=want,
+                        max_staleness=self.tc.max_staleness,
+                        current_version=self.cursor.policy_version,
+                        consumer="trainer",
+                        wait_seconds=self.tc.batch_wait_seconds,
+                        kind=kind,
+                    ),
+                    timeout=self.tc.batch_wait_seconds + 30,
+                )[0]
+            except Exception as exc:  # buffer restarting: wait and retry, never lose the step
+                log.warning("buffer.get_batch_failed", error=str(exc)[:300])
+                self.stop_event.wait(1.0)
+                continue
+            if raw.groups:
+                BATCHES.labels("redelivered" if raw.redelivered else "new").inc()
+                if raw.redelivered:
+                    log.info("batch.redelivered", batch_id=raw.batch_id)
+                return MSG_BATCH + raw.SerializeToString()
+            if raw.exhausted:
+                return MSG_EXHAUSTED
+
+    # ------------------------------------------------------------------ RL
+
+    def _rl_step(self, batch: dict[str, Any]) -> dict[str, float]:
+        assert self.engine is not None
+        alg = self.tc.algorithm
+        samples: list[Sample] = batch["samples"]
+        groups: list[Group] = batch["groups"]
+        sizes = {len(g.trajectories) for g in groups}
+        if len(sizes) != 1:
+            REJECTED.labels("uneven_groups").inc(len(groups))
+            raise TrainerError(f"groups of a batch differ in size: {sorted(sizes)}")
+        group_size = sizes.pop()
+        for s, g_traj in zip(samples, [t for g in groups for t in g.trajectories], strict=True):
+            s.arrays["rollout_logprobs"] = np.asarray(g_traj.rollout_logprobs, dtype=np.float32)
+
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)  # [B]
+        mask = _response_tensor(samples, None)  # [B, R]
+        rollout_lp = _response_tensor(samples, "rollout_logprobs")  # [B, R]
+
+        # Per-token figures from the trainer's own models, each rank on its share.
+        old_lp = ref_lp = values = None
+        if alg.recompute_old_logprobs:
+            old_lp = self._forward_all(samples, lambda o: split_outputs(o)[0], self.engine.forward)
+        if self.reference is not None:
+            ref_lp = self._forward_all(
+                samples, lambda o: split_outputs(o)[0], self.reference.forward
+            )
+        if self.critic is not None:
+            values = self._forward_all(samples, lambda o: o, self.critic.forward)
+        sampling_lp = old_lp if old_lp is not None else rollout_lp
+        advantages, returns = algo.compute_advantages(
+            alg,
+            rewards,
+            mask,
+            group_size,
+            values=values,
+            old_logprobs=sampling_lp if ref_lp is not None else None,
+            ref_logprobs=ref_lp,
+        )
+        named = {"advantages": advantages, "returns": returns}
+        if old_lp is not None:
+            named["old_logprobs"] = old_lp
+        if ref_lp is not None:
+            named["ref_logprobs"] = ref_lp
+        if values is not None:
+            named["values"] = values
+        for i, s in enumerate(samples):
+            n = s.response_length
+            for key, t in named.items():
+                s.arrays[key] = t[i, :n].numpy()
+
+        updates = alg.ppo_epochs * alg.mini_batches
+        records: list[dict[str, float]] = []
+        for epoch in range(alg.ppo_epochs):
+            order = np.random.default_rng([self.config.job.seed, self.cursor.step, epoch])
+            idx = order.permutation(len(groups)) if updates > 1 else np.arange(len(groups))
+            for part in np.array_split(idx, alg.mini_batches):
+                rows = [s for g in part for s in samples[g * group_size : (g + 1) * group_size]]
+                if not rows:
+                    continue
+                records.append(self._policy_update(rows, updates))
+                if self.critic is not None:
+                    records[-1].update(self._critic_update(rows))
+        metrics = _mean_records(records)
+        metrics.update(_reward_metrics(samples, self.tc.eval_correct_threshold))
+        metrics["batch/groups"] = float(len(groups))
+        metrics["batch/redelivered"] = float(bool(batch.get("redelivered")))
+        for reason, n in batch.get("dropped", {}).items():
+            metrics[f"batch/dropped/{reason}"] = float(n)
+        versions = [t.policy_version_start for g in groups for t in g.trajectories]
+        metrics["batch/staleness_max"] = float(self.cursor.policy_version - min(versions))
+        return metrics
+
+    def _forward_all(
+        self, samples: list[Sample], pick: Callable[[Any], torch.Tensor], forward: Any
+    ) -> torch.Tensor:
+        """A per-token model output for every sample, response-aligned [B, R]: each rank
+        computes its share, an all-reduce (sum over disjoint rows) gives everyone all rows."""
+        mine = shard(samples, self.dist.rank, self.dist.world_size)
+        mbs = [collate(g, self.pad_id, self.dist.device) for g in self._micro(mine)]
+        outs = run_forward(forward, mbs, self.pad_id, self.dist)
+        full = torch.zeros(len(samples), max([s.response_length for s in samples] + [1]))
+        for mb, out in zip(mbs, outs, strict=True):
+            per_resp = mb.to_response(pick(out).float()).cpu()  # [b, R_mb]
+            for row, (i, n) in enumerate(zip(mb.indices, mb.response_lengths, strict=True)):
+                full[i, :n] = per_resp[row, :n]
+        if self.dist.world_size > 1:
+            import torch.distributed as dist
+
+            dev = self.dist.device if self.dist.device.type == "cuda" else torch.device("cpu")
+            reduced = full.to(dev)
+            dist.all_reduce(reduced)
+            full = reduced.cpu()
+        return full
+
+    def _micro(self, samples: Sequence[Sample]) -> list[list[Sample]]:
+        return micro_batches(samples, self.tc.micro_batch_tokens)
+
+    def _policy_update(self, rows: list[Sample], updates: int) -> dict[str, float]:
+        assert self.engine is not None
+        alg = self.tc.algorithm
+        names = ["advantages", "rollout_logprobs"]
+        if "old_logprobs" in rows[0].arrays:
+            names.append("old_logprobs")
+        if "ref_logprobs" in rows[0].arrays:
+            names.append("ref_logprobs")
+        global_count, cfg = _global_count(alg, rows)
+        ws = self.dist.world_size
+        use_rollout_as_old = "old_logprobs" not in names and updates > 1
+
+        def loss_fn(mb: MicroBatch, outputs: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+            logprobs, entropy = split_outputs(outputs)
+            lp = mb.to_response(logprobs)  # [b, R]
+            ent = mb.to_response(entropy)  # [b, R]
+            a = mb.arrays
+            old = a.get("old_logprobs")
+            if old is None and use_rollout_as_old:
+                old = a["rollout_logprobs"]
+            loss, m = algo.policy_loss_and_metrics(
+                cfg,
+                lp,
+                old,
+                a["rollout_logprobs"],
+                a["advantages"],
+                mb.mask,
+                ref_logprobs=a.get("ref_logprobs"),
+                entropy=ent,
+                global_count=global_count,
+            )
+            return loss * ws, m
+
+        mine = shard(rows, self.dist.rank, ws)
+        mbs = [collate(g, self.pad_id, self.dist.device, names) for g in self._micro(mine)]
+        grad_norm, recs = run_micro_batches(self.engine, mbs, loss_fn, self.pad_id, tuple(names))
+        out = self._merge(recs)
+        out["grad_norm"] = grad_norm
+        out["lr"] = self.engine.lr()
+        return out
+
+    def _critic_update(self, rows: list[Sample]) -> dict[str, float]:
+        assert self.critic is not None
+        alg = self.tc.algorithm
+        names = ("values", "returns")
+        global_count, cfg = _global_count(alg, rows)
+        ws = self.dist.world_size
+
+        def loss_fn(mb: MicroBatch, outputs: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+            v = mb.to_response(outputs)  # [b, R]
+            loss, m = algo.value_loss_and_metrics(
+                cfg, v, mb.arrays["values"], mb.arrays["returns"], mb.mask, global_count
+            )
+            return loss * ws, m
+
+        mine = shard(rows, self.dist.rank, ws)
+        mbs = [collate(g, self.pad_id, self.dist.device, names) for g in self._micro(mine)]
+        grad_norm, recs = run_micro_batches(self.critic, mbs, loss_fn, self.pad_id, names)
+        out = self._merge(recs)
+        out["value/grad_norm"] = grad_norm
+        return out
+
+    def _merge(self, recs: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+        """Micro-batch metrics of every rank -> one dict: loss terms add up (each is its share
+        of the global loss), min/max stay min/max, the rest is token-weighted."""
+        everyone = gather_json(recs, self.dist)
+        flat = [(m, n) for rank_recs in everyone for m, n in rank_recs]
+        out: dict[str, float] = {}
+        keys = sorted({k for m, _ in flat for k in m})
+        for k in keys:
+            vals = [(m[k], n) for m, n in flat if k in m]
+            if k.startswith("loss/") or k == "loss_share":
+                out[k] = float(sum(v for v, _ in vals))
+            elif k.endswith("_min"):
+                out[k] = float(min(v for v, _ in vals))
+            elif k.endswith("_max"):
+                out[k] = float(max(v for v, _ in vals))
+            else:
+                total = sum(n for _, n in vals) or 1
+                out[k] = float(sum(v * n for v, n in vals) / total)
+        return out
+
+    # ------------------------------------------------------------------ SFT
+
+    def _sft_step(self, batch: dict[str, Any]) -> dict[str, float]:
+        assert self.engine is not None
+        samples: list[Sample] = batch["samples"]
+        total = int(sum(float(s.loss_mask.sum()) for s in samples))
+        mine = shard(samples, self.dist.rank, self.dist.world_size)
+        mbs = [collate(g, self.pad_id, self.dist.device) for g in self._micro(mine)]
+        grad_norm, recs = run_micro_batches(
+            self.engine, mbs, sft_loss_fn(total, self.dist.world_size), self.pad_id
+        )
+        merged = self._merge(recs)
+        return {
+            "loss/sft": merged.get("loss_share", float("nan")),
+            "entropy": merged.get("entropy", float("nan")),
+            "grad_norm": grad_norm,
+            "lr": self.engine.lr(),
+            "batch/sequences": float(len(samples)),
+        }
+
+    # ------------------------------------------------------------------ eval
+
+    def _evaluate(self) -> None:
+        """Queue an eval round in the buffer and read its groups back (rank 0 only)."""
+        if not self.config.data.eval:
+            return
+        round_ = self.cursor.eval_round
+        result = self._eval_round(round_) if self.dist.is_main else {}
+        self.cursor.eval_round = round_ + 1
+        if result:
+            self.status.metrics.update(result)
+            self._write_jsonl({"kind": "eval", "round": round_, **result})
+        barrier(self.dist)
+
+    def _eval_round(self, round_: int) -> dict[str, float]:
+        from kuberl.api.buffer.v1 import buffer_pb2
+        from kuberl.api.common.v1 import trajectory_pb2
+
+        try:
+            started = self.buffer.StartEval(buffer_pb2.StartEvalRequest(round=round_), timeout=60)
+        except Exception as exc:
+            log.warning("eval.not_started", round=round_, error=str(exc)[:300])
+            return {}
+        want = int(started.num_prompts)
+        log.info("eval.started", round=round_, prompts=want)
+        seen: dict[str, Group] = {}
+        deadline = time.monotonic() + self.tc.eval_timeout_seconds
+        while len(seen) < want and time.monotonic() < deadline and not self.stop_event.is_set():
+            resp = self.buffer.GetBatch(
+                buffer_pb2.GetBatchRequest(
+                    num_groups=max(1, want - len(seen)),
+                    max_staleness=-1,
+                    current_version=self.cursor.policy_version,
+                    consumer="trainer-eval",
+                    wait_seconds=min(5.0, self.tc.batch_wait_seconds),
+                    kind=trajectory_pb2.STREAM_KIND_EVAL,
+                ),
+                timeout=60,
+            )
+            for g in resp.groups:
+                if g.epoch == round_:
+                    seen[g.group_id] = Group.from_proto(g)
+            if resp.batch_id:
+                self.buffer.Ack(buffer_pb2.AckRequest(batch_id=resp.batch_id), timeout=30)
+        return eval_metrics(list(seen.values()), self.tc.eval_correct_threshold, want)
+
+    # ------------------------------------------------------------------ publish / checkpoint
+
+    def _set_buffer_version(self) -> None:
+        if not self.dist.is_main or self.buffer is None:
+            return
+        from kuberl.api.buffer.v1 import buffer_pb2
+
+        try:
+            self.buffer.SetPolicyVersion(
+                buffer_pb2.SetPolicyVersionRequest(version=self.cursor.policy_version), timeout=30
+            )
+        except Exception as exc:  # a version conflict after a resume is harmless
+            log.warning("buffer.set_version_failed", error=str(exc)[:300])
+
+    def _publish(self) -> None:
+        """Stream the gathered weights to weight-sync (collective: every rank gathers)."""
+        assert self.engine is not None
+        if not self.tc.publish_weights or self.tc.mode == "eval":
+            return
+        version = self.cursor.policy_version
+        buckets = self.engine.full_parameters(self.config.weight_sync.bucket_bytes, "hf.")
+        if not self.dist.is_main:
+            for _ in buckets:
+                pass
+            return
+        started = time.perf_counter()
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for bucket in buckets:
+                yield from bucket
+
+        try:
+            self.publisher.publish(version, tensors())
+            PUBLISH_SECONDS.observe(time.perf_counter() - started)
+        except Exception as exc:
+            from kuberl.common.weights import VersionConflict
+
+            reason = "version_conflict" if isinstance(exc, VersionConflict) else "error"
+            PUBLISH_FAILURES.labels(reason).inc()
+            log.warning("weights.publish_failed", version=version, error=str(exc)[:300])
+        finally:
+            for _ in buckets:  # keep the other ranks' gathers matched
+                pass
+
+    def _checkpoint(self) -> str:
+        """Save engines, cursor, RNG and an HF export; collective."""
+        assert self.engine is not None
+        started = time.perf_counter()
+        root = self.checkpoint_root
+        tag = ckpt.tag_for(self.cursor.step)
+        path = root / tag
+        if self.dist.is_main:
+            path.mkdir(parents=True, exist_ok=True)
+        barrier(self.dist)
+        self.engine.save(path / "policy", tag)
+        if self.critic is not None:
+            self.critic.save(path / "critic", tag)
+        ckpt.write_rank_files(path, self.dist.rank)
+        if self.tc.export_hf:
+            named: list[tuple[str, torch.Tensor]] = []
+            for bucket in self.engine.full_parameters(64 * 1024 * 1024, "hf."):
+                named.extend(bucket)
+            if self.dist.is_main:
+                ckpt.export_hf(named, self.model_dir, path / "hf", self.tied)
+        if self.dist.is_main:
+            self.cursor.metrics = {k: v for k, v in self.status.metrics.items() if math.isfinite(v)}
+            ckpt.write_cursor(path, self.cursor)
+        barrier(self.dist)
+        if self.dist.is_main:
+            ckpt.commit(root, path, self.tc.keep_checkpoints)
+        barrier(self.dist)
+        CHECKPOINT_SECONDS.observe(time.perf_counter() - started)
+        self._checkpointed_step = self.cursor.step
+        self.status.last_checkpoint = str(path)
+        self.checkpoint_request.clear()
+        with self.checkpoint_done:
+            self.checkpoint_done.notify_all()
+        log.info(
+            "checkpoint.saved", path=str(path), seconds=round(time.perf_counter() - started, 2)
+        )
+        return str(path)
+
+    # ------------------------------------------------------------------ metrics
+
+    def _speed(self, tokens: int, seconds: float) -> dict[str, float]:
+        out = {"tokens": float(tokens), "tokens_per_second": tokens / max(seconds, 1e-9)}
+        TOKENS.inc(tokens)
+        if self.dist.device.type == "cuda" and self.engine is not None:
+            name = torch.cuda.get_device_name(self.dist.device)
+            peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+            if peak:
+                n_params = sum(
+                    int(getattr(p, "ds_numel", p.numel())) for p in self.engine.module.parameters()
+                )
+                alg = self.tc.algorithm
+                passes = 3 * alg.ppo_epochs + int(alg.recompute_old_logprobs)
+                flops = 2 * n_params * tokens * passes
+                out["mfu"] = flops / (seconds * peak * self.dist.world_size)
+        return out
+
+    def _sync_status(self) -> None:
+        self.status.step = self.cursor.step
+        self.status.policy_version = self.cursor.policy_version
+        self.status.epoch = self.cursor.epoch
+        if self.cursor.metrics:
+            self.status.metrics.update(self.cursor.metrics)
+
+    def _record(self, metrics: dict[str, float], kind: str) -> None:
+        self._sync_status()
+        self.status.metrics.update(metrics)
+        self.status.metrics["step"] = float(self.cursor.step)
+        STEPS.labels(kind).inc()
+        STEP_SECONDS.observe(metrics.get("step_seconds", 0.0))
+        STEP_GAUGE.set(self.cursor.step)
+        POLICY_VERSION.set(self.cursor.policy_version)
+        for k, v in metrics.items():
+            if not math.isfinite(v):
+                continue
+            if k.startswith("loss/"):
+                LOSS.labels(k.removeprefix("loss/")).set(v)
+            elif k.startswith("mismatch/"):
+                MISMATCH.labels(k.removeprefix("mismatch/")).set(v)
+        gauges = {
+            "grad_norm": GRAD_NORM,
+            "kl/ref": KL,
+            "entropy": ENTROPY,
+            "policy/clip_frac": CLIP_FRACTION,
+            "reward/mean": REWARD,
+            "tokens_per_second": TOKENS_PER_SECOND,
+            "mfu": MFU,
+        }
+        for key, gauge in gauges.items():
+            if key in metrics and math.isfinite(metrics[key]):
+                gauge.set(metrics[key])
+        log.info(
+            "trainer.step",
+            kind=kind,
+            step=self.cursor.step,
+            version=self.cursor.policy_version,
+            **{k: round(v, 5) for k, v in metrics.items() if k in _LOGGED},
+        )
+        self._write_jsonl(
+            {
+                "kind": kind,
+                "step": self.cursor.step,
+                "total_steps": self.tc.total_steps,
+                "policy_version": self.cursor.policy_version,
+                **metrics,
+            }
+        )
+
+    def _write_jsonl(self, row: dict[str, Any]) -> None:
+        if not self._metrics_file or not self.dist.is_main:
+            return
+        row = {"time": time.time(), **row}
+        clean = {
+            k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in row.items()
+        }
+        with open(self._metrics_file, "a") as f:
+            f.write(json.dumps(clean) + "\n")
+
+
+_LOGGED = (
+    "loss/total",
+    "loss/sft",
+    "grad_norm",
+    "reward/mean",
+    "entropy",
+    "kl/ref",
+    "policy/clip_frac",
+    "step_seconds",
+    "tokens_per_second",
+)
+
+
+def _response_tensor(samples: list[Sample], name: str | None) -> torch.Tensor:
+    """[B, R] right-padded: the loss mask (name None) or a response-aligned array."""
+    r = max([s.response_length for s in samples] + [1])
+    out = torch.zeros(len(samples), r)
+    for i, s in enumerate(samples):
+        n = s.response_length
+        src = s.loss_mask if name is None else s.arrays[name]
+        out[i, :n] = torch.from_numpy(np.asarray(src[:n], dtype=np.float32))
+    return out
+
+
+def _global_count(alg: Any, rows: list[Sample]) -> tuple[float, Any]:
+    """The normaliser of the whole update (for exact gradient accumulation) and the config
+    to use: token_sum's default length normaliser becomes the update's longest response."""
+    if alg.loss_agg == "token_mean":
+        count = float(sum(float(s.loss_mask.sum()) for s in rows))
+    else:
+        count = float(len(rows))
+    cfg = alg
+    if alg.loss_agg == "token_sum" and alg.loss_norm_tokens is None:
+        longest = max(s.response_length for s in rows)
+        cfg = alg.model_copy(update={"loss_norm_tokens": max(longest, 1)})
+    return max(count, 1.0), cfg
+
+
+def _mean_records(records: list[dict[str, float]]) -> dict[str, float]:
+    if not records:
+        return {}
+    keys = sorted({k for r in records for k in r})
+    return {k: float(np.mean([r[k] for r in records if k in r])) for k in keys}
+
+
+def _reward_metrics(samples: Sequence[Sample], threshold: float) -> dict[str, float]:
+    rewards = np.array([s.reward for s in samples], dtype=np.float64)
+    lengths = np.array([s.response_length for s in samples], dtype=np.float64)
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()),
+        "reward/accuracy": float((rewards >= threshold).mean()),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+    }
+
+
+def eval_metrics(groups: Sequence[Group], threshold: float, expected: int) -> dict[str, float]:
+    """Accuracy (samples with reward >= threshold), pass@n and mean reward per dataset (the
+    dataset is the part of the prompt id before ':') and overall."""
+    by_ds: dict[str, list[Group]] = {}
+    for g in groups:
+        by_ds.setdefault(g.prompt_id.partition(":")[0], []).append(g)
+    out: dict[str, float] = {}
+    every: list[float] = []
+    for name, gs in sorted(by_ds.items()):
+        rewards = [t.reward for g in gs for t in g.trajectories]
+        correct = [float(r >= threshold) for r in rewards]
+        passed = [float(any(t.reward >= threshold for t in g.trajectories)) for g in gs]
+        out[f"eval/{name}/accuracy"] = float(np.mean(correct)) if correct else 0.0
+        out[f"eval/{name}/pass_at_n"] = float(np.mean(passed)) if passed else 0.0
+        out[f"eval/{name}/reward_mean"] = float(np.mean(rewards)) if rewards else 0.0
+        out[f"eval/{name}/groups"] = float(len(gs))
+        EVAL_ACCURACY.labels(name).set(out[f"eval/{name}/accuracy"])
+        every += correct
+    out["eval/accuracy"] = float(np.mean(every)) if every else 0.0
+    out["eval/groups"] = float(len(groups))
+    out["eval/missing_groups"] = float(max(0, expected - len(groups)))
+    EVAL_ACCURACY.labels("all").set(out["eval/accuracy"])
+    return out

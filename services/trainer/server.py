@@ -1,0 +1,149 @@
+"""`kuberl serve trainer`: the trainer process, alone or as one rank of a torchrun world.
+
+Every rank trains; only rank 0 serves the gRPC `TrainerService` (GetStatus, CheckpointNow) and
+talks to the buffer and weight-sync. Under `torchrun --nproc-per-node N -m kuberl.cli serve
+trainer --config job.yaml`, `create_service` on a rank other than 0 runs the training loop to
+the end itself and leaves the process with its exit code, never binding a port.
+
+On rank 0 the service's `start()` joins the process group, loads the model and builds the
+DeepSpeed engine (health stays NOT_SERVING until then), then trains on a background thread while
+the event loop answers RPCs. When the job's last step is done the trainer keeps answering for
+`linger_seconds` (so a supervisor reads the final status) and then stops itself like on SIGTERM:
+exit 0. SIGTERM stops training after the current step. A training error ends the process with a
+non-zero exit and the error in the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from kuberl.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from kuberl.common.config import JobConfig
+from kuberl.common.errors import FailedPrecondition, Unavailable
+from kuberl.common.logs import get_logger
+from kuberl.common.server import Service
+
+if TYPE_CHECKING:
+    from kuberl.trainer.loop import Trainer
+
+log = get_logger(__name__)
+
+
+class _Servicer(trainer_pb2_grpc.TrainerServiceServicer):
+    def __init__(self, service: TrainerService) -> None:
+        self.service = service
+
+    async def GetStatus(
+        self, request: trainer_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.GetStatusResponse:
+        trainer = self.service.trainer
+        if trainer is None:
+            raise Unavailable("the trainer is starting (loading the model)")
+        s = trainer.status
+        return trainer_pb2.GetStatusResponse(
+            mode=s.mode,
+            step=s.step,
+            total_steps=s.total_steps,
+            policy_version=s.policy_version,
+            epoch=s.epoch,
+            world_size=s.world_size,
+            last_checkpoint=s.last_checkpoint,
+            metrics=dict(s.metrics),
+            finished=s.finished,
+        )
+
+    async def CheckpointNow(
+        self, request: trainer_pb2.CheckpointNowRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.CheckpointNowResponse:
+        trainer = self.service.trainer
+        if trainer is None or not trainer.status.ready:
+            raise Unavailable("the trainer is starting (loading the model)")
+        if trainer.status.finished:
+            raise FailedPrecondition(
+                f"the job has finished; its last checkpoint is {trainer.status.last_checkpoint!r}"
+            )
+        trainer.checkpoint_request.set()
+
+        def wait() -> None:
+            with trainer.checkpoint_done:
+                while trainer.checkpoint_request.is_set() and not trainer.status.finished:
+                    trainer.checkpoint_done.wait(1.0)
+
+        await asyncio.to_thread(wait)
+        return trainer_pb2.CheckpointNowResponse(
+            path=trainer.status.last_checkpoint, step=trainer.status.step
+        )
+
+
+class TrainerService(Service):
+    name = "trainer"
+    service_names = (trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name,)
+
+    def __init__(self, config: JobConfig) -> None:
+        self.config = config
+        self.trainer: Trainer | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._stopping = threading.Event()
+
+    def register(self, server: grpc.aio.Server) -> None:
+        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(_Servicer(self), server)
+
+    async def start(self) -> None:
+        from kuberl.trainer.distributed import init_distributed
+        from kuberl.trainer.loop import Trainer
+
+        info = await asyncio.to_thread(init_distributed)
+        trainer = Trainer(self.config, info)
+        self.trainer = trainer
+        await asyncio.to_thread(trainer.setup)
+        self._thread = threading.Thread(target=self._train, name="trainer", daemon=True)
+        self._thread.start()
+
+    def _train(self) -> None:
+        assert self.trainer is not None
+        try:
+            self.trainer.run()
+        except BaseException as exc:
+            self._error = exc
+            self.trainer.status.error = f"{type(exc).__name__}: {exc}"
+            log.exception("trainer.failed")
+        if not self._stopping.is_set():
+            if self._error is None:
+                time.sleep(self.config.trainer.linger_seconds)
+            os.kill(os.getpid(), signal.SIGTERM)  # drain the server and exit like on SIGTERM
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        if self.trainer is not None:
+            self.trainer.stop_event.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 600)
+        if self._error is not None:
+            raise RuntimeError(f"training failed: {self._error}") from self._error
+
+
+def run_worker(config: JobConfig) -> int:
+    """A rank other than 0: train to the end, no server. Returns the exit code."""
+    from kuberl.trainer.distributed import init_distributed
+    from kuberl.trainer.loop import Trainer
+
+    trainer = Trainer(config, init_distributed())
+    signal.signal(signal.SIGTERM, lambda *_: trainer.stop_event.set())
+    trainer.setup()
+    trainer.run()
+    return 0
+
+
+def create_service(config: JobConfig) -> TrainerService:
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        raise SystemExit(run_worker(config))
+    return TrainerService(config)
