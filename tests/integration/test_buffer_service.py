@@ -13,6 +13,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -49,6 +50,23 @@ def shared(
     with start_buffer(config, tmp) as proc, Client(proc.address) as client:
         client.lease(1, consumer="setup")  # queues epoch 0
         yield proc, config
+
+
+@contextmanager
+def _stand_in(*args: str) -> Iterator[tuple[subprocess.Popen[bytes], dict]]:
+    """A rollout/trainer stand-in (tests/integration/buffer_support.py) that does one call, reports
+    it, and then hangs until the test kills it; it is killed at exit whatever happens."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.buffer_support", *args],
+        stdout=subprocess.PIPE,
+        cwd=REPO,
+    )
+    try:
+        assert proc.stdout is not None
+        yield proc, json.loads(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait(10)
 
 
 def _metrics(proc: ServiceProcess) -> str:
@@ -132,23 +150,10 @@ def test_a_rollout_client_killed_mid_lease_has_its_prompts_finished_by_another(
 ) -> None:
     config = write_job(tmp_path, redis_url, prompts=6, lease_timeout_seconds=1, requeue_stale=False)
     with start_buffer(config, tmp_path) as proc:
-        victim = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.integration.buffer_support",
-                "lease",
-                proc.address,
-                "3",
-                "victim",
-            ],
-            stdout=subprocess.PIPE,
-            cwd=REPO,
-        )
-        assert victim.stdout is not None
-        taken = json.loads(victim.stdout.readline())["prompts"]
-        victim.send_signal(signal.SIGKILL)
-        victim.wait(10)
+        with _stand_in("lease", proc.address, "3", "victim") as (victim, report):
+            victim.send_signal(signal.SIGKILL)
+            victim.wait(10)
+        taken = report["prompts"]
         deliveries: dict[str, int] = {}
         with Client(proc.address) as client:
             while not (resp := client.lease(6, consumer="survivor")).exhausted:
@@ -258,15 +263,9 @@ def test_a_trainer_killed_before_ack_gets_the_same_batch_again_and_never_trains_
     config = write_job(tmp_path, redis_url, prompts=4, batch_ack_timeout_seconds=1)
     with start_buffer(config, tmp_path) as proc, Client(proc.address) as client:
         client.complete(client.lease(4).prompts)
-        trainer = subprocess.Popen(
-            [sys.executable, "-m", "tests.integration.buffer_support", "get", proc.address, "3"],
-            stdout=subprocess.PIPE,
-            cwd=REPO,
-        )
-        assert trainer.stdout is not None
-        crashed = json.loads(trainer.stdout.readline())
-        trainer.send_signal(signal.SIGKILL)
-        trainer.wait(10)
+        with _stand_in("get", proc.address, "3") as (trainer, crashed):
+            trainer.send_signal(signal.SIGKILL)
+            trainer.wait(10)
         time.sleep(1.5)  # past batch_ack_timeout_seconds
         again = client.get(3)
         acks = [client.ack(again.batch_id).already_acked, client.ack(again.batch_id).already_acked]
