@@ -1,0 +1,160 @@
+"""The RL loop against the real services: `kuberl serve buffer` on an embedded Redis,
+`kuberl serve weight_sync`, and `kuberl serve trainer`, each its own process.
+
+The test plays rollout: it leases four prompts and puts four groups of four samples (token ids
+of the tiny model's vocabulary, engine logprobs, rewards). The trainer (GRPO, PPO with two
+epochs over two mini-batches, old logprobs recomputed, KL to a frozen reference, TIS) takes two
+steps of two groups, acknowledges each batch after its optimizer step, advances the buffer's
+policy version, publishes every version to weight-sync, checkpoints at the end and exits 0. The
+weights weight-sync holds for the last version are exactly the trainer's exported weights.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from kuberl.api.common.v1 import trajectory_pb2 as tpb
+from kuberl.common.trajectory import Group, Trajectory
+from tests.integration.buffer_support import Client, start_buffer, write_job
+from tests.support import ServiceProcess
+
+GROUP_SIZE = 4
+REWARDS = [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]]
+
+
+def _group(prompt: tpb.Prompt, rewards: list[float], seed: int) -> tpb.Group:
+    rng = np.random.default_rng(seed)
+    trajectories = []
+    for i, reward in enumerate(rewards):
+        n = int(rng.integers(3, 9))
+        trajectories.append(
+            Trajectory(
+                prompt_token_ids=rng.integers(10, 90, 4),
+                response_token_ids=rng.integers(10, 90, n),
+                rollout_logprobs=np.log(rng.uniform(0.005, 0.02, n)).astype(np.float32),
+                prompt_id=prompt.prompt_id,
+                epoch=prompt.epoch,
+                sample_index=i,
+                reward=reward,
+            )
+        )
+    return Group(prompt.prompt_id, prompt.epoch, trajectories).to_proto()
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    from kuberl.common.modelbuild import build_model
+    from kuberl.common.redis_server import EmbeddedRedis
+    from kuberl.common.weights import download_snapshot
+
+    tmp = tmp_path_factory.mktemp("rl")
+    model = build_model(tmp / "model", tokenizer="digits", seed=2)
+    with EmbeddedRedis(tmp / "redis", die_with_parent=True) as redis:
+        job = write_job(tmp, redis.url, prompts=4, job=f"rl{uuid.uuid4().hex[:8]}")
+        doc = yaml.safe_load(job.read_text())
+        doc["weight_sync"] = {
+            "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
+            "snapshot_dir": str(tmp / "snapshots"),
+            "shm_dir": str(tmp / "shm"),
+        }
+        job.write_text(yaml.safe_dump(doc))
+        with (
+            start_buffer(job, tmp) as buffer,
+            ServiceProcess.kuberl("weight_sync", job, tmp).wait_serving(60) as ws,
+            Client(buffer.address) as client,
+        ):
+            prompts = list(client.lease(4).prompts)
+            prompts.sort(key=lambda p: int(p.prompt_id.rsplit(":", 1)[1]))
+            groups = [_group(p, REWARDS[i], i) for i, p in enumerate(prompts)]
+            for p, g in zip(prompts, groups, strict=True):  # one put each: oldest first
+                client.put([g], [p.lease_id])
+            doc["endpoints"] = {"buffer": buffer.address, "weight_sync": ws.address}
+            doc["model"] = {"path": str(model)}
+            doc["trainer"] = {
+                "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
+                "mode": "rl",
+                "total_steps": 2,
+                "groups_per_step": 2,
+                "micro_batch_tokens": 40,
+                "checkpoint_every": 2,
+                "checkpoint_dir": str(tmp / "ckpt"),
+                "linger_seconds": 0.2,
+                "max_staleness": -1,
+                "optimizer": {"lr": 1e-3},
+                "algorithm": {
+                    "advantage": "grpo",
+                    "ppo_epochs": 2,
+                    "mini_batches": 2,
+                    "recompute_old_logprobs": True,
+                    "kl": {"coef": 0.01},
+                    "importance": {"mode": "tis", "cap": 2.0},
+                },
+            }
+            rl_job = tmp / "rl.yaml"
+            rl_job.write_text(yaml.safe_dump(doc))
+            jsonl = tmp / "metrics.jsonl"
+            trainer = ServiceProcess.kuberl(
+                "trainer", rl_job, tmp, env={"KUBERL_METRICS_JSONL": str(jsonl)}
+            )
+            try:
+                code = trainer.proc.wait(240)
+                log = trainer.log()
+            finally:
+                trainer.stop()
+            stats = client.stats()
+            version, manifest, flat = download_snapshot(ws.address)
+            published = {k: v.clone() for k, v in manifest.views(flat).items()}
+    return {
+        "tmp": tmp,
+        "code": code,
+        "log": log,
+        "rows": _rows(jsonl) if jsonl.exists() else [],
+        "stats": stats,
+        "version": version,
+        "published": published,
+    }
+
+
+def test_the_trainer_trains_total_steps_on_buffer_batches_and_exits_0(run) -> None:  # type: ignore[no-untyped-def]
+    steps = [r for r in run["rows"] if r.get("kind") == "rl"]
+    assert run["code"] == 0, run["log"]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert [r["policy_version"] for r in steps] == [1, 2]
+    for r in steps:
+        assert np.isfinite([r["loss/total"], r["loss/policy"], r["grad_norm"], r["kl/ref"]]).all()
+        assert r["grad_norm"] > 0
+        # the engine logprobs (~log 0.01) differ from the tiny model's: a mismatch is reported
+        assert r["mismatch/kl"] > 0 and r["mismatch/ratio_max"] > r["mismatch/ratio_min"]
+
+
+def test_each_batch_holds_whole_groups_oldest_first_with_their_rewards(run) -> None:  # type: ignore[no-untyped-def]
+    steps = [r for r in run["rows"] if r.get("kind") == "rl"]
+    expected = [float(np.mean(REWARDS[0] + REWARDS[1])), float(np.mean(REWARDS[2] + REWARDS[3]))]
+    assert [r["reward/mean"] for r in steps] == pytest.approx(expected)
+    assert [r["batch/groups"] for r in steps] == [2.0, 2.0]
+
+
+def test_batches_are_acked_after_the_step_and_the_policy_version_advances(run) -> None:  # type: ignore[no-untyped-def]
+    stats = run["stats"]
+    assert (stats.batches_unacked, stats.groups_pending, stats.policy_version) == (0, 0, 2)
+
+
+def test_weight_sync_holds_the_trainers_final_weights(run) -> None:  # type: ignore[no-untyped-def]
+    from safetensors.torch import load_file
+
+    exported = load_file(str(run["tmp"] / "ckpt" / "step-000002" / "hf" / "model.safetensors"))
+    published = run["published"]
+    assert run["version"] == 2
+    assert set(exported) == set(published)
+    assert all((published[k] == exported[k]).all() for k in exported)
