@@ -209,11 +209,16 @@ class Sandbox:
     async def probe(self) -> dict[str, str]:
         """Run `print(1)` once; return (and remember) the isolation this host gives."""
         # Generous limits: a loaded machine must not make a healthy sandbox look broken.
-        run = await self.run("print(1)", [{"input": "", "output": "1"}], 60.0, wall_seconds=30.0)
+        hint = "set reward.sandbox.python to an interpreter the sandbox user can execute"
+        try:
+            run = await self.run("print(1)", [{"input": "", "output": "1"}], 60.0, 30.0)
+        except VerifierFailure as exc:
+            raise RuntimeError(
+                f"the code sandbox cannot run {self.python}: {exc}; {hint}"
+            ) from None
         if run.results[0]["status"] != "passed":
             raise RuntimeError(
-                f"the code sandbox cannot run {self.python}: {run.results[0]}; set "
-                "reward.sandbox.python to an interpreter the sandbox user can execute"
+                f"the code sandbox cannot run {self.python}: {run.results[0]}; {hint}"
             )
         self.isolation = run.isolation
         return run.isolation

@@ -128,20 +128,34 @@ class Scorer:
     async def start(self) -> None:
         """Start the workers, probe the sandbox, load the reward model."""
         await self.pool.start()
-        isolation = await self.sandbox.probe()
-        for aspect, good in (("network", "namespace"), ("files", "private"), ("uid", "dedicated")):
-            _isolation.labels(aspect).set(1.0 if isolation.get(aspect) == good else 0.0)
-        if not self.sandbox.fully_isolated:
-            if self.config.sandbox.require_isolation:
-                raise RuntimeError(
-                    f"reward.sandbox.require_isolation is set but the code sandbox only gets "
-                    f"{isolation} here (needs root and network namespaces)"
-                )
-            log.warning("sandbox.weak_isolation", **isolation)
-        else:
-            log.info("sandbox.isolation", **isolation)
+        await self._probe_sandbox()
         if self.reward_model is not None:
             await asyncio.to_thread(self.reward_model.load)
+
+    async def _probe_sandbox(self) -> None:
+        """Check the sandbox works and how isolated it is. A job that does not use `code` in
+        its combination still starts when it does not work (samples asking for it are then
+        refused as an unknown verifier)."""
+        needed = "code" in self.config.verifiers or self.config.sandbox.require_isolation
+        try:
+            isolation = await self.sandbox.probe()
+        except Exception as exc:
+            if needed:
+                raise
+            del self._backends["code"]
+            log.warning("sandbox.unavailable", error=str(exc)[:500])
+            return
+        for aspect, good in (("network", "namespace"), ("files", "private"), ("uid", "dedicated")):
+            _isolation.labels(aspect).set(1.0 if isolation.get(aspect) == good else 0.0)
+        if self.sandbox.fully_isolated:
+            log.info("sandbox.isolation", **isolation)
+        elif self.config.sandbox.require_isolation:
+            raise RuntimeError(
+                f"reward.sandbox.require_isolation is set but the code sandbox only gets "
+                f"{isolation} here (needs root and network namespaces)"
+            )
+        else:
+            log.warning("sandbox.weak_isolation", **isolation)
 
     async def stop(self) -> None:
         await self.pool.stop()

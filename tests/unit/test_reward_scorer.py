@@ -295,3 +295,23 @@ def test_the_verifier_list_has_builtins_and_customs_with_their_weights(harness: 
         (0.0, "async"),
         (0.0, "pool"),
     )
+
+
+def _scorer_with_broken_sandbox(verifiers: dict[str, float]) -> Scorer:
+    sandbox = {"python": "/nonexistent/python3"}
+    return Scorer(
+        parse_job_config({"reward": {"verifiers": verifiers, "sandbox": sandbox}}, env={})
+    )
+
+
+def test_a_broken_sandbox_stops_a_job_that_uses_code_from_starting() -> None:
+    scorer = _scorer_with_broken_sandbox({"code": 1.0})
+    with pytest.raises(RuntimeError, match="cannot run /nonexistent/python3"):
+        asyncio.run(scorer._probe_sandbox())
+
+
+def test_a_broken_sandbox_only_disables_code_for_a_job_that_does_not_use_it() -> None:
+    scorer = _scorer_with_broken_sandbox({"gsm8k": 1.0})
+    asyncio.run(scorer._probe_sandbox())
+    with pytest.raises(InvalidArgument, match="unknown verifier 'code'"):
+        scorer.combination(["code"], "s1")
