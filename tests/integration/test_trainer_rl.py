@@ -1,7 +1,8 @@
 """The RL loop against the real services: `kuberl serve buffer` on an embedded Redis,
 `kuberl serve weight_sync`, and `kuberl serve trainer`, each its own process.
 
-The test plays rollout: it leases four prompts and puts four groups of four samples (token ids
+The trainer runs as two torchrun ranks with ZeRO-3 on gloo (rank 0 serves and talks to the
+services; both train). The test plays rollout: it leases four prompts and puts four groups of four samples (token ids
 of the tiny model's vocabulary, engine logprobs, rewards). The trainer (GRPO, PPO with two
 epochs over two mini-batches, old logprobs recomputed, KL to a frozen reference, TIS) takes two
 steps of two groups, acknowledges each batch after its optimizer step, advances the buffer's
@@ -12,6 +13,7 @@ weights weight-sync holds for the last version are exactly the trainer's exporte
 from __future__ import annotations
 
 import json
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,18 @@ from tests.integration.buffer_support import Client, start_buffer, write_job
 from tests.support import ServiceProcess
 
 GROUP_SIZE = 4
+# Two ranks on gloo, as `torchrun --nproc-per-node 2 -m kuberl.cli serve trainer` in a pod.
+TORCHRUN = [
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--nproc-per-node",
+    "2",
+    "--rdzv-backend",
+    "c10d",
+    "--rdzv-endpoint",
+    "127.0.0.1:0",
+]
 REWARDS = [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]]
 
 
@@ -85,6 +99,7 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
                 "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
                 "mode": "rl",
                 "total_steps": 2,
+                "zero_stage": 3,
                 "groups_per_step": 2,
                 "micro_batch_tokens": 40,
                 "checkpoint_every": 2,
@@ -104,12 +119,15 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
             rl_job = tmp / "rl.yaml"
             rl_job.write_text(yaml.safe_dump(doc))
             jsonl = tmp / "metrics.jsonl"
-            trainer = ServiceProcess.kuberl(
-                "trainer", rl_job, tmp, env={"KUBERL_METRICS_JSONL": str(jsonl)}
+            trainer = ServiceProcess(
+                [*TORCHRUN, "-m", "kuberl.cli", "serve", "trainer", "--config", str(rl_job)],
+                tmp,
+                "trainer",
+                env={"KUBERL_METRICS_JSONL": str(jsonl)},
             )
             try:
                 code = trainer.proc.wait(240)
-                log = trainer.log()
+                log = trainer.log_path.read_text(errors="replace")
             finally:
                 trainer.stop()
             stats = client.stats()
@@ -128,8 +146,9 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
 
 def test_the_trainer_trains_total_steps_on_buffer_batches_and_exits_0(run) -> None:  # type: ignore[no-untyped-def]
     steps = [r for r in run["rows"] if r.get("kind") == "rl"]
-    assert run["code"] == 0, run["log"]
+    assert run["code"] == 0, run["log"][-4000:]
     assert [r["step"] for r in steps] == [1, 2]
+    assert "world_size=2" in run["log"] and "zero_stage=3" in run["log"]
     assert [r["policy_version"] for r in steps] == [1, 2]
     for r in steps:
         assert np.isfinite([r["loss/total"], r["loss/policy"], r["grad_norm"], r["kl/ref"]]).all()
