@@ -75,9 +75,12 @@ def latest(directory: Path) -> Path | None:
 
 
 def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    def text(t: torch.Tensor) -> str:
+        return base64.b64encode(t.numpy().tobytes()).decode()
+
+    state: dict[str, Any] = {"torch": text(torch.get_rng_state())}
     if torch.cuda.is_available():
-        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+        state["cuda"] = text(torch.cuda.get_rng_state())
     return state
 
 

@@ -174,7 +174,11 @@ class Trainer:
         hf = load_causal_lm(self.model_dir, dtype)
         self.tied = bool(getattr(hf.config, "tie_word_embeddings", False))
         if self.tc.gradient_checkpointing:
-            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            kwargs = {"use_reentrant": False}
+            if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5
+                hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         policy = PolicyModel(hf, self.tc.logprob_chunk_size, temperature)
         self.engine = TrainEngine(policy, self.tc, self.dist, dtype)
         alg = self.tc.algorithm
@@ -556,24 +560,8 @@ class Trainer:
         return out
 
     def _merge(self, recs: list[tuple[dict[str, float], int]]) -> dict[str, float]:
-        """Micro-batch metrics of every rank -> one dict: loss terms add up (each is its share
-        of the global loss), min/max stay min/max, the rest is token-weighted."""
         everyone = gather_json(recs, self.dist)
-        flat = [(m, n) for rank_recs in everyone for m, n in rank_recs]
-        out: dict[str, float] = {}
-        keys = sorted({k for m, _ in flat for k in m})
-        for k in keys:
-            vals = [(m[k], n) for m, n in flat if k in m]
-            if k.startswith("loss/") or k == "loss_share":
-                out[k] = float(sum(v for v, _ in vals))
-            elif k.endswith("_min"):
-                out[k] = float(min(v for v, _ in vals))
-            elif k.endswith("_max"):
-                out[k] = float(max(v for v, _ in vals))
-            else:
-                total = sum(n for _, n in vals) or 1
-                out[k] = float(sum(v * n for v, n in vals) / total)
-        return out
+        return merge_metrics([(m, n) for rank_recs in everyone for m, n in rank_recs])
 
     # ------------------------------------------------------------------ SFT
 
@@ -589,7 +577,7 @@ class Trainer:
         merged = self._merge(recs)
         return {
             "loss/sft": merged.get("loss_share", float("nan")),
-            "entropy": merged.get("entropy", float("nan")),
+            "entropy": merged.get("token_entropy", float("nan")),
             "grad_norm": grad_norm,
             "lr": self.engine.lr(),
             "batch/sequences": float(len(samples)),
@@ -803,6 +791,9 @@ class Trainer:
             f.write(json.dumps(clean) + "\n")
 
 
+# Metrics that policy_loss_and_metrics aggregates with `global_count` (shares of the total).
+_SHARE_KEYS = ("loss_share", "entropy", "kl/ref")
+
 _LOGGED = (
     "loss/total",
     "loss/sft",
@@ -839,6 +830,26 @@ def _global_count(alg: Any, rows: list[Sample]) -> tuple[float, Any]:
         longest = max(s.response_length for s in rows)
         cfg = alg.model_copy(update={"loss_norm_tokens": max(longest, 1)})
     return max(count, 1.0), cfg
+
+
+def merge_metrics(records: Sequence[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """Micro-batch (metrics, tokens) of every rank -> one dict. Terms aggregated with the
+    update's global count (loss terms, entropy, KL to the reference) are each micro-batch's
+    share of the update's value and add up; min/max stay min/max; the rest is token-weighted."""
+    out: dict[str, float] = {}
+    keys = sorted({k for m, _ in records for k in m})
+    for k in keys:
+        vals = [(m[k], n) for m, n in records if k in m]
+        if k.startswith("loss/") or k in _SHARE_KEYS:
+            out[k] = float(sum(v for v, _ in vals))
+        elif k.endswith("_min"):
+            out[k] = float(min(v for v, _ in vals))
+        elif k.endswith("_max"):
+            out[k] = float(max(v for v, _ in vals))
+        else:
+            total = sum(n for _, n in vals) or 1
+            out[k] = float(sum(v * n for v, n in vals) / total)
+    return out
 
 
 def _mean_records(records: list[dict[str, float]]) -> dict[str, float]:

@@ -130,7 +130,7 @@ def sft_loss_fn(global_tokens: int, world_size: int) -> Any:
         metrics = {
             "loss_share": float(share.detach()),
             "nll": float(nll_sum.detach()) / tokens,
-            "entropy": float((ent * mb.mask).sum().detach()) / tokens,
+            "token_entropy": float((ent * mb.mask).sum().detach()) / tokens,
         }
         return share * world_size, metrics
 

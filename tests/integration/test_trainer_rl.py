@@ -1,13 +1,13 @@
-"""The RL loop against the real services: `kuberl serve buffer` on an embedded Redis,
-`kuberl serve weight_sync`, and `kuberl serve trainer`, each its own process.
+"""The RL loop against the real services: `kuberl serve buffer` on an embedded Redis, `kuberl serve
+weight_sync`, and `kuberl serve trainer`, each its own process.
 
 The trainer runs as two torchrun ranks with ZeRO-3 on gloo (rank 0 serves and talks to the
-services; both train). The test plays rollout: it leases four prompts and puts four groups of four samples (token ids
-of the tiny model's vocabulary, engine logprobs, rewards). The trainer (GRPO, PPO with two
-epochs over two mini-batches, old logprobs recomputed, KL to a frozen reference, TIS) takes two
-steps of two groups, acknowledges each batch after its optimizer step, advances the buffer's
-policy version, publishes every version to weight-sync, checkpoints at the end and exits 0. The
-weights weight-sync holds for the last version are exactly the trainer's exported weights.
+services; both train). The test plays rollout: it leases four prompts and puts four groups of four
+samples (token ids of the tiny model's vocabulary, engine logprobs, rewards). The trainer (GRPO,
+PPO with two epochs over two mini-batches, old logprobs recomputed, KL to a frozen reference, TIS)
+takes two steps of two groups, acknowledges each batch after its optimizer step, advances the
+buffer's policy version, publishes every version to weight-sync, checkpoints at the end and exits
+0. The weights weight-sync holds for the last version are exactly the trainer's exported weights.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ def _write_job(tmp: Path, model: Path) -> Path:
             "sft_data": str(tmp / "pairs.jsonl"),
             "sft_batch_size": 16,
             "micro_batch_tokens": 96,
+            "gradient_checkpointing": True,
             "publish_weights": False,
             "checkpoint_every": 2,
             "checkpoint_dir": str(tmp / "ckpt"),

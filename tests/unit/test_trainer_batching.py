@@ -1,0 +1,150 @@
+"""The trainer's pure pieces: token-budget micro-batches, rank sharding, collation into model and
+response-aligned views, metric merging across micro-batches and ranks, eval accuracy per
+dataset, SFT data, checkpoint cursor and RNG round trip, and `kuberl model init`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kuberl.common.trajectory import Group, Trajectory
+from kuberl.trainer import checkpoint as ckpt
+from kuberl.trainer.batching import Sample, collate, micro_batches, shard
+from kuberl.trainer.loop import eval_metrics, merge_metrics
+from kuberl.trainer.sft import SFTDataError, epoch_batches, read_pairs
+
+
+def _sample(index: int, prompt: int, response: int) -> Sample:
+    return Sample(
+        prompt_ids=np.arange(1, prompt + 1),
+        response_ids=np.arange(100, 100 + response),
+        loss_mask=np.ones(response, dtype=np.float32),
+        arrays={"adv": np.full(response, float(index), dtype=np.float32)},
+        index=index,
+    )
+
+
+def test_micro_batches_keep_padded_size_within_the_token_budget() -> None:
+    samples = [_sample(i, 3, n) for i, n in enumerate([1, 9, 4, 2, 7, 5, 3, 8])]
+    groups = micro_batches(samples, budget_tokens=24)
+    assert sorted(s.index for g in groups for s in g) == list(range(8))
+    assert all(max(s.length for s in g) * len(g) <= 24 for g in groups)
+    # lengths 12 11 10 8 7 6 5 4, longest first; adding one more would exceed 24 each time
+    assert [[s.length for s in g] for g in groups] == [[12, 11], [10, 8], [7, 6, 5], [4]]
+
+
+def test_a_sequence_longer_than_the_budget_gets_a_micro_batch_of_its_own() -> None:
+    groups = micro_batches([_sample(0, 2, 30), _sample(1, 2, 2)], budget_tokens=16)
+    assert [[s.index for s in g] for g in groups] == [[0], [1]]
+
+
+def test_shards_cover_the_batch_once_with_balanced_tokens() -> None:
+    samples = [_sample(i, 2, n) for i, n in enumerate(range(1, 11))]
+    parts = [shard(samples, r, 3) for r in range(3)]
+    assert sorted(s.index for p in parts for s in p) == list(range(10))
+    tokens = [sum(s.length for s in p) for p in parts]
+    assert max(tokens) - min(tokens) <= 12
+
+
+def test_collate_aligns_model_outputs_with_response_tokens() -> None:
+    a, b = _sample(0, 2, 3), _sample(1, 4, 1)
+    mb = collate([a, b], pad_id=0, device=torch.device("cpu"), names=["adv"])
+    # a model output at position t "predicts" input_ids[t + 1]
+    fake_outputs = mb.input_ids[:, 1:].float()  # [b, T-1]
+    responses = mb.to_response(fake_outputs)  # [b, R]
+    assert mb.input_ids.tolist() == [[1, 2, 100, 101, 102], [1, 2, 3, 4, 100]]
+    assert mb.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert (responses * mb.mask).tolist() == [[100, 101, 102], [100, 0, 0]]
+    assert mb.arrays["adv"].tolist() == [[0, 0, 0], [1, 0, 0]]
+    assert mb.num_tokens == 4 and mb.indices == [0, 1]
+
+
+def test_merged_metrics_add_shares_keep_extremes_and_weight_the_rest_by_tokens() -> None:
+    records = [
+        ({"loss/policy": 0.25, "entropy": 1.0, "policy/ratio_max": 1.5, "clip": 0.0}, 10),
+        ({"loss/policy": 0.5, "entropy": 2.0, "policy/ratio_max": 1.2, "clip": 1.0}, 30),
+    ]
+    merged = merge_metrics(records)
+    assert merged == {"loss/policy": 0.75, "entropy": 3.0, "policy/ratio_max": 1.5, "clip": 0.75}
+
+
+def test_eval_accuracy_is_reported_per_dataset_and_overall() -> None:
+    def group(prompt_id: str, rewards: list[float]) -> Group:
+        ts = [
+            Trajectory([1], [2], [-1.0], prompt_id=prompt_id, sample_index=i, reward=r)
+            for i, r in enumerate(rewards)
+        ]
+        return Group(prompt_id, 0, ts)
+
+    groups = [group("gsm8k:0", [1, 0]), group("gsm8k:1", [0, 0]), group("math:0", [1, 1])]
+    m = eval_metrics(groups, threshold=0.5, expected=4)
+    assert m["eval/gsm8k/accuracy"] == 0.25 and m["eval/gsm8k/pass_at_n"] == 0.5
+    assert m["eval/math/accuracy"] == 1.0 and m["eval/accuracy"] == 0.5
+    assert m["eval/missing_groups"] == 1.0
+
+
+def test_sft_pairs_are_read_and_a_bad_line_is_named(tmp_path: Path) -> None:
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "1+1=", "response": "2"}\n\n{"prompt": "a", "completion": "b"}\n')
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "response": "2"}\n{"prompt": 3}\n')
+    assert read_pairs(good) == [("1+1=", "2"), ("a", "b")]
+    with pytest.raises(SFTDataError, match=r"bad.jsonl:2: expected string fields"):
+        read_pairs(bad)
+
+
+def test_sft_epochs_are_reshuffled_and_cover_every_example() -> None:
+    samples = [_sample(i, 1, 1) for i in range(6)]
+    it = epoch_batches(samples, batch_size=3, seed=0)
+    (e0, b0), (_, b1), (e1, b2) = next(it), next(it), next(it)
+    seen = sorted(int(s.prompt_ids.sum()) for s in b0 + b1)
+    assert (e0, e1) == (0, 1) and seen == [1] * 6 and len(b2) == 3
+
+
+def test_checkpoint_cursor_and_rng_round_trip(tmp_path: Path) -> None:
+    cursor = ckpt.Cursor(step=7, policy_version=9, epoch=1, metrics={"loss/total": 0.5})
+    path = tmp_path / ckpt.tag_for(7)
+    ckpt.write_rank_files(path, rank=0)
+    expected = torch.rand(3)
+    ckpt.write_cursor(path, cursor)
+    ckpt.commit(tmp_path, path, keep=2)
+    torch.rand(5)  # move the generator on
+    restored = ckpt.read_cursor(ckpt.latest(tmp_path), rank=0)  # type: ignore[arg-type]
+    assert restored == cursor
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_only_the_newest_checkpoints_are_kept_and_latest_names_the_last(tmp_path: Path) -> None:
+    for step in (2, 4, 6):
+        path = tmp_path / ckpt.tag_for(step)
+        path.mkdir()
+        ckpt.write_cursor(path, ckpt.Cursor(step=step))
+        ckpt.commit(tmp_path, path, keep=2)
+    half = tmp_path / ckpt.tag_for(8)  # a save killed before its cursor was written
+    half.mkdir()
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [
+        "step-000004",
+        "step-000006",
+        "step-000008",
+    ]
+    assert ckpt.latest(tmp_path) == tmp_path / "step-000006"
+
+
+def test_model_init_builds_an_hf_folder_with_a_tokenizer_trained_on_the_data(
+    tmp_path: Path,
+) -> None:
+    from kuberl.cli import main
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        "\n".join(json.dumps({"q": f"what is {i} plus {i}?", "a": str(2 * i)}) for i in range(50))
+    )
+    out = tmp_path / "model"
+    assert main(["model", "init", str(out), "--tokenizer", "bpe", "--data", str(data)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen2"
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
