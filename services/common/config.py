@@ -351,6 +351,17 @@ class TorchEngineConfig(Section):
     attn_implementation: Literal["sdpa", "eager"] = Field(
         "sdpa", description="transformers attention kernel."
     )
+    batch_wait_seconds: float = Field(
+        0.005,
+        ge=0,
+        description="Before starting a batch, wait this long for more requests to join it.",
+    )
+    num_threads: int = Field(
+        0,
+        ge=0,
+        description="torch intra-op CPU threads (0 = torch's default, one per core); small "
+        "models on a shared CPU run much faster with 1.",
+    )
 
 
 class SGLangEngineConfig(Section):
@@ -377,6 +388,11 @@ class SGLangEngineConfig(Section):
     )
     api_key_env: str | None = Field(
         None, description="Environment variable holding the server's --api-key, if any."
+    )
+    snapshot_dir: str = Field(
+        ".kuberl/sglang-weights",
+        description="Folder shared with the SGLang server (a pod volume) where weight snapshots "
+        "are written for /update_weights_from_disk.",
     )
 
 
@@ -447,6 +463,15 @@ class RolloutConfig(Section):
     )
     idle_poll_seconds: float = Field(
         1.0, gt=0, description="Wait between leases when the prompt stream is empty."
+    )
+    weight_sync: bool = Field(
+        True,
+        description="Register with the weight-sync service (endpoints.weight_sync), catch up "
+        "to its current version before leasing, and load every new version; false keeps the "
+        "initial weights (eval-only replicas, tests).",
+    )
+    catch_up_seconds: float = Field(
+        300.0, gt=0, description="How long to wait for the current version at start."
     )
 
 

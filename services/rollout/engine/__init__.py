@@ -35,7 +35,12 @@ def create_engine(config: JobConfig, model_path: Path, tokenizer: object = None)
     """The engine of `config.rollout.engine` serving the model at `model_path`."""
     engine = config.rollout.engine
     if engine.kind == "torch":
+        import torch
+
         from kuberl.rollout.engine.torch_engine import TorchEngine
+
+        if engine.num_threads:
+            torch.set_num_threads(engine.num_threads)
 
         return TorchEngine.from_pretrained(
             model_path,
@@ -44,6 +49,7 @@ def create_engine(config: JobConfig, model_path: Path, tokenizer: object = None)
             max_batch_size=engine.max_batch_size,
             seed=config.job.seed if engine.seed is None else engine.seed,
             attn_implementation=engine.attn_implementation,
+            batch_wait_seconds=engine.batch_wait_seconds,
         )
     from kuberl.rollout.engine.sglang import SGLangEngine
 

@@ -7,7 +7,9 @@ top-k and recording the logprob of the sampled token (see `kuberl.rollout.engine
 convention). Rows stop on EOS, a stop token id, a stop string, `max_new_tokens` or the model's
 context length; once half of a batch has stopped the finished rows are dropped from the KV cache
 so the rest runs at the smaller size. This is static batching with pruning, not SGLang's
-continuous batching: a new request waits for the current batch to end.
+continuous batching: a new request waits for the current batch to end. Before a batch starts the
+worker waits `batch_wait_seconds` for more rows, so requests sent concurrently one prompt (or one
+multi-turn turn) at a time share a batch.
 
 Pausing, aborting and weight loads happen between decode steps: forward passes and weight copies
 hold one lock, so a load never sees half a step. `pause("in_place")` parks the running batch,
@@ -127,8 +129,10 @@ class TorchEngine(Engine):
         max_batch_size: int = 64,
         seed: int = 0,
         version: int = 0,
+        batch_wait_seconds: float = 0.005,
     ) -> None:
         self.model = model.eval()
+        self.batch_wait_seconds = batch_wait_seconds
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_batch_size = max_batch_size
@@ -163,6 +167,7 @@ class TorchEngine(Engine):
         seed: int = 0,
         attn_implementation: str = "sdpa",
         version: int = 0,
+        batch_wait_seconds: float = 0.005,
     ) -> TorchEngine:
         """Load a local HF model folder (weights + tokenizer); nothing is downloaded."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -180,6 +185,7 @@ class TorchEngine(Engine):
             max_batch_size=max_batch_size,
             seed=seed,
             version=version,
+            batch_wait_seconds=batch_wait_seconds,
         )
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -351,6 +357,19 @@ class TorchEngine(Engine):
                     self._cv.wait()
                 if self._closed:
                     return
+                # Requests arrive one prompt or one turn at a time; a few milliseconds of
+                # waiting lets concurrent ones share the batch.
+                deadline = time.monotonic() + self.batch_wait_seconds
+                while (
+                    len(self._queue) < self.max_batch_size
+                    and not self._closed
+                    and (left := deadline - time.monotonic()) > 0
+                ):
+                    self._cv.wait(left)
+                if self._closed:
+                    return
+                if self._paused or not self._queue:
+                    continue
                 rows: list[_Row] = []
                 while self._queue and len(rows) < self.max_batch_size:
                     rows.append(self._queue.popleft())

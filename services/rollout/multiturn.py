@@ -1,0 +1,105 @@
+"""The built-in multi-turn rollout: the model calls tools, their outputs become tool turns.
+
+Each of the n samples of a prompt is a loop of at most `multi_turn.max_turns` model turns. A
+turn generates until the model closes a tool call (`</tool_call>` is added to the stop strings),
+stops, or runs out of budget. When the turn contains `<tool_call>{json}</tool_call>` the tool
+runs (`kuberl.rollout.tools`) and its output is appended as
+`\\n<tool_response>\\n{output}\\n</tool_response>\\n`, tokenized on its own, and the next turn
+continues from the whole context. The sample's response is the concatenation of model tokens
+(loss mask 1, with the engine's logprobs) and tool tokens (loss mask 0, logprob 0): the model is
+trained on what it wrote, never on what the tools wrote, and model tokens are never re-tokenized.
+
+A sample ends with the finish reason of its last turn when that turn calls no tool, "length"
+when the response budget (`multi_turn.max_total_tokens`, default `sampling.max_new_tokens`) is
+used up, "turn_limit" when the last allowed turn still calls a tool, and "abort" when the engine
+aborted a turn. Metadata records the tool calls and their outcomes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from kuberl.rollout.functions import PromptItem, RolloutContext, Sample
+from kuberl.rollout.tools import (
+    TOOL_CALL_CLOSE,
+    ToolRegistry,
+    format_tool_response,
+    parse_tool_call,
+)
+
+
+def tool_registry(ctx: RolloutContext) -> ToolRegistry:
+    if ctx.tools is None:
+        mt = ctx.config.rollout.multi_turn
+        ctx.tools = ToolRegistry(
+            mt.tools,
+            timeout_seconds=mt.tool_timeout_seconds,
+            max_output_chars=mt.max_tool_output_chars,
+        )
+    tools: ToolRegistry = ctx.tools
+    return tools
+
+
+async def multi_turn_rollout(ctx: RolloutContext, prompt: PromptItem) -> list[Sample]:
+    """n tool-using samples of one prompt, run concurrently (the engine batches their turns)."""
+    tools = tool_registry(ctx)
+    return list(
+        await asyncio.gather(*(_one_sample(ctx, tools, prompt) for _ in range(ctx.group_size)))
+    )
+
+
+async def _one_sample(ctx: RolloutContext, tools: ToolRegistry, prompt: PromptItem) -> Sample:
+    mt = ctx.config.rollout.multi_turn
+    budget = mt.max_total_tokens or ctx.sampling.max_new_tokens
+    stops = ctx.sampling.stop if TOOL_CALL_CLOSE in ctx.sampling.stop else (
+        *ctx.sampling.stop,
+        TOOL_CALL_CLOSE,
+    )  # fmt: skip
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    mask: list[int] = []
+    calls: list[dict[str, Any]] = []
+    version_start: int | None = None
+    version_end = 0
+    queue_seconds = 0.0
+    finish = "length"
+    for turn in range(mt.max_turns):
+        left = budget - len(tokens)
+        if left <= 0:
+            finish = "length"
+            break
+        params = ctx.sampling.with_(n=1, stop=stops, max_new_tokens=left)
+        [[c]] = await ctx.engine.generate([prompt.token_ids + tokens], params)
+        version_start = c.version_start if version_start is None else version_start
+        version_end = c.version_end
+        queue_seconds += c.engine_queue_seconds
+        tokens += c.token_ids
+        logprobs += c.logprobs
+        mask += [1] * len(c.token_ids)
+        finish = c.finish_reason
+        if c.finish_reason == "abort":
+            break
+        call = parse_tool_call(ctx.decode(c.token_ids)) if c.finish_reason == "stop" else None
+        if call is None:
+            break
+        if turn == mt.max_turns - 1:
+            finish = "turn_limit"
+            break
+        output, outcome = await tools.run(call)
+        calls.append({"turn": turn, "name": call.name, "outcome": outcome})
+        tool_ids = ctx.encode(format_tool_response(output))[: max(0, budget - len(tokens))]
+        tokens += tool_ids
+        logprobs += [0.0] * len(tool_ids)
+        mask += [0] * len(tool_ids)
+        finish = "length"  # if the budget ends here, the sample was cut short
+    return Sample(
+        token_ids=tokens,
+        logprobs=logprobs,
+        finish_reason=finish,
+        loss_mask=mask,
+        version_start=version_start if version_start is not None else ctx.engine.version,
+        version_end=version_end if version_start is not None else ctx.engine.version,
+        metadata={"tool_calls": calls, "turns": len(calls) + 1},
+        engine_queue_seconds=queue_seconds,
+    )

@@ -1,0 +1,274 @@
+"""The rollout replica as a service (`kuberl serve rollout`): engine, loop and control API.
+
+`start()` resolves the job's model (`kuberl.common.modelbuild.resolve_model`: `model.path`, or a
+locally built one), builds the engine (`rollout.engine`), waits for the buffer and the reward
+service, registers with weight-sync and catches up to its current version (so a replica joining
+mid-job never generates with stale initial weights), then starts `RolloutWorker.run`. Health says
+SERVING only after all of that. `stop()` (after SIGTERM) drains: no new leases, in-flight prompts
+finish within `rollout.drain_seconds` or are released to the buffer.
+
+The `RolloutService` RPCs: `GetStatus`; `Pause` / `Resume`; `Drain` (drain, answer, then exit
+as on SIGTERM); `NotifyWeightsUpdate` (weight-sync's push of an update instruction, queued in
+the weight-sync engine client, which also learns of updates by its heartbeat long poll).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kuberl.api.buffer.v1 import buffer_pb2_grpc
+from kuberl.api.reward.v1 import reward_pb2_grpc
+from kuberl.api.rollout.v1 import rollout_pb2 as pb
+from kuberl.api.rollout.v1 import rollout_pb2_grpc
+from kuberl.common.channels import aio_channel, wait_serving_async
+from kuberl.common.config import JobConfig
+from kuberl.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from kuberl.common.logs import get_logger
+from kuberl.common.server import Service
+from kuberl.rollout import metrics as m
+from kuberl.rollout.engine import Engine, create_engine
+from kuberl.rollout.worker import RolloutWorker
+
+log = get_logger(__name__)
+
+STATES = {
+    "starting": pb.REPLICA_STATE_STARTING,
+    "running": pb.REPLICA_STATE_RUNNING,
+    "paused": pb.REPLICA_STATE_PAUSED,
+    "updating_weights": pb.REPLICA_STATE_UPDATING_WEIGHTS,
+    "draining": pb.REPLICA_STATE_DRAINING,
+}
+DEPENDENCY_WAIT_SECONDS = 300.0
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    def __init__(self, service: RolloutService) -> None:
+        self.service = service
+
+    def _worker(self) -> RolloutWorker:
+        if self.service.worker is None:
+            raise Unavailable("the replica is still starting (loading the model)")
+        return self.service.worker
+
+    async def GetStatus(
+        self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetStatusResponse:
+        worker = self.service.worker
+        engine = self.service.engine
+        return pb.GetStatusResponse(
+            replica_id=self.service.replica_id,
+            engine=self.service.config.rollout.engine.kind,
+            state=STATES[worker.state] if worker else pb.REPLICA_STATE_STARTING,
+            policy_version=engine.version if engine else 0,
+            prompts_in_flight=worker.prompts_in_flight if worker else 0,
+            groups_put=worker.groups_put if worker else 0,
+            generated_tokens=worker.generated_tokens if worker else 0,
+        )
+
+    async def Pause(
+        self, request: pb.PauseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PauseResponse:
+        return pb.PauseResponse(aborted=await self._worker().pause(request.abort_in_flight))
+
+    async def Resume(
+        self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ResumeResponse:
+        await self._worker().resume()
+        return pb.ResumeResponse()
+
+    async def Drain(
+        self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DrainResponse:
+        if request.timeout_seconds < 0:
+            raise InvalidArgument(f"timeout_seconds must be >= 0, got {request.timeout_seconds}")
+        timeout = request.timeout_seconds or self.service.config.rollout.drain_seconds
+        finished, released = await self._worker().drain(timeout)
+        # Then leave as on SIGTERM (the bootstrap's handler stops the server and the service).
+        asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGTERM)
+        return pb.DrainResponse(finished=finished, released=released)
+
+    async def NotifyWeightsUpdate(
+        self, request: pb.NotifyWeightsUpdateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.NotifyWeightsUpdateResponse:
+        client = self.service.weights
+        if client is None:
+            raise FailedPrecondition(
+                "this replica does not take weight updates (rollout.weight_sync is false)"
+            )
+        if not request.HasField("instruction") or request.instruction.version <= 0:
+            raise InvalidArgument("instruction.version must be > 0")
+        accepted = client.submit(request.instruction)
+        engine = self.service.engine
+        return pb.NotifyWeightsUpdateResponse(
+            accepted=accepted, policy_version=engine.version if engine else 0
+        )
+
+
+class RolloutService(Service):
+    name = "rollout"
+    service_names = (pb.DESCRIPTOR.services_by_name["RolloutService"].full_name,)
+
+    def __init__(self, config: JobConfig) -> None:
+        self.config = config
+        self.replica_id = config.rollout.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.engine: Engine | None = None
+        self.worker: RolloutWorker | None = None
+        self.weights: Any = None  # kuberl.common.weights.EngineClient
+        self._channels: list[grpc.aio.Channel] = []
+        self._run: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def register(self, server: grpc.aio.Server) -> None:
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(self), server)
+
+    async def start(self) -> None:
+        from transformers import AutoTokenizer
+
+        from kuberl.common.modelbuild import resolve_model
+
+        self._loop = asyncio.get_running_loop()
+        config = self.config
+        model_path = await asyncio.to_thread(resolve_model, config)
+        tokenizer = await asyncio.to_thread(
+            AutoTokenizer.from_pretrained, str(model_path), local_files_only=True
+        )
+        self.engine = await asyncio.to_thread(create_engine, config, model_path)
+        await self.engine.start()
+        log.info(
+            "replica.engine_ready",
+            replica=self.replica_id,
+            engine=config.rollout.engine.kind,
+            model=str(model_path),
+        )
+        endpoints = config.endpoints
+        await asyncio.gather(
+            wait_serving_async(endpoints.buffer, DEPENDENCY_WAIT_SECONDS),
+            wait_serving_async(endpoints.reward, DEPENDENCY_WAIT_SECONDS),
+        )
+        buffer_channel, reward_channel = (
+            aio_channel(endpoints.buffer),
+            aio_channel(endpoints.reward),
+        )
+        self._channels = [buffer_channel, reward_channel]
+        if config.rollout.weight_sync:
+            await self._join_weight_sync()
+        m.ENGINE_VERSION.set(self.engine.version)
+        self.worker = RolloutWorker(
+            config,
+            self.engine,
+            tokenizer,
+            buffer=buffer_pb2_grpc.BufferServiceStub(buffer_channel),
+            reward=reward_pb2_grpc.RewardServiceStub(reward_channel),
+            replica_id=self.replica_id,
+        )
+        self._run = asyncio.create_task(self.worker.run())
+        log.info("replica.started", replica=self.replica_id, version=self.engine.version)
+
+    async def stop(self) -> None:
+        if self.worker is not None:
+            await self.worker.drain()
+        if self._run is not None:
+            self._run.cancel()
+        if self.weights is not None:
+            await asyncio.to_thread(self.weights.stop)
+        if self.engine is not None:
+            await self.engine.close()
+        for channel in self._channels:
+            await channel.close()
+
+    # -- weight sync ----------------------------------------------------------------------------
+
+    async def _join_weight_sync(self) -> None:
+        from kuberl.common.weights import EngineClient
+
+        assert self.engine is not None
+        config = self.config
+        port = config.rollout.server.port
+        endpoint = f"{socket.gethostname()}:{port}" if port else ""
+        if self.engine.kind == "torch":
+            self.weights = EngineClient(
+                config.endpoints.weight_sync,
+                load=self._load_tensors,
+                engine_id=self.replica_id,
+                endpoint=endpoint,
+                transports=("shm", "gloo", "snapshot"),
+                device=getattr(config.rollout.engine, "device", "cpu"),
+            )
+        else:
+            self.weights = EngineClient(
+                config.endpoints.weight_sync,
+                apply=self._apply_instruction,
+                engine_id=self.replica_id,
+                endpoint=endpoint,
+                transports=("nccl", "snapshot"),
+                device="cuda",
+            )
+        await wait_serving_async(config.endpoints.weight_sync, DEPENDENCY_WAIT_SECONDS)
+        current = await asyncio.to_thread(self.weights.start)
+        caught_up = await asyncio.to_thread(
+            self.weights.wait_for_version, current, config.rollout.catch_up_seconds
+        )
+        if not caught_up:
+            raise Unavailable(
+                f"could not load the current policy version {current} within "
+                f"{config.rollout.catch_up_seconds:.0f}s ({self.weights.last_error or 'no error'})"
+            )
+
+    def _in_loop(self, version: int, load: Any) -> None:
+        """Run a load on the event loop from the weight client's thread, through the worker's
+        pause / load / resume when the loop is running."""
+        assert self._loop is not None
+
+        async def go() -> None:
+            if self.worker is not None:
+                await self.worker.apply_weight_update(version, load)
+            else:
+                await load()
+                m.ENGINE_VERSION.set(version)
+
+        asyncio.run_coroutine_threadsafe(go(), self._loop).result()
+
+    def _load_tensors(self, tensors: dict[str, Any], version: int) -> None:
+        engine = self.engine
+        assert engine is not None
+        self._in_loop(version, lambda: engine.load_weights(tensors, version))
+
+    def _apply_instruction(self, instruction: Any) -> None:
+        from kuberl.api.weight_sync.v1 import weight_sync_pb2 as wpb
+        from kuberl.common.weights import download_snapshot, safetensors_header
+        from kuberl.rollout.engine.sglang import SGLangEngine
+
+        engine = self.engine
+        assert isinstance(engine, SGLangEngine) and self.weights is not None
+        version = int(instruction.version)
+        if instruction.transport == wpb.TRANSPORT_NCCL:
+            self._in_loop(version, lambda: engine.apply_broadcast(instruction))
+            return
+        if instruction.transport != wpb.TRANSPORT_SNAPSHOT:
+            raise NotImplementedError(
+                "the sglang engine receives weights by NCCL broadcast or snapshot; SGLang's "
+                "/update_weights_from_tensor takes its own pickled payloads, which kuberl does "
+                "not produce"
+            )
+        got, manifest, flat = download_snapshot(
+            self.config.endpoints.weight_sync, version, engine_id=self.weights.engine_id
+        )
+        folder = Path(self.config.rollout.engine.snapshot_dir)  # type: ignore[union-attr]
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, suffix=".safetensors", delete=False) as f:
+            f.write(safetensors_header(manifest))
+            f.write(flat.numpy().tobytes())
+        self._in_loop(got, lambda: engine.apply_snapshot(Path(f.name), got, folder))
+
+
+def create_service(config: JobConfig) -> RolloutService:
+    """The entrypoint `kuberl serve rollout` calls."""
+    return RolloutService(config)

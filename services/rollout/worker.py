@@ -1,0 +1,585 @@
+"""The rollout loop of one replica: lease prompts, generate, score, put whole groups.
+
+`RolloutWorker.run` keeps up to `rollout.batches_in_flight` batches in flight. Each batch is
+`prompts_per_batch` prompts leased from the buffer; every prompt goes through the job's rollout
+function (n samples, see `kuberl.rollout.functions`), the batch's samples are scored in one
+`Score` call to the reward service, and the finished groups are put in one `PutTrajectories`
+call with their lease ids, which completes the leases. Trajectories carry the policy version at
+the start and end of generation, the engine's logprobs, the loss mask, timings and metadata.
+
+Nothing leased is dropped silently. Every prompt leaves the replica either inside a group the
+buffer accepted, or through `ReleasePrompts` (generation failed, scoring or putting failed after
+`max_attempts` retries, shutdown); only a crash (SIGKILL) leaves leases behind, and the buffer
+re-delivers those after its lease timeout. Transient errors (UNAVAILABLE, DEADLINE_EXCEEDED,
+RESOURCE_EXHAUSTED) are retried with exponential backoff; a refused lease (backpressure) waits
+for the `retry-after-seconds` trailer.
+
+Modes (`rollout.mode`): `rl` puts training groups (and serves the EVAL stream first when the job
+has eval data); `eval` leases and puts only EVAL groups; `rejection_sampling` leases training
+prompts and puts, to the SFT stream, only the samples whose reward is >= `rejection_threshold`
+(possibly none: the empty group completes the lease).
+
+Weight updates (`apply_weight_update`): new generations wait; with `on_weight_update: finish` the
+running ones complete on the old weights (their trajectories say so in
+`metadata.weight_update`), with `abort` they are aborted and regenerated from scratch on the new
+weights; then the engine loads the weights and resumes. Draining (SIGTERM, Drain RPC): stop
+leasing, let in-flight batches finish for `drain_seconds`, then abort generation and release
+whatever is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kuberl.api.buffer.v1 import buffer_pb2 as bpb
+from kuberl.api.common.v1 import trajectory_pb2 as tpb
+from kuberl.api.reward.v1 import reward_pb2 as rpb
+from kuberl.common.config import JobConfig
+from kuberl.common.logs import get_logger
+from kuberl.common.server import RETRY_AFTER_KEY
+from kuberl.common.trajectory import FINISH_REASONS, Group, Trajectory, encode_array
+from kuberl.rollout import metrics as m
+from kuberl.rollout.engine.base import Engine, SamplingParams
+from kuberl.rollout.functions import (
+    PromptItem,
+    RolloutContext,
+    RolloutFn,
+    Sample,
+    encode_prompt,
+    load_rollout_function,
+    prompt_metadata,
+)
+
+log = get_logger(__name__)
+
+KINDS = {"train": tpb.STREAM_KIND_TRAIN, "eval": tpb.STREAM_KIND_EVAL, "sft": tpb.STREAM_KIND_SFT}
+TRANSIENT = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ABORTED,
+}
+# A group aborted this many times (weight updates, pauses) is released to the buffer instead.
+MAX_REGENERATIONS = 8
+
+
+class CallFailed(Exception):
+    """A buffer / reward call failed for good (non-transient code or retries exhausted)."""
+
+    def __init__(self, method: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{method}: {code.name}: {details}")
+        self.code = code
+
+
+@dataclass(eq=False)
+class _Generation:
+    """One prompt's group while its rollout function runs."""
+
+    item: PromptItem
+    finished_on_old: list[int] = field(default_factory=list)  # updates it finished before
+    aborted_by: list[int] = field(default_factory=list)  # updates that aborted it
+
+
+@dataclass
+class _Done:
+    item: PromptItem
+    samples: list[Sample]
+    queued_seconds: float
+    generate_seconds: float
+    metadata: dict[str, Any]
+
+
+def retry_after(exc: grpc.aio.AioRpcError, default: float) -> float:
+    """The server's `retry-after-seconds` trailer, or default."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                return max(0.0, float(value))
+            except (TypeError, ValueError):
+                break
+    return default
+
+
+class RolloutWorker:
+    """One replica's loop. `run()` until `drain()`; control calls come from the RPC servicer."""
+
+    def __init__(
+        self,
+        config: JobConfig,
+        engine: Engine,
+        tokenizer: Any,
+        *,
+        buffer: Any,
+        reward: Any,
+        replica_id: str,
+        rollout_fn: RolloutFn | None = None,
+    ) -> None:
+        self.config = config
+        self.rc = config.rollout
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.buffer = buffer  # BufferServiceStub (grpc.aio)
+        self.reward = reward  # RewardServiceStub (grpc.aio)
+        self.replica_id = replica_id
+        self.rollout_fn = rollout_fn or load_rollout_function(config)
+        tools = None
+        if self.rc.multi_turn.enabled and not self.rc.rollout_function:
+            from kuberl.rollout.tools import ToolRegistry
+
+            mt = self.rc.multi_turn
+            tools = ToolRegistry(
+                mt.tools,
+                timeout_seconds=mt.tool_timeout_seconds,
+                max_output_chars=mt.max_tool_output_chars,
+            )
+        self.ctx = RolloutContext(
+            engine=engine,
+            tokenizer=tokenizer,
+            sampling=SamplingParams.from_config(self.rc.sampling, n=self.rc.group_size),
+            config=config,
+            tools=tools,
+        )
+        if self.rc.mode == "eval":
+            self.lease_kinds = ["eval"]
+        elif self.rc.mode == "rejection_sampling":
+            self.lease_kinds = ["train"]
+        else:
+            self.lease_kinds = ["eval", "train"] if config.data.eval else ["train"]
+        self.state = "starting"
+        self.exhausted = False
+        self.groups_put = 0
+        self.generated_tokens = 0
+        self.prompts_put = 0
+        self.prompts_released = 0
+        self._stopping = False
+        self._paused = False
+        self._stop = asyncio.Event()
+        self._lease_gate = asyncio.Event()  # cleared while paused
+        self._lease_gate.set()
+        self._gen_gate = asyncio.Event()  # cleared while weights are being updated
+        self._gen_gate.set()
+        self._slots = asyncio.Semaphore(self.rc.batches_in_flight)
+        self._batches: set[asyncio.Task[None]] = set()
+        self._inflight: dict[str, str] = {}  # lease id -> kind
+        self._generating: set[_Generation] = set()
+        self._gen_changed = asyncio.Condition()
+        self._update_lock = asyncio.Lock()
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Lease and dispatch batches until draining starts."""
+        self.state = "running" if not self._paused else "paused"
+        failures = 0
+        while not self._stopping:
+            await self._lease_gate.wait()
+            await self._slots.acquire()
+            if self._stopping:
+                self._slots.release()
+                break
+            try:
+                got = await self._lease()
+                failures = 0
+            except _Wait as wait:
+                self._slots.release()
+                await self._sleep(wait.seconds)
+                continue
+            except CallFailed as exc:
+                self._slots.release()
+                failures += 1
+                m.FAILURES.labels("lease").inc()
+                delay = self._backoff(failures)
+                log.warning("lease.failed", error=str(exc), retry_in=round(delay, 2))
+                await self._sleep(delay)
+                continue
+            if got is None:
+                self._slots.release()
+                await self._sleep(self.rc.idle_poll_seconds)
+                continue
+            kind, prompts = got
+            task = asyncio.create_task(self._process_batch(kind, prompts))
+            self._batches.add(task)
+            task.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task[None]) -> None:
+        self._batches.discard(task)
+        self._slots.release()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("batch.crashed", error=repr(task.exception()))
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
+
+    def _backoff(self, attempt: int) -> float:
+        return min(self.rc.retry_max_seconds, self.rc.retry_initial_seconds * 2 ** (attempt - 1))
+
+    async def _lease(self) -> tuple[str, list[tpb.Prompt]] | None:
+        exhausted = True
+        for kind in self.lease_kinds:
+            request = bpb.LeasePromptsRequest(
+                max_prompts=self.rc.prompts_per_batch, consumer=self.replica_id, kind=KINDS[kind]
+            )
+            try:
+                answer = await self.buffer.LeasePrompts(
+                    request, timeout=self.rc.rpc_timeout_seconds
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    m.BACKPRESSURE.inc()
+                    wait = retry_after(exc, self.rc.idle_poll_seconds)
+                    log.debug("lease.backpressure", kind=kind, retry_after=wait)
+                    raise _Wait(wait) from None
+                raise CallFailed("LeasePrompts", exc.code(), exc.details() or "") from None
+            if answer.prompts:
+                self.exhausted = False
+                for p in answer.prompts:
+                    self._inflight[p.lease_id] = kind
+                m.PROMPTS.labels(kind, "leased").inc(len(answer.prompts))
+                m.IN_FLIGHT.set(len(self._inflight))
+                return kind, list(answer.prompts)
+            exhausted = exhausted and answer.exhausted
+        if exhausted and not self.exhausted:
+            log.info("lease.exhausted", kinds=",".join(self.lease_kinds))
+        self.exhausted = exhausted
+        return None
+
+    # -- one batch ----------------------------------------------------------------------------
+
+    async def _process_batch(self, kind: str, prompts: Sequence[tpb.Prompt]) -> None:
+        leased_at = time.monotonic()
+        lease_ids = [p.lease_id for p in prompts]
+        try:
+            m.BATCH_SIZE.observe(len(prompts) * self.rc.group_size)
+            items = []
+            for p in prompts:
+                try:
+                    ids = encode_prompt(self.tokenizer, p.text, self.config.model.chat_template)
+                except Exception as exc:
+                    log.error("prompt.tokenize_failed", prompt_id=p.prompt_id, error=repr(exc))
+                    m.FAILURES.labels("tokenize").inc()
+                    continue  # released in `finally`
+                items.append(
+                    PromptItem(
+                        prompt_id=p.prompt_id,
+                        epoch=p.epoch,
+                        text=p.text,
+                        answer=p.answer,
+                        token_ids=ids,
+                        metadata=prompt_metadata(p.metadata_json),
+                        kind=kind,
+                        lease_id=p.lease_id,
+                        delivery_count=p.delivery_count,
+                    )
+                )
+            results = await asyncio.gather(*(self._generate_group(i, leased_at) for i in items))
+            done = [r for r in results if r is not None]
+            if not done:
+                return
+            try:
+                rewards, score_seconds = await self._score(done)
+            except CallFailed as exc:
+                m.FAILURES.labels("score").inc()
+                log.error("batch.score_failed", prompts=len(done), error=str(exc))
+                return  # released in `finally`
+            groups = [
+                self._group(d, rewards, score_seconds, kind) for d in done
+            ]  # fmt: skip
+            await self._put(kind, groups, [d.item.lease_id for d in done])
+        finally:
+            left = [lid for lid in lease_ids if lid in self._inflight]
+            if left:
+                await asyncio.shield(self._release(kind, left))
+
+    async def _generate_group(self, item: PromptItem, leased_at: float) -> _Done | None:
+        """The group of one prompt, regenerated after aborts; None when it was released."""
+        gen = _Generation(item)
+        attempts = 0
+        while True:
+            await self._gen_gate.wait()
+            if self._stopping and attempts:
+                return None  # aborted by the drain: released by the batch
+            started = time.monotonic()
+            self._generating.add(gen)
+            try:
+                samples = await self.rollout_fn(self.ctx, item)
+                if len(samples) != self.rc.group_size:
+                    raise ValueError(
+                        f"the rollout function returned {len(samples)} samples for a group of "
+                        f"{self.rc.group_size}"
+                    )
+                for s in samples:
+                    s.check()
+            except Exception as exc:
+                m.REQUESTS.labels("error").inc()
+                m.FAILURES.labels("generate").inc()
+                log.error(
+                    "prompt.generate_failed", prompt_id=item.prompt_id, error=f"{exc!r}"[:500]
+                )
+                return None
+            finally:
+                self._generating.discard(gen)
+                async with self._gen_changed:
+                    self._gen_changed.notify_all()
+            aborted = sum(s.finish_reason == "abort" for s in samples)
+            if aborted:
+                m.REQUESTS.labels("aborted").inc()
+                reason = (
+                    "drain" if self._stopping else "weight_update" if gen.aborted_by else "pause"
+                )
+                m.ABORTED.labels(reason).inc(aborted)
+                attempts += 1
+                if self._stopping or attempts > MAX_REGENERATIONS:
+                    return None
+                m.PROMPTS.labels(item.kind, "requeued").inc()
+                continue
+            m.REQUESTS.labels("ok").inc()
+            tokens = sum(
+                len(s.token_ids) if s.loss_mask is None else int(sum(s.loss_mask)) for s in samples
+            )
+            self.generated_tokens += tokens
+            m.GENERATED_TOKENS.labels(item.kind).inc(tokens)
+            engine_queue = min((s.engine_queue_seconds for s in samples), default=0.0)
+            queued = started - leased_at + engine_queue
+            generate = max(0.0, time.monotonic() - started - engine_queue)
+            m.QUEUE_SECONDS.observe(queued)
+            m.GENERATE_SECONDS.observe(generate)
+            meta: dict[str, Any] = {"replica": self.replica_id}
+            if item.delivery_count > 1:
+                meta["delivery_count"] = item.delivery_count
+            if gen.aborted_by:
+                meta["weight_update"] = "aborted_and_regenerated"
+                meta["aborted_by_versions"] = gen.aborted_by
+            elif gen.finished_on_old:
+                meta["weight_update"] = "finished_on_old_weights"
+                meta["updated_to_versions"] = gen.finished_on_old
+            return _Done(item, samples, queued, generate, meta)
+
+    async def _score(self, done: Sequence[_Done]) -> tuple[dict[str, rpb.SampleScore], float]:
+        request = rpb.ScoreRequest()
+        for d in done:
+            for j, s in enumerate(d.samples):
+                request.samples.append(
+                    rpb.Sample(
+                        sample_id=f"{d.item.lease_id}#{j}",
+                        prompt=d.item.text,
+                        response=self.ctx.decode(s.token_ids),
+                        response_token_ids=encode_array(np.asarray(s.token_ids, dtype=np.int32)),
+                        answer=d.item.answer,
+                        metadata_json=json.dumps(d.item.metadata) if d.item.metadata else "",
+                        finish_reason=FINISH_REASONS[s.finish_reason],
+                    )
+                )
+        started = time.monotonic()
+        answer = await self._call(self.reward.Score, request, "Score")
+        seconds = time.monotonic() - started
+        m.SCORE_SECONDS.observe(seconds)
+        scores = {s.sample_id: s for s in answer.scores}
+        missing = [s.sample_id for s in request.samples if s.sample_id not in scores]
+        if missing:
+            raise CallFailed(
+                "Score", grpc.StatusCode.DATA_LOSS, f"no score for {len(missing)} samples"
+            )
+        return scores, seconds
+
+    def _group(
+        self, d: _Done, scores: dict[str, rpb.SampleScore], score_seconds: float, kind: str
+    ) -> Group:
+        trajectories = []
+        for j, s in enumerate(d.samples):
+            score = scores[f"{d.item.lease_id}#{j}"]
+            metadata = {**d.metadata, **s.metadata}
+            if score.error:
+                metadata["reward_error"] = score.error
+            trajectories.append(
+                Trajectory(
+                    prompt_token_ids=np.asarray(d.item.token_ids, dtype=np.int32),
+                    response_token_ids=np.asarray(s.token_ids, dtype=np.int32),
+                    rollout_logprobs=np.asarray(s.logprobs, dtype=np.float32),
+                    loss_mask=None if s.loss_mask is None else np.asarray(s.loss_mask, np.uint8),
+                    prompt_id=d.item.prompt_id,
+                    epoch=d.item.epoch,
+                    sample_index=j,
+                    reward=score.reward,
+                    reward_breakdown=dict(score.breakdown),
+                    finish_reason=s.finish_reason,
+                    policy_version_start=s.version_start,
+                    policy_version_end=s.version_end,
+                    queued_seconds=d.queued_seconds,
+                    generate_seconds=d.generate_seconds,
+                    score_seconds=score_seconds,
+                    finished_unix=time.time(),
+                    metadata=metadata,
+                    response_text=self.ctx.decode(s.token_ids),
+                )
+            )
+        if self.rc.mode == "rejection_sampling":
+            threshold = self.rc.rejection_threshold
+            trajectories = [t for t in trajectories if t.reward >= threshold]
+        return Group(prompt_id=d.item.prompt_id, epoch=d.item.epoch, trajectories=trajectories)
+
+    async def _put(self, kind: str, groups: list[Group], lease_ids: list[str]) -> None:
+        put_kind = "sft" if self.rc.mode == "rejection_sampling" else kind
+        request = bpb.PutTrajectoriesRequest(
+            groups=[g.to_proto() for g in groups],
+            consumer=self.replica_id,
+            kind=KINDS[put_kind],
+            lease_ids=lease_ids,
+        )
+        try:
+            answer = await self._call(self.buffer.PutTrajectories, request, "PutTrajectories")
+            results = [r.status == bpb.PUT_STATUS_ACCEPTED for r in answer.results]
+        except CallFailed as exc:
+            if exc.code is grpc.StatusCode.ALREADY_EXISTS and len(groups) == 1:
+                results = [False]  # accepted by an earlier attempt whose answer was lost
+            elif exc.code is grpc.StatusCode.INVALID_ARGUMENT and len(groups) > 1:
+                for g, lid in zip(groups, lease_ids, strict=True):  # find the bad group(s)
+                    await self._put(kind, [g], [lid])
+                return
+            else:
+                m.GROUPS_PUT.labels(put_kind, "rejected").inc(len(groups))
+                m.FAILURES.labels("put").inc()
+                log.error("batch.put_failed", groups=len(groups), error=str(exc))
+                return  # the caller releases the prompts
+        for accepted, lid in zip(results, lease_ids, strict=True):
+            m.GROUPS_PUT.labels(put_kind, "accepted" if accepted else "duplicate").inc()
+            self._inflight.pop(lid, None)
+        self.groups_put += len(groups)
+        self.prompts_put += len(groups)
+        m.PROMPTS.labels(kind, "put").inc(len(groups))
+        m.IN_FLIGHT.set(len(self._inflight))
+
+    async def _release(self, kind: str, lease_ids: Iterable[str]) -> None:
+        ids = list(lease_ids)
+        request = bpb.ReleasePromptsRequest(
+            lease_ids=ids, consumer=self.replica_id, kind=KINDS[kind]
+        )
+        try:
+            await self._call(self.buffer.ReleasePrompts, request, "ReleasePrompts")
+        except CallFailed as exc:  # the buffer re-delivers them after its lease timeout
+            m.FAILURES.labels("release").inc()
+            log.error("prompts.release_failed", prompts=len(ids), error=str(exc))
+        for lid in ids:
+            self._inflight.pop(lid, None)
+        self.prompts_released += len(ids)
+        m.PROMPTS.labels(kind, "released").inc(len(ids))
+        m.IN_FLIGHT.set(len(self._inflight))
+        log.info("prompts.released", prompts=len(ids), kind=kind)
+
+    async def _call(self, method: Callable[..., Awaitable[Any]], request: Any, name: str) -> Any:
+        """A unary call with retries of transient errors; CallFailed when it gives up."""
+        for attempt in range(1, self.rc.max_attempts + 1):
+            try:
+                return await method(request, timeout=self.rc.rpc_timeout_seconds)
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if code not in TRANSIENT or attempt == self.rc.max_attempts:
+                    raise CallFailed(name, code, exc.details() or "") from None
+                m.RPC_RETRIES.labels(name, code.name).inc()
+                delay = self._backoff(attempt)
+                if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    delay = retry_after(exc, delay)
+                log.warning("rpc.retry", method=name, code=code.name, attempt=attempt, delay=delay)
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    # -- control ------------------------------------------------------------------------------
+
+    @property
+    def prompts_in_flight(self) -> int:
+        return len(self._inflight)
+
+    async def pause(self, abort_in_flight: bool) -> int:
+        """Stop leasing and generating; in-flight generations are aborted (and regenerated
+        after `resume`) or held in place."""
+        self._paused = True
+        self._lease_gate.clear()
+        self.state = "paused"
+        m.PAUSES.labels("rpc").inc()
+        aborted = await self.engine.pause("abort" if abort_in_flight else "in_place")
+        log.info("replica.paused", abort=abort_in_flight, aborted=aborted)
+        return aborted
+
+    async def resume(self) -> None:
+        self._paused = False
+        if not self._update_lock.locked():
+            await self.engine.resume()
+            self.state = "running"
+        self._lease_gate.set()
+        log.info("replica.resumed")
+
+    async def apply_weight_update(self, version: int, load: Callable[[], Awaitable[Any]]) -> None:
+        """Pause generation, run `load` (which loads `version` into the engine), resume."""
+        async with self._update_lock:
+            started = time.monotonic()
+            previous = self.state
+            self.state = "updating_weights"
+            self._gen_gate.clear()
+            m.PAUSES.labels("weight_update").inc()
+            try:
+                if self.rc.on_weight_update == "abort":
+                    for gen in self._generating:
+                        gen.aborted_by.append(version)
+                    await self.engine.pause("abort")
+                else:
+                    for gen in self._generating:
+                        gen.finished_on_old.append(version)
+                    async with self._gen_changed:
+                        await self._gen_changed.wait_for(lambda: not self._generating)
+                    await self.engine.pause("in_place")
+                await load()
+            finally:
+                if not self._paused:
+                    await self.engine.resume()
+                self._gen_gate.set()
+                self.state = previous if previous != "updating_weights" else "running"
+            m.ENGINE_VERSION.set(self.engine.version)
+            m.WEIGHT_UPDATE_SECONDS.observe(time.monotonic() - started)
+            log.info(
+                "replica.weights_updated",
+                version=version,
+                policy=self.rc.on_weight_update,
+                seconds=round(time.monotonic() - started, 3),
+            )
+
+    async def drain(self, timeout: float | None = None) -> tuple[int, int]:
+        """Stop leasing; let in-flight batches finish within timeout, then abort generation
+        and release what is left. Returns (prompts finished, prompts released) meanwhile."""
+        timeout = self.rc.drain_seconds if timeout is None else timeout
+        put0, released0 = self.prompts_put, self.prompts_released
+        self._stopping = True
+        self.state = "draining"
+        self._stop.set()
+        self._lease_gate.set()
+        log.info("replica.draining", batches=len(self._batches), timeout=timeout)
+        if self._batches:
+            await asyncio.wait(set(self._batches), timeout=timeout)
+        if self._batches:
+            self._gen_gate.set()
+            await self.engine.abort_all()
+            if self._paused:
+                await self.engine.resume()  # let aborted requests come back
+            _, pending = await asyncio.wait(
+                set(self._batches), timeout=max(10.0, self.rc.rpc_timeout_seconds)
+            )
+            for task in pending:  # stuck in a call: cancelling releases its prompts
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=self.rc.rpc_timeout_seconds)
+        finished, released = self.prompts_put - put0, self.prompts_released - released0
+        log.info("replica.drained", finished=finished, released=released)
+        return finished, released
+
+
+class _Wait(Exception):
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds

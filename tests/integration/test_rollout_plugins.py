@@ -1,0 +1,37 @@
+"""Job plugins that the rollout integration tests load into real service processes by their
+`module:function` path (a reward function for the reward service, a rollout function that never
+finishes for a replica that is killed mid-batch), plus checks of the plugins themselves. Only
+light imports here: reward worker processes import this module."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+MARKER_ENV = "KUBERL_TEST_ROLLOUT_MARKER"
+
+
+def parity_reward(sample: Any) -> float:
+    """1.0 when the response starts with a character of odd code point, else 0.0: a reward that
+    splits random samples roughly in half, for rejection sampling."""
+    return float(bool(sample.response) and ord(sample.response[0]) % 2 == 1)
+
+
+async def stuck_rollout(context: Any, prompt: Any) -> list[Any]:
+    """Record the prompt id in $KUBERL_TEST_ROLLOUT_MARKER, then never return (the replica is
+    to be SIGKILLed while it holds the lease)."""
+    with Path(os.environ[MARKER_ENV]).open("a") as f:
+        f.write(prompt.prompt_id + "\n")
+    await asyncio.sleep(3600)
+    return []
+
+
+class _Sample:
+    def __init__(self, response: str) -> None:
+        self.response = response
+
+
+def test_parity_reward_is_one_for_odd_first_characters_and_zero_otherwise() -> None:
+    assert [parity_reward(_Sample(r)) for r in ("a", "b", "")] == [1.0, 0.0, 0.0]

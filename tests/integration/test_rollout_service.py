@@ -1,0 +1,432 @@
+"""The rollout loop against REAL buffer and reward services (`kuberl serve` subprocesses on an
+embedded Redis) with the torch engine on a tiny locally built Qwen2.
+
+One scenario runs replicas as real processes: replica A leases prompts and is SIGKILLed while it
+holds them, replica B finishes the whole dataset (A's prompts come back after the buffer's lease
+timeout) and then exits on SIGTERM. Other tests run `RolloutWorker` in this process against the
+real services, to steer it (weight updates mid-generation, drain, backpressure, modes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from kuberl.api.buffer.v1 import buffer_pb2 as bpb
+from kuberl.api.buffer.v1 import buffer_pb2_grpc
+from kuberl.api.common.v1 import trajectory_pb2 as tpb
+from kuberl.api.reward.v1 import reward_pb2_grpc
+from kuberl.common.channels import aio_channel, sync_channel
+from kuberl.common.config import load_job_config
+from kuberl.common.modelbuild import build_model
+from kuberl.common.redis_server import EmbeddedRedis
+from kuberl.common.trajectory import Group
+from kuberl.rollout import metrics as m
+from kuberl.rollout.engine.torch_engine import TorchEngine
+from kuberl.rollout.worker import RolloutWorker
+from tests.integration.test_rollout_plugins import MARKER_ENV
+from tests.support import ServiceProcess
+
+PLUGINS = "tests.integration.test_rollout_plugins"
+GROUP = 2
+
+
+@dataclass
+class Env:
+    tmp: Path
+    redis_url: str
+    model: Path
+    reward: ServiceProcess
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """A 1M-parameter model on a shared 2-core box: one intra-op thread is ~20x faster than two
+    spinning OpenMP threads (measured), as `rollout.engine.num_threads: 1` does in the replicas."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    tmp = tmp_path_factory.mktemp("rollout")
+    model = build_model(tmp / "model", arch="qwen2", size="tiny", tokenizer="digits", seed=0)
+    with EmbeddedRedis(tmp / "redis") as redis:
+        config = _write_job(tmp, "reward", redis.url, model)
+        with ServiceProcess.kuberl("reward", config, tmp, name="reward") as reward:
+            reward.wait_serving(120)
+            yield Env(tmp, redis.url, model, reward)
+
+
+def _write_job(
+    tmp: Path,
+    name: str,
+    redis_url: str,
+    model: Path,
+    *,
+    prompts: int = 4,
+    eval_prompts: int = 0,
+    buffer: dict[str, Any] | None = None,
+    rollout: dict[str, Any] | None = None,
+) -> Path:
+    folder = tmp / name
+    folder.mkdir(exist_ok=True)
+
+    def dataset(file: str, n: int) -> str:
+        path = folder / file
+        rows = [{"question": f"What is {i} plus {i}?", "answer": f"#### {2 * i}"} for i in range(n)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(path)
+
+    data: dict[str, Any] = {
+        "train": [{"path": dataset("train.jsonl", prompts), "columns": {"prompt": "question"}}]
+    }
+    if eval_prompts:
+        data["eval"] = [
+            {"path": dataset("eval.jsonl", eval_prompts), "columns": {"prompt": "question"}}
+        ]
+    local = {"host": "127.0.0.1", "port": 0, "metrics_port": 0}
+    job = {
+        "job": {"name": f"r{uuid.uuid4().hex[:10]}", "seed": 3},
+        "redis": {"url": redis_url},
+        "model": {"path": str(model)},
+        "data": data,
+        "buffer": {"server": local, "lease_timeout_seconds": 60, **(buffer or {})},
+        "reward": {
+            "server": local,
+            "workers": 1,
+            "verifiers": {"parity": 1.0},
+            "custom": {"parity": {"function": f"{PLUGINS}:parity_reward"}},
+        },
+        "rollout": {
+            "server": local,
+            "group_size": GROUP,
+            "prompts_per_batch": 2,
+            "batches_in_flight": 2,
+            "sampling": {"max_new_tokens": 12, "temperature": 1.0},
+            "engine": {"kind": "torch", "num_threads": 1},
+            "weight_sync": False,
+            "drain_seconds": 5,
+            "retry_initial_seconds": 0.05,
+            "idle_poll_seconds": 0.1,
+            **(rollout or {}),
+        },
+    }
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+class Buffer:
+    def __init__(self, address: str) -> None:
+        self.channel = sync_channel(address)
+        self.stub = buffer_pb2_grpc.BufferServiceStub(self.channel)
+
+    def stats(self) -> bpb.GetStatsResponse:
+        return self.stub.GetStats(bpb.GetStatsRequest(), timeout=30)
+
+    def take(self, n: int, kind: int = tpb.STREAM_KIND_TRAIN, wait: float = 1.0) -> list[Group]:
+        """Up to n groups from a stream (acknowledged, as a trainer would)."""
+        batch = self.stub.GetBatch(
+            bpb.GetBatchRequest(
+                num_groups=n, max_staleness=-1, consumer="test", wait_seconds=wait, kind=kind
+            ),
+            timeout=60,
+        )
+        if batch.batch_id:
+            self.stub.Ack(bpb.AckRequest(batch_id=batch.batch_id), timeout=30)
+        return [Group.from_proto(g) for g in batch.groups]
+
+    def take_all(
+        self, n: int, kind: int = tpb.STREAM_KIND_TRAIN, timeout: float = 90
+    ) -> list[Group]:
+        groups: list[Group] = []
+        deadline = time.monotonic() + timeout
+        while len(groups) < n and time.monotonic() < deadline:
+            groups += self.take(n - len(groups), kind)
+        return groups
+
+
+@pytest.fixture
+def job(env: Env, request: pytest.FixtureRequest):
+    """Start a buffer for a job file written with the test's options; yield (config, buffer)."""
+    started: list[ServiceProcess] = []
+
+    def make(**options: Any) -> tuple[Path, Buffer, str]:
+        path = _write_job(
+            env.tmp, f"job-{uuid.uuid4().hex[:6]}", env.redis_url, env.model, **options
+        )
+        proc = ServiceProcess.kuberl("buffer", path, path.parent, name="buffer").wait_serving(60)
+        started.append(proc)
+        return path, Buffer(proc.address), proc.address
+
+    yield make
+    for proc in started:
+        proc.stop()
+
+
+# -- replicas as processes: kill -9, then finish and SIGTERM ----------------------------------
+
+
+@dataclass
+class Scenario:
+    groups: list[Group]
+    held_by_killed: set[str]
+    stats: bpb.GetStatsResponse
+    b_exit: int
+    b_log: str
+
+
+PROMPTS = 8
+
+
+@pytest.fixture(scope="module")
+def scenario(env: Env) -> Scenario:
+    path = _write_job(
+        env.tmp,
+        "kill",
+        env.redis_url,
+        env.model,
+        prompts=PROMPTS,
+        buffer={"lease_timeout_seconds": 3},
+    )
+    work = path.parent
+    with ServiceProcess.kuberl("buffer", path, work, name="buffer") as buffer_proc:
+        buffer_proc.wait_serving(60)
+        endpoints = {
+            "KUBERL_ENDPOINTS__BUFFER": buffer_proc.address,
+            "KUBERL_ENDPOINTS__REWARD": env.reward.address,
+        }
+        marker = work / "held.txt"
+        a = ServiceProcess.kuberl(
+            "rollout",
+            path,
+            work,
+            name="replica-a",
+            env={
+                **endpoints,
+                MARKER_ENV: str(marker),
+                "KUBERL_ROLLOUT__REPLICA_ID": "replica-a",
+                "KUBERL_ROLLOUT__ROLLOUT_FUNCTION": f"{PLUGINS}:stuck_rollout",
+            },
+        )
+        deadline = time.monotonic() + 120
+        while not (marker.exists() and len(marker.read_text().split()) >= 4):
+            assert a.proc.poll() is None, a.log()
+            assert time.monotonic() < deadline, f"replica A never leased:\n{a.log()}"
+            time.sleep(0.1)
+        a.signal(signal.SIGKILL)
+        a.proc.wait(30)
+        held = set(marker.read_text().split())
+        b = ServiceProcess.kuberl(
+            "rollout",
+            path,
+            work,
+            name="replica-b",
+            env={**endpoints, "KUBERL_ROLLOUT__REPLICA_ID": "replica-b"},
+        )
+        with b:
+            buffer = Buffer(buffer_proc.address)
+            groups = buffer.take_all(PROMPTS, timeout=150)
+            b_exit = b.stop(30)
+            stats = buffer.stats()
+            log = b.log_path.read_text()
+    return Scenario(groups, held, stats, b_exit, log)
+
+
+def test_a_replica_finishes_a_small_dataset_with_every_prompt_accounted_for(scenario) -> None:
+    ids = sorted(g.prompt_id for g in scenario.groups)
+    assert ids == sorted({f"train:{i}" for i in range(PROMPTS)})
+    for g in scenario.groups:
+        g.validate(GROUP)
+        for t in g.trajectories:
+            assert len(t.rollout_logprobs) == len(t.response_token_ids) > 0
+            assert all(math.isfinite(x) and x <= 0 for x in t.rollout_logprobs)
+            assert (t.policy_version_start, t.policy_version_end) == (0, 0)
+            assert t.generate_seconds > 0 and t.score_seconds > 0
+    assert (scenario.stats.prompts_leased, scenario.stats.exhausted) == (0, True)
+
+
+def test_a_replica_killed_mid_batch_loses_no_prompt(scenario) -> None:
+    by_id = {g.prompt_id: g for g in scenario.groups}
+    assert len(scenario.held_by_killed) == 4
+    for pid in scenario.held_by_killed:
+        meta = by_id[pid].trajectories[0].metadata
+        assert (meta["replica"], meta["delivery_count"] >= 2) == ("replica-b", True)
+
+
+def test_sigterm_drains_the_replica_and_it_exits_cleanly(scenario) -> None:
+    assert scenario.b_exit == 0
+    assert "replica.drained" in scenario.b_log
+
+
+# -- the loop in this process against the real services ----------------------------------------
+
+
+class Loop:
+    """A RolloutWorker in this process with a torch engine, talking to the real services."""
+
+    def __init__(self, env: Env, config_path: Path, buffer_address: str) -> None:
+        self.config = load_job_config(config_path, env={})
+        self.env = env
+        self.buffer_address = buffer_address
+
+    async def __aenter__(self) -> RolloutWorker:
+        self.engine = TorchEngine.from_pretrained(self.env.model, max_batch_size=64)
+        self.channels = [aio_channel(self.buffer_address), aio_channel(self.env.reward.address)]
+        self.worker = RolloutWorker(
+            self.config,
+            self.engine,
+            self.engine.tokenizer,
+            buffer=buffer_pb2_grpc.BufferServiceStub(self.channels[0]),
+            reward=reward_pb2_grpc.RewardServiceStub(self.channels[1]),
+            replica_id=f"test-{uuid.uuid4().hex[:6]}",
+        )
+        self.task = asyncio.create_task(self.worker.run())
+        return self.worker
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.worker.drain(5)
+        await self.task
+        await self.engine.close()
+        for c in self.channels:
+            await c.close()
+
+
+async def _until(predicate, timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def _other_weights(env: Env) -> dict[str, Any]:
+    path = build_model(env.tmp / "model-v1", arch="qwen2", size="tiny", tokenizer="digits", seed=1)
+    return dict(TorchEngine.from_pretrained(path).model.state_dict())
+
+
+@pytest.mark.parametrize("policy", ["finish", "abort"])
+def test_a_weight_update_mid_generation_follows_on_weight_update(env, job, policy) -> None:
+    config, buffer, address = job(
+        prompts=4,
+        rollout={
+            "on_weight_update": policy,
+            "batches_in_flight": 1,
+            "sampling": {"max_new_tokens": 300, "ignore_eos": True},
+        },
+    )
+    new = _other_weights(env)
+
+    async def go() -> tuple[set[str], int]:
+        async with Loop(env, config, address) as worker:
+            await _until(lambda: worker._generating, what="a generation in flight")
+            in_flight = {g.item.prompt_id for g in worker._generating}
+            await worker.apply_weight_update(1, lambda: worker.engine.load_weights(new, 1))
+            await _until(lambda: worker.groups_put == 4, 120, "all groups")
+            return in_flight, worker.engine.version
+
+    in_flight, version = asyncio.run(go())
+    groups = {g.prompt_id: g for g in buffer.take_all(4)}
+    expected = {
+        "finish": ("finished_on_old_weights", (0, 0)),
+        "abort": ("aborted_and_regenerated", (1, 1)),
+    }[policy]
+    assert version == 1 and len(in_flight) == 2
+    for pid, g in groups.items():
+        t = g.trajectories[0]
+        versions = (t.policy_version_start, t.policy_version_end)
+        if pid in in_flight:
+            assert (t.metadata["weight_update"], versions) == expected
+        else:
+            assert ("weight_update" in t.metadata, versions) == (False, (1, 1))
+
+
+def test_drain_releases_in_flight_prompts_to_the_buffer_at_once(env, job) -> None:
+    config, buffer, address = job(
+        prompts=4, rollout={"sampling": {"max_new_tokens": 800, "ignore_eos": True}}
+    )
+
+    async def go() -> tuple[int, int]:
+        loop = Loop(env, config, address)
+        worker = await loop.__aenter__()
+        await _until(lambda: len(worker._generating) == 4, what="both batches generating")
+        result = await worker.drain(0)
+        await loop.__aexit__()
+        return result
+
+    started = time.monotonic()
+    finished, released = asyncio.run(go())
+    again = buffer.stub.LeasePrompts(
+        bpb.LeasePromptsRequest(max_prompts=10, consumer="another-replica"), timeout=30
+    )
+    # Released, not timed out: the lease timeout is 60 s.
+    assert time.monotonic() - started < 60
+    assert (finished, released) == (0, 4)
+    assert sorted((p.prompt_id, p.delivery_count) for p in again.prompts) == [
+        (f"train:{i}", 2) for i in range(4)
+    ]
+
+
+def test_backpressure_waits_for_the_trainer_and_then_finishes(env, job) -> None:
+    config, buffer, address = job(
+        prompts=6, buffer={"max_inflight_groups": 2, "backpressure_retry_seconds": 0.2}
+    )
+    refused_before = m.BACKPRESSURE._value.get()
+
+    async def go() -> tuple[int, list[Group]]:
+        async with Loop(env, config, address) as worker:
+            await _until(lambda: m.BACKPRESSURE._value.get() > refused_before, what="a refusal")
+            put_while_refused = worker.groups_put
+            taken: list[Group] = []
+            while len(taken) < 6:
+                taken += await asyncio.to_thread(buffer.take, 2)
+            return put_while_refused, taken
+
+    put_while_refused, taken = asyncio.run(go())
+    assert put_while_refused <= 2
+    assert sorted(g.prompt_id for g in taken) == [f"train:{i}" for i in range(6)]
+
+
+def test_eval_mode_puts_groups_to_the_eval_stream_only(env, job) -> None:
+    config, buffer, address = job(prompts=2, eval_prompts=3, rollout={"mode": "eval"})
+
+    async def go() -> None:
+        async with Loop(env, config, address) as worker:
+            await _until(lambda: worker.groups_put == 3, what="eval groups")
+            await asyncio.sleep(0.3)
+
+    asyncio.run(go())
+    evals = buffer.take_all(3, tpb.STREAM_KIND_EVAL)
+    assert sorted(g.prompt_id.split(":")[0] for g in evals) == ["eval"] * 3
+    assert buffer.take(5, wait=0.2) == []
+
+
+def test_rejection_sampling_puts_only_samples_at_or_above_the_threshold(env, job) -> None:
+    config, buffer, address = job(
+        prompts=6, rollout={"mode": "rejection_sampling", "rejection_threshold": 1.0}
+    )
+
+    async def go() -> None:
+        async with Loop(env, config, address) as worker:
+            # All six leases complete, those with no kept sample by an empty group.
+            await _until(lambda: worker.groups_put == 6, what="all groups")
+
+    asyncio.run(go())
+    kept = [t for g in buffer.take(12, tpb.STREAM_KIND_SFT) for t in g.trajectories]
+    assert 0 < len(kept) < 6 * GROUP
+    assert all(t.reward >= 1.0 and ord(t.response_text[0]) % 2 == 1 for t in kept)
+    assert buffer.take(12, wait=0.2) == []  # nothing went to the training stream
