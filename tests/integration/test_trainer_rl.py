@@ -5,15 +5,18 @@ The trainer runs as two torchrun ranks with ZeRO-3 on gloo (rank 0 serves and ta
 services; both train). The test plays rollout: it leases four prompts and puts four groups of four
 samples (token ids of the tiny model's vocabulary, engine logprobs, rewards). The trainer (GRPO,
 PPO with two epochs over two mini-batches, old logprobs recomputed, KL to a frozen reference, TIS)
-takes two steps of two groups, acknowledges each batch after its optimizer step, advances the
-buffer's policy version, publishes every version to weight-sync, checkpoints at the end and exits
-0. The weights weight-sync holds for the last version are exactly the trainer's exported weights.
+evaluates first (the test answers the eval prompts it queues, as rollout would), takes two steps of
+two groups, acknowledges each batch after its optimizer step, advances the buffer's policy version,
+publishes every version to weight-sync, checkpoints at the end and exits 0 after a second
+evaluation. The weights weight-sync holds for the last version are exactly the trainer's exported
+weights.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -40,6 +43,7 @@ TORCHRUN = [
     "--rdzv-endpoint",
     "127.0.0.1:0",
 ]
+EVAL_REWARDS = [1.0, 0.0, 0.0, 0.0]
 REWARDS = [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]]
 
 
@@ -62,6 +66,22 @@ def _group(prompt: tpb.Prompt, rewards: list[float], seed: int) -> tpb.Group:
     return Group(prompt.prompt_id, prompt.epoch, trajectories).to_proto()
 
 
+def _play_eval_rollout(client: Client, trainer: ServiceProcess, timeout: float = 240) -> list[int]:
+    """Answer every eval prompt the trainer queues (StartEval) with a group in which one
+    sample of four is correct, until the trainer exits; the eval rounds seen."""
+    rounds: list[int] = []
+    deadline = time.monotonic() + timeout
+    while trainer.proc.poll() is None and time.monotonic() < deadline:
+        leased = list(client.lease(8, consumer="eval-r0", kind=tpb.STREAM_KIND_EVAL).prompts)
+        if not leased:
+            time.sleep(0.2)
+            continue
+        groups = [_group(p, EVAL_REWARDS, 100 + i) for i, p in enumerate(leased)]
+        client.put(groups, [p.lease_id for p in leased], kind=tpb.STREAM_KIND_EVAL)
+        rounds += sorted({p.epoch for p in leased} - set(rounds))
+    return rounds
+
+
 def _rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -75,7 +95,7 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
     tmp = tmp_path_factory.mktemp("rl")
     model = build_model(tmp / "model", tokenizer="digits", seed=2)
     with EmbeddedRedis(tmp / "redis", die_with_parent=True) as redis:
-        job = write_job(tmp, redis.url, prompts=4, job=f"rl{uuid.uuid4().hex[:8]}")
+        job = write_job(tmp, redis.url, prompts=4, eval_prompts=2, job=f"rl{uuid.uuid4().hex[:8]}")
         doc = yaml.safe_load(job.read_text())
         doc["weight_sync"] = {
             "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
@@ -126,6 +146,7 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
                 env={"KUBERL_METRICS_JSONL": str(jsonl)},
             )
             try:
+                eval_rounds = _play_eval_rollout(client, trainer)
                 code = trainer.proc.wait(240)
                 log = trainer.log_path.read_text(errors="replace")
             finally:
@@ -141,6 +162,7 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
         "stats": stats,
         "version": version,
         "published": published,
+        "eval_rounds": eval_rounds,
     }
 
 
@@ -177,3 +199,11 @@ def test_weight_sync_holds_the_trainers_final_weights(run) -> None:  # type: ign
     assert run["version"] == 2
     assert set(exported) == set(published)
     assert all((published[k] == exported[k]).all() for k in exported)
+
+
+def test_eval_rounds_at_start_and_end_report_accuracy_per_dataset(run) -> None:  # type: ignore[no-untyped-def]
+    evals = [r for r in run["rows"] if r.get("kind") == "eval"]
+    assert run["eval_rounds"] == [0, 1]
+    assert [r["round"] for r in evals] == [0, 1]
+    assert all(r["eval/eval/accuracy"] == 0.25 and r["eval/accuracy"] == 0.25 for r in evals)
+    assert all(r["eval/eval/pass_at_n"] == 1.0 and r["eval/missing_groups"] == 0 for r in evals)

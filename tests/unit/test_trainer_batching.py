@@ -148,3 +148,37 @@ def test_model_init_builds_an_hf_folder_with_a_tokenizer_trained_on_the_data(
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "qwen2"
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean", "token_sum"])
+def test_micro_batch_losses_with_the_global_count_add_up_to_the_whole_batch_loss(agg: str) -> None:
+    from kuberl.common.config import AlgorithmConfig
+    from kuberl.trainer import algorithms as algo
+    from kuberl.trainer.loop import _global_count
+
+    rng = np.random.default_rng(0)
+    rows = [_sample(i, 2, n) for i, n in enumerate([5, 2, 7, 3, 4, 6])]
+    for s in rows:
+        n = s.response_length
+        s.arrays = {
+            "lp": rng.normal(-2, 0.3, n).astype(np.float32),
+            "old": rng.normal(-2, 0.3, n).astype(np.float32),
+            "adv": rng.normal(0, 1, n).astype(np.float32),
+        }
+        s.loss_mask[0] = 0.0  # a masked (tool output) token
+    alg = AlgorithmConfig(loss_agg=agg, importance={"mode": "none"})
+    count, cfg = _global_count(alg, rows)
+    cpu = torch.device("cpu")
+
+    def loss(samples: list[Sample], global_count: float | None) -> float:
+        mb = collate(samples, 0, cpu, ["lp", "old", "adv"])
+        a = mb.arrays
+        value, _ = algo.policy_loss_and_metrics(
+            cfg, a["lp"], a["old"], a["old"], a["adv"], mb.mask, global_count=global_count
+        )
+        return float(value)
+
+    whole = loss(rows, None)
+    parts = sum(loss(g, count) for g in micro_batches(rows, budget_tokens=18))
+    assert len(micro_batches(rows, budget_tokens=18)) >= 3
+    assert parts == pytest.approx(whole, rel=1e-6)
