@@ -212,22 +212,25 @@ def test_autoscaling_with_min_above_max_fails() -> None:
 
 def test_multi_node_trainer_runs_torchrun_across_statefulset_pods() -> None:
     rendered = render("multi-node-trainer")
-    trainer = rendered.get("StatefulSet", "trainer")
-    container = _container(trainer, "trainer")
+    master, workers = (
+        rendered.get("StatefulSet", "trainer"),
+        rendered.get("StatefulSet", "trainer-worker"),
+    )
+    master_c, worker_c = _container(master, "trainer"), _container(workers, "trainer")
     headless = rendered.get("Service", "trainer-headless")
-    master = f"{FULLNAME}-trainer-0.{FULLNAME}-trainer-headless.{NAMESPACE}.svc"
-    assert trainer["spec"]["replicas"] == 4 and trainer["spec"]["podManagementPolicy"] == "Parallel"
-    assert container["args"][:5] == [
+    rendezvous = [
         "--nnodes=4",
         "--nproc-per-node=8",
-        "--node-rank=$(NODE_RANK)",
-        f"--master-addr={master}",
+        f"--master-addr={FULLNAME}-trainer-0.{FULLNAME}-trainer-headless.{NAMESPACE}.svc",
         "--master-port=29500",
     ]
-    assert _env(container)["NODE_RANK"] == {
-        "fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}
-    }
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert (master["spec"]["replicas"], workers["spec"]["replicas"]) == (1, 3)
+    assert master_c["command"] == ["torchrun"] and master_c["args"][:5] == [
+        "--node-rank=0",
+        *rendezvous,
+    ]
+    assert worker_c["args"][:4] == rendezvous and "--node-rank" in worker_c["command"][2]
+    assert {c["resources"]["limits"]["nvidia.com/gpu"] for c in (master_c, worker_c)} == {8}
     assert (headless["spec"]["clusterIP"], headless["spec"]["publishNotReadyAddresses"]) == (
         "None",
         True,
@@ -235,7 +238,45 @@ def test_multi_node_trainer_runs_torchrun_across_statefulset_pods() -> None:
     assert rendered.get("PersistentVolumeClaim", "checkpoints")["spec"]["accessModes"] == [
         "ReadWriteMany"
     ]
-    assert "NCCL_SOCKET_IFNAME" in _env(container)
+    assert "NCCL_SOCKET_IFNAME" in _env(worker_c)
+
+
+def test_only_the_rank_0_pod_is_probed_and_scraped() -> None:
+    rendered = render("multi-node-trainer")
+    master, workers = (
+        _container(rendered.get("StatefulSet", name), "trainer")
+        for name in ("trainer", "trainer-worker")
+    )
+    # Ranks other than 0 bind no port (kuberl.trainer.server): a gRPC probe would kill them.
+    assert "readinessProbe" in master and "readinessProbe" not in workers
+    assert [p["name"] for p in master["ports"]] == ["grpc", "metrics", "rendezvous"]
+    assert "ports" not in workers
+
+
+@pytest.mark.parametrize(("pod_index", "node_rank"), [(0, 1), (2, 3)])
+def test_a_worker_pod_computes_its_node_rank_from_its_index(tmp_path, pod_index, node_rank) -> None:
+    import os
+    import re
+    import subprocess
+
+    worker = _container(
+        render("multi-node-trainer").get("StatefulSet", "trainer-worker"), "trainer"
+    )
+    fake = tmp_path / "torchrun"
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "POD_INDEX": str(pod_index)}
+
+    def kubelet(text: str) -> str:  # the kubelet's $(VAR) expansion, `$$` escaping a `$`
+        return re.sub(
+            r"\$\$|\$\((\w+)\)",
+            lambda m: env.get(m.group(1) or "", m.group(0)) if m.group(1) else "$",
+            text,
+        )
+
+    argv = [kubelet(a) for a in worker["command"] + worker["args"]]
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, check=True).stdout
+    assert out.splitlines()[:2] == [f"--node-rank={node_rank}", "--nnodes=4"]
 
 
 def test_multi_node_trainer_refuses_a_checkpoint_volume_only_one_node_can_write() -> None:

@@ -1,0 +1,104 @@
+"""Grafana dashboards and alert rules, statically: valid dashboard JSON a Grafana sidecar can load,
+every query on a metric the services really define, alert expressions Prometheus accepts."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helm.chart import NAMESPACE, render
+from tests.helm.promql import (
+    METRIC,
+    dashboards,
+    defined_metric_patterns,
+    metric_is_defined,
+    panel_queries,
+    panels,
+)
+
+EXPECTED = {"buffer", "job-overview", "reward", "rollout", "weight-sync"}
+
+
+def _rules() -> list[dict]:
+    rule = render("monitoring").all("PrometheusRule")[0]
+    return [r for group in rule["spec"]["groups"] for r in group["rules"]]
+
+
+def test_the_chart_ships_the_five_dashboards() -> None:
+    assert set(dashboards()) == EXPECTED
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_dashboard_is_loadable_by_grafana(name: str) -> None:
+    board = dashboards()[name]
+    ids = [p["id"] for p in board["panels"]] + [
+        c["id"] for p in board["panels"] for c in p.get("panels", [])
+    ]
+    variables = {v["name"]: v["type"] for v in board["templating"]["list"]}
+    assert board["uid"] == f"kuberl-{name}" and len(board["uid"]) <= 40
+    assert len(ids) == len(set(ids))
+    assert variables == {"datasource": "datasource", "namespace": "query"}
+    for panel in panels(board):
+        pos = panel["gridPos"]
+        assert pos["x"] + pos["w"] <= 24, panel["title"]
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        assert panel["targets"] and all(t["expr"] for t in panel["targets"]), panel["title"]
+        assert panel.get("description"), f"{name}/{panel['title']} has no description"
+
+
+def test_dashboard_uids_are_unique() -> None:
+    uids = [b["uid"] for b in dashboards().values()]
+    assert len(uids) == len(set(uids))
+
+
+def test_every_dashboard_query_is_scoped_to_the_selected_namespace() -> None:
+    unscoped = [
+        (board, title)
+        for board, title, expr in panel_queries()
+        if expr.count("kuberl_") != expr.count('namespace=~"$namespace"')
+    ]
+    assert unscoped == []
+
+
+def test_every_metric_in_dashboards_and_alerts_is_defined_by_a_service() -> None:
+    patterns = defined_metric_patterns()
+    exprs = [expr for _, _, expr in panel_queries()] + [r["expr"] for r in _rules()]
+    keda = render("autoscaling-keda").all("ScaledObject")[0]
+    exprs.append(keda["spec"]["triggers"][0]["metadata"]["query"])
+    used = {name for expr in exprs for name in METRIC.findall(expr)}
+    assert used and sorted(n for n in used if not metric_is_defined(n, patterns)) == []
+
+
+def test_the_metric_check_knows_a_name_that_does_not_exist() -> None:
+    patterns = defined_metric_patterns()
+    assert (
+        metric_is_defined("kuberl_buffer_groups_pending", patterns),
+        metric_is_defined("kuberl_buffer_rpc_seconds_bucket", patterns),
+        metric_is_defined("kuberl_buffer_groups_pendng", patterns),
+    ) == (True, True, False)
+
+
+def test_alert_rules_cover_the_four_failure_modes() -> None:
+    names = {r["alert"] for r in _rules()}
+    assert names == {
+        "KuberlRolloutStalled",
+        "KuberlBufferBacklogGrowing",
+        "KuberlTrainerNotStepping",
+        "KuberlWeightSyncLagging",
+    }
+    assert all(f'namespace="{NAMESPACE}"' in r["expr"] for r in _rules())
+
+
+def test_promtool_accepts_the_alert_rules(tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package `prometheus`)")
+    rule = render("monitoring").all("PrometheusRule")[0]
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
