@@ -64,11 +64,27 @@ def init_distributed() -> DistInfo:
     else:
         device = torch.device("cpu")
         backend = "gloo"
+    if backend == "gloo":
+        skip_cpu_op_builds()
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
     info = DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
     log.info("dist.ready", rank=info.rank, world_size=info.world_size, backend=backend)
     return info
+
+
+def skip_cpu_op_builds() -> None:
+    """Keep DeepSpeed from JIT-compiling its CPU shared-memory all-reduce op at start.
+
+    DeepSpeed's torch backend builds `deepspeed_shm_comm` with ninja/g++ the first time a CPU
+    process group starts (measured 50-95 s on a 2-core machine, then cached in
+    ~/.cache/torch_extensions). Only its tensor-parallel inference all-reduce uses it; training
+    collectives go through gloo either way. `deepspeed.ops.__compatible_ops__` is a cached dict
+    that DeepSpeed consults before building.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def _comm_device(info: DistInfo) -> torch.device:
