@@ -359,3 +359,19 @@ def test_notes_tell_the_user_what_is_missing_and_what_to_run_next() -> None:
     ready = render("multi-node-trainer").notes
     assert "job.data.train is empty" in notes and "helm test rl" in notes
     assert "job.data.train is empty" not in ready and "4 node(s) x 8 GPU(s)" in ready
+
+
+@pytest.mark.parametrize("value_set", ["defaults", "multi-node-trainer", "cpu-only"])
+def test_kuberl_containers_work_in_a_writable_directory(value_set: str) -> None:
+    # Relative paths of the job (a locally built model's cache, run folders) must not hit the
+    # read-only root filesystem.
+    unwritable = []
+    for doc in workloads(render(value_set)):
+        for c in pod_spec(doc)["containers"]:
+            if c["name"] in ("sglang", "redis") or doc["kind"] == "Pod":
+                continue
+            mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+            mount = mounts.get(c.get("workingDir", "/"))
+            if mount is None or mount.get("readOnly"):
+                unwritable.append(f"{doc['metadata']['name']}/{c['name']}")
+    assert unwritable == []

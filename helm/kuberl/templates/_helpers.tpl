@@ -239,7 +239,11 @@ affinity:
 {{- end }}
 {{- end }}
 
-{{/* The job file mount. */}}
+{{/*
+The volumes of every kuberl container: the job file, /tmp, and a writable working directory
+(relative paths of the job, e.g. the cache of a locally built model, land there; the root
+filesystem is read-only).
+*/}}
 {{- define "kuberl.jobVolume" -}}
 - name: job
   configMap:
@@ -247,6 +251,9 @@ affinity:
 - name: tmp
   emptyDir:
     sizeLimit: 1Gi
+- name: work
+  emptyDir:
+    sizeLimit: 10Gi
 {{- end }}
 
 {{- define "kuberl.jobVolumeMount" -}}
@@ -255,6 +262,12 @@ affinity:
   readOnly: true
 - name: tmp
   mountPath: /tmp
+- name: work
+  mountPath: /var/lib/kuberl/work
+{{- end }}
+
+{{- define "kuberl.workingDir" -}}
+workingDir: /var/lib/kuberl/work
 {{- end }}
 
 {{/* The kuberl command of a service: (dict "root" $ "service" "buffer"). */}}
@@ -387,6 +400,7 @@ spec:
         - name: {{ .component }}
           image: {{ include "kuberl.image" (dict "root" $root "image" $root.Values.images.kuberl) }}
           imagePullPolicy: {{ $root.Values.images.pullPolicy }}
+          {{- include "kuberl.workingDir" $root | nindent 10 }}
           args:
             {{- include "kuberl.serveArgs" (dict "root" $root "service" .service) | nindent 12 }}
           ports:
