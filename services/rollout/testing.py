@@ -1,48 +1,32 @@
-"""Tiny models of a real architecture, built locally, for the rollout engine's tests and benchmark.
+"""Sharp tiny models of a real architecture, built locally, for the rollout engine's tests and
+benchmark.
 
-No weights can be downloaded here, so tests and `benchmarks/rollout_engine.py` build a random
-Qwen2 causal LM (hidden 64, 2 layers by default) with a character-level tokenizer made with the
-`tokenizers` library, and save both as an ordinary HF folder that any HF-loading code (and the
-torch engine) opens with `from_pretrained`. The tokenizer knows the chat markers and the
-`<tool_call>` / `<tool_response>` markers of kuberl's multi-turn format as single tokens, and has
-a ChatML chat template. Jobs get their models from `kuberl.common.modelbuild`; this module only
-exists so the engine can be tested without depending on it.
+`kuberl.common.modelbuild` builds a job's models; its random initialisation gives near-uniform
+next-token distributions (entropy ~ log V), so greedy decoding repeats one character and samples
+look alike. Engine tests want distributions with clear winners and real variety, so this module
+builds the same Qwen2 architecture on modelbuild's `digits` (character) tokenizer with an
+untied, 10x output layer (entropy ~3.5 nats), saved as an ordinary HF folder.
 """
 
 from __future__ import annotations
 
-import string
 from pathlib import Path
 from typing import Any
+
+
+def build_tokenizer() -> Any:
+    """modelbuild's character tokenizer, with a ChatML chat template for prompt tests."""
+    from kuberl.common.modelbuild import build_tokenizer as common_tokenizer
+
+    tokenizer = common_tokenizer("digits")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MARKER_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
-
-
-def build_tokenizer() -> Any:
-    """A character-level PreTrainedTokenizerFast: every printable ASCII character is a token."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = list(string.digits + string.ascii_letters + string.punctuation + " \n")
-    vocab = {t: i for i, t in enumerate([*SPECIAL_TOKENS, *MARKER_TOKENS, *chars, "<unk>"])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIAL_TOKENS)
-    tok.add_tokens(MARKER_TOKENS)
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        unk_token="<unk>",
-    )
-    hf.chat_template = CHAT_TEMPLATE
-    return hf
 
 
 def build_model(

@@ -194,11 +194,11 @@ def run_python(
             stdout, _ = proc.communicate()
             out = stdout.decode(errors="replace")
             return _truncate(out + f"\nTimeoutError: killed after {timeout:g}s", max_chars)
-    out = stdout.decode(errors="replace")
+    out = stdout.decode(errors="replace").strip()
     if proc.returncode != 0:
         err = stderr.decode(errors="replace").strip().splitlines()
-        out += "\n" + (err[-1] if err else f"exited with {proc.returncode}")
-    return _truncate(out.strip(), max_chars)
+        out = (out + "\n" if out else "") + (err[-1] if err else f"exited with {proc.returncode}")
+    return _truncate(out, max_chars)
 
 
 def python_tool(arguments: dict[str, Any]) -> str:

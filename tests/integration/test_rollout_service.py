@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import torch
 import yaml
@@ -28,6 +29,8 @@ from kuberl.api.buffer.v1 import buffer_pb2 as bpb
 from kuberl.api.buffer.v1 import buffer_pb2_grpc
 from kuberl.api.common.v1 import trajectory_pb2 as tpb
 from kuberl.api.reward.v1 import reward_pb2_grpc
+from kuberl.api.rollout.v1 import rollout_pb2 as rpb
+from kuberl.api.rollout.v1 import rollout_pb2_grpc
 from kuberl.common.channels import aio_channel, sync_channel
 from kuberl.common.config import load_job_config
 from kuberl.common.modelbuild import build_model
@@ -82,6 +85,7 @@ def _write_job(
     eval_prompts: int = 0,
     buffer: dict[str, Any] | None = None,
     rollout: dict[str, Any] | None = None,
+    weight_sync: dict[str, Any] | None = None,
 ) -> Path:
     folder = tmp / name
     folder.mkdir(exist_ok=True)
@@ -119,13 +123,15 @@ def _write_job(
             "batches_in_flight": 2,
             "sampling": {"max_new_tokens": 12, "temperature": 1.0},
             "engine": {"kind": "torch", "num_threads": 1},
-            "weight_sync": False,
+            "weight_sync": weight_sync is not None,
             "drain_seconds": 5,
             "retry_initial_seconds": 0.05,
             "idle_poll_seconds": 0.1,
             **(rollout or {}),
         },
     }
+    if weight_sync is not None:
+        job["weight_sync"] = weight_sync
     path = folder / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
@@ -189,13 +195,44 @@ class Scenario:
     stats: bpb.GetStatsResponse
     b_exit: int
     b_log: str
+    status: rpb.GetStatusResponse  # replica B once the dataset was finished
+    versions_seen: list[int]  # B's policy version after the trainer published version 1
+    control: list[int]  # B's state after Pause, then after Resume
+    bad_notify: grpc.StatusCode
 
 
 PROMPTS = 8
 
 
+def _control(
+    env: Env, b: ServiceProcess, weight_sync: str
+) -> tuple[rpb.GetStatusResponse, list[int], list[int], Any]:
+    """Replica B's control API once the dataset is done: status, a published weight version
+    arriving through weight-sync, pause / resume, and a malformed weight notification."""
+    from kuberl.common.weights import WeightPublisher
+
+    with sync_channel(b.address) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        status = stub.GetStatus(rpb.GetStatusRequest(), timeout=10)
+        tensors = _other_weights(env)
+        with WeightPublisher(weight_sync) as publisher:
+            publisher.publish(1, iter(tensors.items()))
+        seen = [status.policy_version]
+        deadline = time.monotonic() + 60
+        while seen[-1] != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            seen.append(stub.GetStatus(rpb.GetStatusRequest(), timeout=10).policy_version)
+        stub.Pause(rpb.PauseRequest(abort_in_flight=False), timeout=30)
+        control = [stub.GetStatus(rpb.GetStatusRequest(), timeout=10).state]
+        stub.Resume(rpb.ResumeRequest(), timeout=30)
+        control.append(stub.GetStatus(rpb.GetStatusRequest(), timeout=10).state)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.NotifyWeightsUpdate(rpb.NotifyWeightsUpdateRequest(), timeout=10)
+    return status, [seen[0], seen[-1]], control, err.value.code()
+
+
 @pytest.fixture(scope="module")
-def scenario(env: Env) -> Scenario:
+def scenario(env: Env) -> Iterator[Scenario]:
     path = _write_job(
         env.tmp,
         "kill",
@@ -203,13 +240,25 @@ def scenario(env: Env) -> Scenario:
         env.model,
         prompts=PROMPTS,
         buffer={"lease_timeout_seconds": 3},
+        weight_sync={
+            "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
+            "heartbeat_seconds": 0.5,
+            "shm_dir": f"/dev/shm/kuberl-rollout-test-{uuid.uuid4().hex[:8]}",
+            "advertise_host": "127.0.0.1",
+            "bucket_bytes": 1024 * 1024,
+        },
     )
     work = path.parent
-    with ServiceProcess.kuberl("buffer", path, work, name="buffer") as buffer_proc:
+    with (
+        ServiceProcess.kuberl("buffer", path, work, name="buffer") as buffer_proc,
+        ServiceProcess.kuberl("weight_sync", path, work, name="weight-sync") as sync_proc,
+    ):
         buffer_proc.wait_serving(60)
+        sync_proc.wait_serving(60)
         endpoints = {
             "KUBERL_ENDPOINTS__BUFFER": buffer_proc.address,
             "KUBERL_ENDPOINTS__REWARD": env.reward.address,
+            "KUBERL_ENDPOINTS__WEIGHT_SYNC": sync_proc.address,
         }
         marker = work / "held.txt"
         a = ServiceProcess.kuberl(
@@ -242,10 +291,12 @@ def scenario(env: Env) -> Scenario:
         with b:
             buffer = Buffer(buffer_proc.address)
             groups = buffer.take_all(PROMPTS, timeout=150)
+            b.wait_serving(30)
+            status, seen, control, bad = _control(env, b, sync_proc.address)
             b_exit = b.stop(30)
             stats = buffer.stats()
             log = b.log_path.read_text()
-    return Scenario(groups, held, stats, b_exit, log)
+    yield Scenario(groups, held, stats, b_exit, log, status, seen, control, bad)
 
 
 def test_a_replica_finishes_a_small_dataset_with_every_prompt_accounted_for(scenario) -> None:
@@ -267,6 +318,31 @@ def test_a_replica_killed_mid_batch_loses_no_prompt(scenario) -> None:
     for pid in scenario.held_by_killed:
         meta = by_id[pid].trajectories[0].metadata
         assert (meta["replica"], meta["delivery_count"] >= 2) == ("replica-b", True)
+
+
+def test_get_status_reports_the_replica_and_its_work(scenario) -> None:
+    s = scenario.status
+    assert (s.replica_id, s.engine, s.state, s.prompts_in_flight) == (
+        "replica-b",
+        "torch",
+        rpb.REPLICA_STATE_RUNNING,
+        0,
+    )
+    assert s.groups_put == PROMPTS and s.generated_tokens > 0
+
+
+def test_a_version_published_by_the_trainer_reaches_the_replica_through_weight_sync(
+    scenario,
+) -> None:
+    assert scenario.versions_seen == [0, 1]
+
+
+def test_pause_and_resume_change_the_replica_state(scenario) -> None:
+    assert scenario.control == [rpb.REPLICA_STATE_PAUSED, rpb.REPLICA_STATE_RUNNING]
+
+
+def test_a_weight_notification_without_an_instruction_is_invalid(scenario) -> None:
+    assert scenario.bad_notify == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_sigterm_drains_the_replica_and_it_exits_cleanly(scenario) -> None:

@@ -1,0 +1,151 @@
+"""Tool calling for multi-turn rollouts: the call format, the calculator, the python sandbox and
+the registry that turns every failure into feedback for the model."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kuberl.common.plugins import PluginError
+from kuberl.rollout import metrics as m
+from kuberl.rollout.tools import (
+    ToolCall,
+    ToolRegistry,
+    calculate,
+    calculator_tool,
+    format_tool_response,
+    parse_tool_call,
+    run_python,
+)
+
+MOD = "tests.unit.test_rollout_tools"
+
+
+def slow_tool(arguments: dict) -> str:
+    time.sleep(5)
+    return "never"
+
+
+def echo_tool(arguments: dict) -> str:
+    return f"echo {arguments['text']}"
+
+
+def test_a_tool_call_is_parsed_from_the_text_around_it() -> None:
+    call = '{"name": "calculator", "arguments": {"expression": "1+2"}}'
+    text = f"Let me compute. <tool_call>{call}</tool_call> and wait."
+    assert parse_tool_call(text) == ToolCall("calculator", {"expression": "1+2"})
+
+
+def test_text_without_a_tool_call_has_none() -> None:
+    assert parse_tool_call("The answer is 3. <tool_call> never closed") is None
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        ("{not json", "not valid JSON"),
+        ('{"arguments": {}}', 'must be {"name"'),
+        ('{"name": "calculator", "arguments": [1]}', "arguments must be a JSON object"),
+    ],
+)
+def test_a_malformed_tool_call_is_reported_not_raised(body: str, error: str) -> None:
+    call = parse_tool_call(f"<tool_call>{body}</tool_call>")
+    assert call is not None and error in call.error
+
+
+def test_double_encoded_arguments_are_decoded() -> None:
+    call = parse_tool_call('<tool_call>{"name": "c", "arguments": "{\\"x\\": 1}"}</tool_call>')
+    assert call == ToolCall("c", {"x": 1})
+
+
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [("12*7", 84), ("2+3*4", 14), ("7/2", 3.5), ("2^10", 1024), ("-(1+2)**3", -27), ("7//2", 3)],
+)
+def test_the_calculator_evaluates_arithmetic(expression: str, value: float) -> None:
+    assert calculate(expression) == value
+
+
+@pytest.mark.parametrize(
+    ("expression", "error"),
+    [
+        ("__import__('os').system('true')", "Call is not allowed"),
+        ("x + 1", "Name is not allowed"),
+        ("2 ** 1000", "exponent larger than 100"),
+        ("1/0", "division by zero"),
+        ("1 +", "not an arithmetic expression"),
+    ],
+)
+def test_the_calculator_refuses_anything_but_arithmetic(expression: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        calculate(expression)
+
+
+def test_calculator_output_is_plain_text() -> None:
+    outputs = [calculator_tool({"expression": e}) for e in ("6*7", "1/3")]
+    assert outputs == ["42", "0.3333333333"]
+
+
+def test_python_runs_in_an_empty_directory_with_a_scrubbed_environment() -> None:
+    code = "import os; print(len(os.listdir('.')), sorted(k for k in os.environ if 'KUBERL' in k))"
+    assert run_python(code) == "0 []"
+
+
+def test_python_is_killed_at_its_timeout() -> None:
+    started = time.monotonic()
+    out = run_python("while True: pass", timeout=1.0)
+    assert ("TimeoutError: killed after 1s" in out, time.monotonic() - started < 4) == (True, True)
+
+
+def test_python_memory_is_limited() -> None:
+    assert run_python("x = bytearray(2 * 1024**3)").endswith("MemoryError")
+
+
+def test_python_errors_come_back_as_the_last_line_of_stderr() -> None:
+    assert run_python("print('partial'); 1/0") == "partial\nZeroDivisionError: division by zero"
+
+
+def _run(registry: ToolRegistry, call: ToolCall) -> tuple[str, str]:
+    return asyncio.run(registry.run(call))
+
+
+def test_the_registry_runs_builtin_and_custom_tools() -> None:
+    registry = ToolRegistry(["calculator", f"{MOD}:echo_tool"])
+    assert _run(registry, ToolCall("calculator", {"expression": "2*21"})) == ("42", "ok")
+    assert _run(registry, ToolCall("echo_tool", {"text": "hi"})) == ("echo hi", "ok")
+
+
+def test_an_unknown_tool_is_answered_with_the_available_ones() -> None:
+    text, outcome = _run(ToolRegistry(["calculator"]), ToolCall("search", {}))
+    assert (text, outcome) == ("error: unknown tool 'search'; available: calculator", "bad_call")
+
+
+def test_a_failing_tool_becomes_an_error_message_and_is_counted() -> None:
+    before = m.TOOL_CALLS.labels("calculator", "error")._value.get()
+    text, outcome = _run(
+        ToolRegistry(["calculator"]), ToolCall("calculator", {"expression": "1/0"})
+    )
+    after = m.TOOL_CALLS.labels("calculator", "error")._value.get()
+    assert (text, outcome, after - before) == ("error: ValueError: division by zero", "error", 1)
+
+
+def test_a_slow_tool_times_out() -> None:
+    registry = ToolRegistry([f"{MOD}:slow_tool"], timeout_seconds=0.2)
+    assert _run(registry, ToolCall("slow_tool", {})) == ("error: slow_tool timed out", "timeout")
+
+
+def test_long_tool_output_is_truncated() -> None:
+    registry = ToolRegistry([f"{MOD}:echo_tool"], max_output_chars=32)
+    text, _ = _run(registry, ToolCall("echo_tool", {"text": "x" * 100}))
+    assert (len(text), text.endswith("...[truncated]")) == (32, True)
+
+
+def test_a_tool_that_cannot_be_loaded_fails_at_start() -> None:
+    with pytest.raises(PluginError, match="module 'no_such_module' not found"):
+        ToolRegistry(["no_such_module:tool"])
+
+
+def test_the_tool_response_format_is_documented() -> None:
+    assert format_tool_response("84") == "\n<tool_response>\n84\n</tool_response>\n"
