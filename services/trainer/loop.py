@@ -155,6 +155,8 @@ class Trainer:
         self._metrics_file = os.environ.get(METRICS_JSONL_ENV)
         self._sft_iter: Iterator[tuple[int, list[Sample]]] | None = None
         self._checkpointed_step = -1
+        self.stopped = False
+        self.vocab_size = 0
 
     # ------------------------------------------------------------------ setup
 
@@ -173,6 +175,7 @@ class Trainer:
         temperature = self.config.rollout.sampling.temperature or 1.0
         hf = load_causal_lm(self.model_dir, dtype)
         self.tied = bool(getattr(hf.config, "tie_word_embeddings", False))
+        self.vocab_size = int(hf.get_input_embeddings().weight.shape[0])
         if self.tc.gradient_checkpointing:
             kwargs = {"use_reentrant": False}
             if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5
@@ -267,6 +270,9 @@ class Trainer:
                 break
             if tc.mode == "rl" and tc.eval_every and self.cursor.step % tc.eval_every == 0:
                 self._evaluate()
+        if self.stopped:
+            log.info("trainer.stopped", step=self.cursor.step)
+            return
         if tc.mode == "rl" and not tc.eval_every:
             self._evaluate()
         done = self.cursor.step >= tc.total_steps
@@ -278,6 +284,10 @@ class Trainer:
         """One step; False when the job must end (stop requested or data exhausted)."""
         msg, batch = self._next_batch(sft)
         if msg == MSG_STOP:
+            self.stopped = True
+            every = self.tc.checkpoint_every
+            if every and self.cursor.step and self._checkpointed_step != self.cursor.step:
+                self._checkpoint()  # a graceful stop (SIGTERM, preemption) keeps its progress
             return False
         if msg == MSG_EXHAUSTED:
             log.info("trainer.data_exhausted", step=self.cursor.step)
@@ -285,12 +295,12 @@ class Trainer:
         if msg == MSG_CHECKPOINT:
             self._checkpoint()
             return True
+        if not batch["samples"]:  # every group was unusable: acknowledge, count, go on
+            self._ack(batch.get("batch_id", ""))
+            return True
         started = time.perf_counter()
         metrics = self._sft_step(batch) if sft else self._rl_step(batch)
-        if batch.get("batch_id") and self.dist.is_main:
-            from kuberl.api.buffer.v1 import buffer_pb2
-
-            self.buffer.Ack(buffer_pb2.AckRequest(batch_id=batch["batch_id"]), timeout=30)
+        self._ack(batch.get("batch_id", ""))
         self.cursor.policy_version += 1
         if sft and self.tc.mode == "rl":
             self.cursor.sft_step += 1
@@ -308,6 +318,45 @@ class Trainer:
         if every and not warmup and self.cursor.step % every == 0:
             self._checkpoint()
         return True
+
+    def _ack(self, batch_id: str) -> None:
+        """Acknowledge a trained batch (rank 0). A batch that cannot be acknowledged is
+        re-delivered by the buffer later and trained on again; that is logged."""
+        if not batch_id or not self.dist.is_main:
+            return
+        from kuberl.api.buffer.v1 import buffer_pb2
+
+        for attempt in range(5):
+            try:
+                self.buffer.Ack(buffer_pb2.AckRequest(batch_id=batch_id), timeout=30)
+                return
+            except Exception as exc:
+                log.warning("buffer.ack_failed", batch_id=batch_id, attempt=attempt, error=str(exc))
+                time.sleep(min(2**attempt, 10))
+        log.error("buffer.ack_gave_up", batch_id=batch_id)
+
+    def _usable(self, groups: list[Group]) -> list[Group]:
+        """Groups the model can train on; the others are counted and left out. Token ids
+        must be inside the vocabulary, prompts non-empty, and a batch's groups of one size."""
+        sizes = [len(g.trajectories) for g in groups]
+        common = max(set(sizes), key=sizes.count) if sizes else 0
+        kept = []
+        for g in groups:
+            reason = None
+            if len(g.trajectories) != common:
+                reason = "group_size"
+            for t in g.trajectories:
+                ids = np.concatenate([t.prompt_token_ids, t.response_token_ids])
+                if len(t.prompt_token_ids) == 0:
+                    reason = "empty_prompt"
+                elif ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+                    reason = "token_out_of_vocabulary"
+            if reason is None:
+                kept.append(g)
+            else:
+                REJECTED.labels(reason).inc()
+                log.warning("group.rejected", group_id=g.group_id, reason=reason)
+        return kept
 
     # ------------------------------------------------------------------ batches
 
@@ -327,9 +376,10 @@ class Trainer:
         from kuberl.api.buffer.v1 import buffer_pb2
 
         resp = buffer_pb2.GetBatchResponse.FromString(body)
-        groups = [Group.from_proto(g) for g in resp.groups]
+        groups = self._usable([Group.from_proto(g) for g in resp.groups])
         samples = samples_from_groups(groups)
         return MSG_BATCH, {
+            "rejected": len(resp.groups) - len(groups),
             "batch_id": resp.batch_id,
             "groups": groups,
             "samples": samples,
@@ -406,11 +456,7 @@ class Trainer:
         alg = self.tc.algorithm
         samples: list[Sample] = batch["samples"]
         groups: list[Group] = batch["groups"]
-        sizes = {len(g.trajectories) for g in groups}
-        if len(sizes) != 1:
-            REJECTED.labels("uneven_groups").inc(len(groups))
-            raise TrainerError(f"groups of a batch differ in size: {sorted(sizes)}")
-        group_size = sizes.pop()
+        group_size = len(groups[0].trajectories)  # `_usable` kept groups of one size
         for s, g_traj in zip(samples, [t for g in groups for t in g.trajectories], strict=True):
             s.arrays["rollout_logprobs"] = np.asarray(g_traj.rollout_logprobs, dtype=np.float32)
 
@@ -465,6 +511,7 @@ class Trainer:
         metrics = _mean_records(records)
         metrics.update(_reward_metrics(samples, self.tc.eval_correct_threshold))
         metrics["batch/groups"] = float(len(groups))
+        metrics["batch/rejected_groups"] = float(batch.get("rejected", 0))
         metrics["batch/redelivered"] = float(bool(batch.get("redelivered")))
         for reason, n in batch.get("dropped", {}).items():
             metrics[f"batch/dropped/{reason}"] = float(n)

@@ -1,15 +1,16 @@
-"""The RL loop against the real services: `kuberl serve buffer` on an embedded Redis, `kuberl serve
-weight_sync`, and `kuberl serve trainer`, each its own process.
+"""The RL loop against the real services: `kuberl serve buffer` on an embedded Redis,
+`kuberl serve weight_sync`, and `kuberl serve trainer`, each its own process.
 
 The trainer runs as two torchrun ranks with ZeRO-3 on gloo (rank 0 serves and talks to the
-services; both train). The test plays rollout: it leases four prompts and puts four groups of four
-samples (token ids of the tiny model's vocabulary, engine logprobs, rewards). The trainer (GRPO,
-PPO with two epochs over two mini-batches, old logprobs recomputed, KL to a frozen reference, TIS)
-evaluates first (the test answers the eval prompts it queues, as rollout would), takes two steps of
-two groups, acknowledges each batch after its optimizer step, advances the buffer's policy version,
-publishes every version to weight-sync, checkpoints at the end and exits 0 after a second
-evaluation. The weights weight-sync holds for the last version are exactly the trainer's exported
-weights.
+services; both train). The test plays rollout: it leases five prompts and puts five groups of
+four samples (token ids of the tiny model's vocabulary, engine logprobs, rewards), the oldest of
+them with token ids outside the vocabulary. The trainer (GRPO, PPO with two epochs over two
+mini-batches, old logprobs recomputed, KL to a frozen reference, TIS) evaluates first (the test
+answers the eval prompts it queues, as rollout would), takes three steps, leaving out and
+counting the unusable group, acknowledges each batch after its optimizer step, advances the
+buffer's policy version, publishes every version to weight-sync, checkpoints at the end and exits
+0 after a second evaluation. The weights weight-sync holds for the last version are exactly the
+trainer's exported weights.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ EVAL_REWARDS = [1.0, 0.0, 0.0, 0.0]
 REWARDS = [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]]
 
 
-def _group(prompt: tpb.Prompt, rewards: list[float], seed: int) -> tpb.Group:
+def _group(prompt: tpb.Prompt, rewards: list[float], seed: int, vocab: int = 90) -> tpb.Group:
     rng = np.random.default_rng(seed)
     trajectories = []
     for i, reward in enumerate(rewards):
@@ -55,7 +56,7 @@ def _group(prompt: tpb.Prompt, rewards: list[float], seed: int) -> tpb.Group:
         trajectories.append(
             Trajectory(
                 prompt_token_ids=rng.integers(10, 90, 4),
-                response_token_ids=rng.integers(10, 90, n),
+                response_token_ids=rng.integers(10, vocab, n),
                 rollout_logprobs=np.log(rng.uniform(0.005, 0.02, n)).astype(np.float32),
                 prompt_id=prompt.prompt_id,
                 epoch=prompt.epoch,
@@ -95,7 +96,7 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
     tmp = tmp_path_factory.mktemp("rl")
     model = build_model(tmp / "model", tokenizer="digits", seed=2)
     with EmbeddedRedis(tmp / "redis", die_with_parent=True) as redis:
-        job = write_job(tmp, redis.url, prompts=4, eval_prompts=2, job=f"rl{uuid.uuid4().hex[:8]}")
+        job = write_job(tmp, redis.url, prompts=5, eval_prompts=2, job=f"rl{uuid.uuid4().hex[:8]}")
         doc = yaml.safe_load(job.read_text())
         doc["weight_sync"] = {
             "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
@@ -108,9 +109,10 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
             ServiceProcess.kuberl("weight_sync", job, tmp).wait_serving(60) as ws,
             Client(buffer.address) as client,
         ):
-            prompts = list(client.lease(4).prompts)
+            prompts = list(client.lease(5).prompts)
             prompts.sort(key=lambda p: int(p.prompt_id.rsplit(":", 1)[1]))
-            groups = [_group(p, REWARDS[i], i) for i, p in enumerate(prompts)]
+            groups = [_group(prompts[0], REWARDS[0], 9, vocab=5000)]  # not this model's ids
+            groups += [_group(p, REWARDS[i], i) for i, p in enumerate(prompts[1:])]
             for p, g in zip(prompts, groups, strict=True):  # one put each: oldest first
                 client.put([g], [p.lease_id])
             doc["endpoints"] = {"buffer": buffer.address, "weight_sync": ws.address}
@@ -118,7 +120,8 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
             doc["trainer"] = {
                 "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
                 "mode": "rl",
-                "total_steps": 2,
+                "total_steps": 3,
+                "batch_wait_seconds": 1.0,
                 "zero_stage": 3,
                 "groups_per_step": 2,
                 "micro_batch_tokens": 40,
@@ -169,9 +172,9 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
 def test_the_trainer_trains_total_steps_on_buffer_batches_and_exits_0(run) -> None:  # type: ignore[no-untyped-def]
     steps = [r for r in run["rows"] if r.get("kind") == "rl"]
     assert run["code"] == 0, run["log"][-4000:]
-    assert [r["step"] for r in steps] == [1, 2]
+    assert [r["step"] for r in steps] == [1, 2, 3]
     assert "world_size=2" in run["log"] and "zero_stage=3" in run["log"]
-    assert [r["policy_version"] for r in steps] == [1, 2]
+    assert [r["policy_version"] for r in steps] == [1, 2, 3]
     for r in steps:
         assert np.isfinite([r["loss/total"], r["loss/policy"], r["grad_norm"], r["kl/ref"]]).all()
         assert r["grad_norm"] > 0
@@ -179,24 +182,27 @@ def test_the_trainer_trains_total_steps_on_buffer_batches_and_exits_0(run) -> No
         assert r["mismatch/kl"] > 0 and r["mismatch/ratio_max"] > r["mismatch/ratio_min"]
 
 
-def test_each_batch_holds_whole_groups_oldest_first_with_their_rewards(run) -> None:  # type: ignore[no-untyped-def]
+def test_batches_hold_whole_groups_oldest_first_and_unusable_groups_are_left_out(run) -> None:  # type: ignore[no-untyped-def]
+    # batches: [bad, G0] -> G0 alone; [G1, G2]; [G3] (a partial batch after batch_wait_seconds)
     steps = [r for r in run["rows"] if r.get("kind") == "rl"]
-    expected = [float(np.mean(REWARDS[0] + REWARDS[1])), float(np.mean(REWARDS[2] + REWARDS[3]))]
+    expected = [np.mean(REWARDS[0]), np.mean(REWARDS[1] + REWARDS[2]), np.mean(REWARDS[3])]
     assert [r["reward/mean"] for r in steps] == pytest.approx(expected)
-    assert [r["batch/groups"] for r in steps] == [2.0, 2.0]
+    assert [r["batch/groups"] for r in steps] == [1.0, 2.0, 1.0]
+    assert [r["batch/rejected_groups"] for r in steps] == [1.0, 0.0, 0.0]
+    assert "reason=token_out_of_vocabulary" in run["log"]
 
 
 def test_batches_are_acked_after_the_step_and_the_policy_version_advances(run) -> None:  # type: ignore[no-untyped-def]
     stats = run["stats"]
-    assert (stats.batches_unacked, stats.groups_pending, stats.policy_version) == (0, 0, 2)
+    assert (stats.batches_unacked, stats.groups_pending, stats.policy_version) == (0, 0, 3)
 
 
 def test_weight_sync_holds_the_trainers_final_weights(run) -> None:  # type: ignore[no-untyped-def]
     from safetensors.torch import load_file
 
-    exported = load_file(str(run["tmp"] / "ckpt" / "step-000002" / "hf" / "model.safetensors"))
+    exported = load_file(str(run["tmp"] / "ckpt" / "step-000003" / "hf" / "model.safetensors"))
     published = run["published"]
-    assert run["version"] == 2
+    assert run["version"] == 3
     assert set(exported) == set(published)
     assert all((published[k] == exported[k]).all() for k in exported)
 
