@@ -375,3 +375,14 @@ def test_kuberl_containers_work_in_a_writable_directory(value_set: str) -> None:
             if mount is None or mount.get("readOnly"):
                 unwritable.append(f"{doc['metadata']['name']}/{c['name']}")
     assert unwritable == []
+
+
+def test_the_rollout_worker_may_wait_as_long_as_sglang_takes_to_load() -> None:
+    rollout = render("defaults").get("Deployment", "rollout")
+
+    def startup_seconds(name: str) -> int:
+        probe = _container(rollout, name)["startupProbe"]
+        return int(probe["periodSeconds"] * probe["failureThreshold"])
+
+    # The worker reports SERVING only after its engine (SGLang) is up and has the current weights.
+    assert startup_seconds("rollout") > startup_seconds("sglang") == 1800

@@ -29,11 +29,11 @@ import yaml
 
 from tests.helm.chart import NAMESPACE, render
 from tests.helm.promql import as_series_query, panel_queries, substitute
-from tests.support import ServiceProcess
+from tests.support import SHARED_DATA, ServiceProcess
 
 PROMETHEUS = shutil.which("prometheus")
 SERVICES = ("buffer", "reward", "weight_sync", "rollout", "trainer")
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl"
+DATA = SHARED_DATA / "gsm8k" / "train.jsonl"
 # How long the job may take to make every query return a series (a 2-core machine, shared).
 DEADLINE_SECONDS = 150.0
 

@@ -278,14 +278,17 @@ workingDir: /var/lib/kuberl/work
 - /etc/kuberl/job.yaml
 {{- end }}
 
-{{/* Native gRPC probes on grpc.health.v1 (every kuberl server serves it): (dict "root" $ "port" 50051). */}}
+{{/*
+Native gRPC probes on grpc.health.v1 (every kuberl server serves it), which says SERVING only
+once the service's start-up is done: (dict "root" $ "port" 50051 ["startupFailures" N]).
+*/}}
 {{- define "kuberl.grpcProbes" -}}
 startupProbe:
   grpc:
     port: {{ .port }}
   periodSeconds: 5
   timeoutSeconds: {{ .root.Values.probes.readiness.timeoutSeconds }}
-  failureThreshold: {{ .root.Values.probes.startupFailureThreshold }}
+  failureThreshold: {{ max .root.Values.probes.startupFailureThreshold (default 0 .startupFailures) }}
 readinessProbe:
   grpc:
     port: {{ .port }}
