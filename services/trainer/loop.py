@@ -125,7 +125,10 @@ class Status:
 
 
 # Control messages broadcast by rank 0 (first byte), followed by a payload.
+# MSG_WAIT ("nothing yet") goes out at least every minute while rank 0 waits for rollout, so the
+# other ranks never sit in one collective long enough for a NCCL/gloo timeout.
 MSG_BATCH, MSG_STOP, MSG_CHECKPOINT, MSG_EXHAUSTED = b"B", b"S", b"C", b"X"
+MSG_WAIT = b"W"
 
 
 class Trainer:
@@ -368,9 +371,12 @@ class Trainer:
             if msg != MSG_BATCH:
                 return msg, {}
             return MSG_BATCH, self._file_batch()
-        payload = self._fetch_batch(sft) if self.dist.is_main else None
-        data = broadcast_bytes(payload, self.dist)
-        tag, body = data[:1], data[1:]
+        while True:  # short rounds, so no rank sits in one collective for long
+            payload = self._fetch_batch(sft) if self.dist.is_main else None
+            data = broadcast_bytes(payload, self.dist)
+            tag, body = data[:1], data[1:]
+            if tag != MSG_WAIT:
+                break
         if tag != MSG_BATCH:
             return tag, {}
         from kuberl.api.buffer.v1 import buffer_pb2
@@ -420,7 +426,8 @@ class Trainer:
 
         kind = trajectory_pb2.STREAM_KIND_SFT if sft else trajectory_pb2.STREAM_KIND_TRAIN
         want = self.tc.groups_per_step
-        while True:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
             if self.stop_event.is_set():
                 return MSG_STOP
             if self.checkpoint_request.is_set():
@@ -448,6 +455,7 @@ class Trainer:
                 return MSG_BATCH + raw.SerializeToString()
             if raw.exhausted:
                 return MSG_EXHAUSTED
+        return MSG_WAIT
 
     # ------------------------------------------------------------------ RL
 
