@@ -194,13 +194,17 @@ class RolloutService(Service):
         port = config.rollout.server.port
         endpoint = f"{socket.gethostname()}:{port}" if port else ""
         if self.engine.kind == "torch":
+            device = getattr(config.rollout.engine, "device", "cpu")
+            # On a GPU the trainer's buckets can be copied device to device (same GPU) or
+            # broadcast over NCCL; every engine can take shared memory, gloo and snapshots.
+            gpu = ("cuda_ipc", "nccl") if device.startswith("cuda") else ()
             self.weights = EngineClient(
                 config.endpoints.weight_sync,
                 load=self._load_tensors,
                 engine_id=self.replica_id,
                 endpoint=endpoint,
-                transports=("shm", "gloo", "snapshot"),
-                device=getattr(config.rollout.engine, "device", "cpu"),
+                transports=(*gpu, "shm", "gloo", "snapshot"),
+                device=device,
             )
         else:
             self.weights = EngineClient(

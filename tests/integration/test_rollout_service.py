@@ -24,6 +24,7 @@ import grpc
 import pytest
 import torch
 import yaml
+from transformers import AutoTokenizer
 
 from kuberl.api.buffer.v1 import buffer_pb2 as bpb
 from kuberl.api.buffer.v1 import buffer_pb2_grpc
@@ -32,13 +33,16 @@ from kuberl.api.reward.v1 import reward_pb2_grpc
 from kuberl.api.rollout.v1 import rollout_pb2 as rpb
 from kuberl.api.rollout.v1 import rollout_pb2_grpc
 from kuberl.common.channels import aio_channel, sync_channel
-from kuberl.common.config import load_job_config
+from kuberl.common.config import SGLangEngineConfig, load_job_config
 from kuberl.common.modelbuild import build_model
 from kuberl.common.redis_server import EmbeddedRedis
 from kuberl.common.trajectory import Group
 from kuberl.rollout import metrics as m
+from kuberl.rollout.engine.base import Engine
+from kuberl.rollout.engine.sglang import SGLangEngine
 from kuberl.rollout.engine.torch_engine import TorchEngine
 from kuberl.rollout.worker import RolloutWorker
+from tests.integration.sglang_standin import SGLangStandIn
 from tests.integration.test_rollout_plugins import MARKER_ENV
 from tests.support import ServiceProcess
 
@@ -356,18 +360,22 @@ def test_sigterm_drains_the_replica_and_it_exits_cleanly(scenario) -> None:
 class Loop:
     """A RolloutWorker in this process with a torch engine, talking to the real services."""
 
-    def __init__(self, env: Env, config_path: Path, buffer_address: str) -> None:
+    def __init__(
+        self, env: Env, config_path: Path, buffer_address: str, engine: Engine | None = None
+    ) -> None:
         self.config = load_job_config(config_path, env={})
         self.env = env
         self.buffer_address = buffer_address
+        self.engine = engine
 
     async def __aenter__(self) -> RolloutWorker:
-        self.engine = TorchEngine.from_pretrained(self.env.model, max_batch_size=64)
+        if self.engine is None:
+            self.engine = TorchEngine.from_pretrained(self.env.model, max_batch_size=64)
         self.channels = [aio_channel(self.buffer_address), aio_channel(self.env.reward.address)]
         self.worker = RolloutWorker(
             self.config,
             self.engine,
-            self.engine.tokenizer,
+            AutoTokenizer.from_pretrained(self.env.model),
             buffer=buffer_pb2_grpc.BufferServiceStub(self.channels[0]),
             reward=reward_pb2_grpc.RewardServiceStub(self.channels[1]),
             replica_id=f"test-{uuid.uuid4().hex[:6]}",
@@ -506,3 +514,23 @@ def test_rejection_sampling_puts_only_samples_at_or_above_the_threshold(env, job
     assert 0 < len(kept) < 6 * GROUP
     assert all(t.reward >= 1.0 and ord(t.response_text[0]) % 2 == 1 for t in kept)
     assert buffer.take(12, wait=0.2) == []  # nothing went to the training stream
+
+
+def test_the_loop_runs_unchanged_on_the_sglang_engine(env, job) -> None:
+    """Against the SGLang API stand-in (not SGLang): the loop is engine-agnostic."""
+    config, buffer, address = job(prompts=3)
+
+    async def go(url: str) -> None:
+        engine = SGLangEngine(SGLangEngineConfig(url=url))
+        async with Loop(env, config, address, engine) as worker:
+            await _until(lambda: worker.groups_put == 3, what="all groups")
+
+    with SGLangStandIn(vocab_size=90) as server:
+        asyncio.run(go(server.url))
+        generated = [b for _, p, b in server.requests if p == "/generate"]
+    groups = buffer.take_all(3)
+    t = groups[0].trajectories[1]
+    assert (len(groups), len(generated)) == (3, 3)
+    assert t.rollout_logprobs.tolist() == pytest.approx(
+        [-0.01 * (i + 1) - 0.001 for i in range(len(t.response_token_ids))]
+    )
