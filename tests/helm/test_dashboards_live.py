@@ -292,4 +292,5 @@ def test_every_panel_and_alert_query_returns_series(job) -> None:
         if empty:
             time.sleep(2)
     no_series = sorted(f"{queries[i][0]}: {queries[i][1]}" for i in empty)
-    assert not no_series, "queries without a series:\n" + "\n".join(no_series)
+    logs = "\n".join(f"--- {proc.name} (last lines)\n{proc.log()[-1500:]}" for proc in procs)
+    assert not no_series, "queries without a series:\n" + "\n".join(no_series) + "\n" + logs
