@@ -158,6 +158,7 @@ class Trainer:
         self._metrics_file = os.environ.get(METRICS_JSONL_ENV)
         self._sft_iter: Iterator[tuple[int, list[Sample]]] | None = None
         self._checkpointed_step = -1
+        self._sft_samples: list[Sample] = []
         self.stopped = False
         self.vocab_size = 0
 
@@ -174,6 +175,10 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir), local_files_only=True)
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id or 0)
+        if self.tc.sft_data and (self.tc.mode == "sft" or self.tc.sft_steps):
+            path = Path(self.tc.sft_data)  # read now: a bad file fails the start, not step 1
+            path = path if path.is_absolute() else self.base / path
+            self._sft_samples = tokenize_pairs(read_pairs(path), self.tokenizer)
         dtype = train_dtype(self.config.model, self.dist.device)
         temperature = self.config.rollout.sampling.temperature or 1.0
         hf = load_causal_lm(self.model_dir, dtype)
@@ -405,10 +410,7 @@ class Trainer:
 
     def _file_batch(self) -> dict[str, Any]:
         if self._sft_iter is None:
-            assert self.tc.sft_data is not None
-            path = Path(self.tc.sft_data)
-            path = path if path.is_absolute() else self.base / path
-            samples = tokenize_pairs(read_pairs(path), self.tokenizer)
+            samples = self._sft_samples
             done = self.cursor.sft_step if self.tc.mode == "rl" else self.cursor.step
             per_epoch = max(1, len(samples) // self.tc.sft_batch_size)
             self._sft_iter = epoch_batches(

@@ -82,3 +82,28 @@ def test_policy_model_logprobs_equal_the_hf_models_own_logits(tmp_path) -> None:
     lp, ent = split_outputs(policy(ids, mask))
     assert isinstance(policy.hf.get_output_embeddings(), LogprobHead)
     assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_150k_vocabulary_in_bf16_never_materialises_full_logits_on_gpu() -> None:
+    dev = torch.device("cuda")
+    n, h, v = 8192, 896, 151_936  # Qwen2-0.5B's head
+    g = torch.Generator(device=dev).manual_seed(0)
+    hidden = (torch.randn(n, h, device=dev, generator=g) * 0.5).to(torch.bfloat16)
+    weight = (torch.randn(v, h, device=dev, generator=g) * 0.05).to(torch.bfloat16)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    targets = torch.randint(0, v, (n,), device=dev, generator=g)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    lp, ent = chunked_logprobs_and_entropy(hidden, weight, targets, chunk_size=4096)
+    (lp.sum() + 0.1 * ent.sum()).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    full_logits_bytes = n * v * 4
+    assert peak < 0.4 * full_logits_bytes, f"peak {peak / 2**30:.2f} GiB"
+    with torch.no_grad():
+        ref_lp, ref_ent = full_logprobs_and_entropy(hidden.float() @ weight.float().T, targets)
+    assert (lp - ref_lp).abs().max() < 1e-2 and (ent - ref_ent).abs().max() < 1e-2
