@@ -52,10 +52,7 @@ async def multi_turn_rollout(ctx: RolloutContext, prompt: PromptItem) -> list[Sa
 async def _one_sample(ctx: RolloutContext, tools: ToolRegistry, prompt: PromptItem) -> Sample:
     mt = ctx.config.rollout.multi_turn
     budget = mt.max_total_tokens or ctx.sampling.max_new_tokens
-    stops = ctx.sampling.stop if TOOL_CALL_CLOSE in ctx.sampling.stop else (
-        *ctx.sampling.stop,
-        TOOL_CALL_CLOSE,
-    )  # fmt: skip
+    stops = tuple(dict.fromkeys((*ctx.sampling.stop, TOOL_CALL_CLOSE)))
     tokens: list[int] = []
     logprobs: list[float] = []
     mask: list[int] = []

@@ -160,7 +160,8 @@ class RolloutWorker:
         self.generated_tokens = 0
         self.prompts_put = 0
         self.prompts_released = 0
-        self._stopping = False
+        self._stopping = False  # draining: no new leases
+        self._aborting = False  # draining past its timeout: no new generations
         self._paused = False
         self._stop = asyncio.Event()
         self._lease_gate = asyncio.Event()  # cleared while paused
@@ -291,9 +292,7 @@ class RolloutWorker:
                 m.FAILURES.labels("score").inc()
                 log.error("batch.score_failed", prompts=len(done), error=str(exc))
                 return  # released in `finally`
-            groups = [
-                self._group(d, rewards, score_seconds, kind) for d in done
-            ]  # fmt: skip
+            groups = [self._group(d, rewards, score_seconds, kind) for d in done]
             await self._put(kind, groups, [d.item.lease_id for d in done])
         finally:
             left = [lid for lid in lease_ids if lid in self._inflight]
@@ -306,8 +305,8 @@ class RolloutWorker:
         attempts = 0
         while True:
             await self._gen_gate.wait()
-            if self._stopping and attempts:
-                return None  # aborted by the drain: released by the batch
+            if self._aborting:
+                return None  # the drain gave up on in-flight work: released by the batch
             started = time.monotonic()
             self._generating.add(gen)
             try:
@@ -564,6 +563,7 @@ class RolloutWorker:
         if self._batches:
             await asyncio.wait(set(self._batches), timeout=timeout)
         if self._batches:
+            self._aborting = True
             self._gen_gate.set()
             await self.engine.abort_all()
             if self._paused:

@@ -13,6 +13,7 @@ import asyncio
 import json
 import math
 import signal
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -361,17 +362,23 @@ class Loop:
     """A RolloutWorker in this process with a torch engine, talking to the real services."""
 
     def __init__(
-        self, env: Env, config_path: Path, buffer_address: str, engine: Engine | None = None
+        self,
+        env: Env,
+        config_path: Path,
+        buffer_address: str,
+        engine: Engine | None = None,
+        reward_address: str | None = None,
     ) -> None:
         self.config = load_job_config(config_path, env={})
         self.env = env
         self.buffer_address = buffer_address
         self.engine = engine
+        self.reward_address = reward_address or env.reward.address
 
     async def __aenter__(self) -> RolloutWorker:
         if self.engine is None:
             self.engine = TorchEngine.from_pretrained(self.env.model, max_batch_size=64)
-        self.channels = [aio_channel(self.buffer_address), aio_channel(self.env.reward.address)]
+        self.channels = [aio_channel(self.buffer_address), aio_channel(self.reward_address)]
         self.worker = RolloutWorker(
             self.config,
             self.engine,
@@ -534,3 +541,27 @@ def test_the_loop_runs_unchanged_on_the_sglang_engine(env, job) -> None:
     assert t.rollout_logprobs.tolist() == pytest.approx(
         [-0.01 * (i + 1) - 0.001 for i in range(len(t.response_token_ids))]
     )
+
+
+def test_a_reward_outage_is_retried_then_the_prompts_go_back_to_the_buffer(env, job) -> None:
+    config, buffer, address = job(prompts=2, rollout={"max_attempts": 3, "batches_in_flight": 1})
+    with socket.socket() as sock:  # a port where nothing listens: the reward service is down
+        sock.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{sock.getsockname()[1]}"
+    retries = m.RPC_RETRIES.labels("Score", "UNAVAILABLE")
+    failures = m.FAILURES.labels("score")
+    before = (retries._value.get(), failures._value.get())
+
+    async def go() -> None:
+        async with Loop(env, config, address, reward_address=dead) as worker:
+            await _until(lambda: worker.prompts_released >= 2, what="the prompts released")
+
+    started = time.monotonic()
+    asyncio.run(go())
+    again = buffer.stub.LeasePrompts(
+        bpb.LeasePromptsRequest(max_prompts=10, consumer="another-replica"), timeout=30
+    )
+    assert time.monotonic() - started < 60  # released, not timed out (lease timeout 60 s)
+    assert retries._value.get() - before[0] >= 2 and failures._value.get() - before[1] >= 1
+    assert sorted(p.prompt_id for p in again.prompts) == ["train:0", "train:1"]
+    assert min(p.delivery_count for p in again.prompts) >= 2

@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 
-def create_engine(config: JobConfig, model_path: Path, tokenizer: object = None) -> Engine:
+def create_engine(config: JobConfig, model_path: Path) -> Engine:
     """The engine of `config.rollout.engine` serving the model at `model_path`."""
     engine = config.rollout.engine
     if engine.kind == "torch":
