@@ -52,5 +52,10 @@ test: setup
 protos: setup
 	$(PY) protos/generate.py
 
+# The end-to-end demo (docs/local.md): every service as its own process, live progress, a run
+# folder under runs/ with summary.json and plots. About 10-15 minutes on a 2-core CPU.
+demo: setup
+	$(PY) -m kuberl.cli run examples/demo.yaml
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -52,6 +52,40 @@ def _server(port: int, metrics_port: int) -> Any:
     )
 
 
+class LocalModeConfig(Section):
+    """How `kuberl run` (the local supervisor, `kuberl.local`) runs the job on one machine.
+
+    Read by the supervisor only; services and the Helm chart ignore it. Each field has a
+    command-line flag of `kuberl run` that overrides it."""
+
+    rollout_replicas: int = Field(
+        2, ge=1, description="Rollout processes (`--rollout-replicas`), each its own replica."
+    )
+    trainer_processes: int = Field(
+        1, ge=1, description="torchrun processes of the trainer (`--trainer-processes`)."
+    )
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu",
+        description="cpu: every process on CPU (CUDA hidden). cuda: the trainer and the torch "
+        "rollout engines share GPU 0 (`--device cuda` alone also means one rollout replica) and "
+        "weight-sync offers CUDA IPC first (`--device`).",
+    )
+    max_restarts: int = Field(
+        2, ge=0, description="Times a crashed service is restarted before the run fails."
+    )
+    start_timeout_seconds: float = Field(
+        300.0, gt=0, description="How long a service may take to report SERVING."
+    )
+    warm_start_lr: float | None = Field(
+        None,
+        gt=0,
+        description="The SFT warm start (`trainer.sft_steps` on `trainer.sft_data`) runs as its "
+        "own trainer run before the services start, and RL starts from its weights; this is its "
+        "learning rate (null: `trainer.optimizer.lr`). SFT usually wants a far larger rate than "
+        "RL.",
+    )
+
+
 class JobMeta(Section):
     name: str = Field(
         "kuberl",
@@ -60,6 +94,9 @@ class JobMeta(Section):
     )
     seed: int = Field(0, description="Seed for data shuffling, sampling and initialisation.")
     run_dir: str = Field("runs", description="Where local runs write their run folder.")
+    local: LocalModeConfig = Field(
+        default_factory=LocalModeConfig, description="Local mode (`kuberl run`) only."
+    )
 
 
 class Endpoints(Section):

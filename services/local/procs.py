@@ -70,6 +70,7 @@ class ProcessSpec:
         port_env: variable that pins the gRPC port on a restart (the first start binds a free
             one), e.g. `KUBERL_BUFFER__SERVER__PORT`.
         start_timeout: seconds to become ready before the start counts as failed.
+        unset: variables of the supervisor's environment the process must not inherit.
     """
 
     name: str
@@ -82,6 +83,7 @@ class ProcessSpec:
     exits_when_done: bool = False
     port_env: str | None = None
     start_timeout: float = 180.0
+    unset: tuple[str, ...] = ()
 
 
 class ServiceFailed(RuntimeError):
@@ -127,7 +129,8 @@ class ManagedProcess:
         self.ready_seconds: float | None = None  # time from (last) start to ready
         self.reached_serving = False
         self.finished = False  # exits_when_done and exited 0
-        self.exit_codes: list[int] = []
+        self.exit_codes: list[int] = []  # every exit, in order (crashes, finish, final stop)
+        self._exit_recorded = False
         self._log: IO[bytes] | None = None
         self._started_at = 0.0
 
@@ -149,7 +152,8 @@ class ManagedProcess:
 
     def start(self) -> None:
         """Start (or restart) the process; returns at once (see `wait_ready`)."""
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env}
+        env = {k: v for k, v in os.environ.items() if k not in self.spec.unset}
+        env.update({"PYTHONUNBUFFERED": "1", **self.spec.env})
         if self.starts and self.spec.port_env and self.port:
             env[self.spec.port_env] = str(self.port)
         argv = list(self.spec.argv)
@@ -173,12 +177,21 @@ class ManagedProcess:
             preexec_fn=_child_setup,
         )
         self.starts += 1
+        self._exit_recorded = False
         self._started_at = time.monotonic()
         log.info("process.started", name=self.name, pid=self.proc.pid, start=self.starts)
 
     def poll(self) -> int | None:
         """The exit code if the process has exited, else None."""
         return None if self.proc is None else self.proc.poll()
+
+    def record_exit(self) -> int | None:
+        """Note the exit code of the current start in `exit_codes` (once); return it."""
+        code = self.poll()
+        if code is not None and not self._exit_recorded:
+            self.exit_codes.append(code)
+            self._exit_recorded = True
+        return code
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -195,6 +208,10 @@ class ManagedProcess:
                 if should_stop():
                     raise StopRequested(f"stopped while waiting for {self.name}")
                 code = self.poll()
+                if code == 0 and self.spec.exits_when_done:
+                    self.finished = True  # done before we saw it serving
+                    self.record_exit()
+                    return
                 if code is not None:
                     raise self._failure(f"exited with code {code} while starting")
                 if time.monotonic() > deadline:
@@ -252,7 +269,7 @@ class ManagedProcess:
         self.signal(signal.SIGKILL)
         self._wait_group_gone()
         self.close_log()
-        return self.proc.returncode
+        return self.record_exit()
 
     def group_alive(self) -> bool:
         """True while any process of the group exists (zombies not yet reaped included)."""
@@ -312,7 +329,7 @@ class ProcessGroup:
             except ServiceFailed as failure:
                 if proc.poll() is None:  # timed out while running: it will not come up
                     proc.stop(grace=5.0)
-                proc.exit_codes.append(proc.poll() or 0)
+                proc.record_exit()
                 if proc.restarts >= proc.spec.max_restarts:
                     raise
                 log.warning("process.restart", name=proc.name, reason=failure.reason)
@@ -330,13 +347,12 @@ class ProcessGroup:
             code = proc.poll()
             if code is None:
                 continue
+            proc.record_exit()
             if proc.spec.exits_when_done and code == 0:
                 proc.finished = True
-                proc.exit_codes.append(0)
                 log.info("process.finished", name=proc.name)
                 finished.append(proc.name)
                 continue
-            proc.exit_codes.append(code)
             failure = proc._failure(f"exited with code {code}")
             if proc.restarts >= proc.spec.max_restarts:
                 log.error("process.failed", name=proc.name, code=code, restarts=proc.restarts)

@@ -1,0 +1,84 @@
+"""The demo's task: two-number addition questions with a verifiable answer, generated from a seed.
+
+`make demo` (examples/demo.yaml) trains a ~0.8M-parameter Qwen2-architecture model with a
+character tokenizer, built locally, to answer "Q: What is 23 + 17?\\nA: " with "40". Operands
+are 0..49, so there are 2,500 distinct questions; the eval set is `n_eval` of them, held out: no
+eval question appears in the RL prompts or the SFT examples. Answers are plain numbers, checked by
+the reward service's `gsm8k` verifier (the response's last number equals the answer).
+
+The files in examples/data/arith/ are this module's output (`python -m kuberl.local.arith
+examples/data/arith`) and a test checks that they still are:
+
+- `train.jsonl`: RL prompts `{"prompt", "answer"}` (questions drawn with repetition);
+- `eval.jsonl`: held-out prompts `{"prompt", "answer"}`;
+- `sft.jsonl`: warm-start examples `{"prompt", "response"}` (distinct questions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+MAX_OPERAND = 49
+TEMPLATE = "Q: What is {a} + {b}?\nA: "
+
+
+def question(a: int, b: int) -> tuple[str, str]:
+    """(prompt, answer) of one question."""
+    return TEMPLATE.format(a=a, b=b), str(a + b)
+
+
+def split_pairs(seed: int, n_eval: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Every operand pair, shuffled with seed, split into (train pairs, held-out eval pairs)."""
+    pairs = [(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
+    random.Random(seed).shuffle(pairs)
+    if not 0 < n_eval < len(pairs):
+        raise ValueError(f"n_eval must be between 1 and {len(pairs) - 1}, got {n_eval}")
+    return pairs[n_eval:], pairs[:n_eval]
+
+
+def generate(
+    seed: int = 0, n_train: int = 4000, n_eval: int = 200, n_sft: int = 2000
+) -> dict[str, list[dict[str, str]]]:
+    """The three datasets as lists of rows (see the module docstring)."""
+    train_pairs, eval_pairs = split_pairs(seed, n_eval)
+    if n_sft > len(train_pairs):
+        raise ValueError(f"n_sft must be at most {len(train_pairs)}, got {n_sft}")
+    rng = random.Random(seed + 1)
+    train = [question(*rng.choice(train_pairs)) for _ in range(n_train)]
+    sft = [question(*pair) for pair in rng.sample(train_pairs, n_sft)]
+    return {
+        "train": [{"prompt": p, "answer": a} for p, a in train],
+        "eval": [{"prompt": p, "answer": a} for p, a in (question(*e) for e in eval_pairs)],
+        "sft": [{"prompt": p, "response": a} for p, a in sft],
+    }
+
+
+def write(out_dir: Path, datasets: dict[str, list[dict[str, str]]]) -> list[Path]:
+    """Write `<name>.jsonl` for each dataset; return the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, rows in datasets.items():
+        path = out_dir / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        paths.append(path)
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train", type=int, default=4000)
+    parser.add_argument("--eval", type=int, default=200)
+    parser.add_argument("--sft", type=int, default=2000)
+    args = parser.parse_args(argv)
+    for path in write(args.out_dir, generate(args.seed, args.train, args.eval, args.sft)):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""`kuberl run job.yaml`: the local supervisor's command line (see `kuberl.local.supervisor`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from kuberl.common.logs import setup_logging
+    from kuberl.local.supervisor import RunOptions, run
+
+    # The supervisor's own log lines go to stderr only when asked (the screen shows progress).
+    setup_logging("local", level=args.log_level)
+    return run(
+        RunOptions(
+            job_file=Path(args.config),
+            rollout_replicas=args.rollout_replicas,
+            trainer_processes=args.trainer_processes,
+            device=args.device,
+            max_restarts=args.max_restarts,
+            run_dir=Path(args.run_dir) if args.run_dir else None,
+            plain=True if args.plain else None,
+        )
+    )
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    run = subparsers.add_parser(
+        "run",
+        help="run a whole job on this machine (every service as its own process)",
+        description="Start an embedded Redis and every service (`kuberl serve <service>`) on "
+        "loopback ports, show live progress, and write a run folder with logs, metrics, "
+        "checkpoints, summary.json and plots. Ctrl-C drains and stops everything. "
+        "Flags override the job file's `job.local` section.",
+    )
+    run.add_argument("config", help="job YAML file")
+    run.add_argument(
+        "--rollout-replicas", type=_positive, help="rollout processes (job.local.rollout_replicas)"
+    )
+    run.add_argument(
+        "--trainer-processes",
+        type=_positive,
+        help="torchrun processes of the trainer (job.local.trainer_processes)",
+    )
+    run.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        help="cpu: everything on CPU; cuda: trainer and a torch rollout engine share GPU 0 with "
+        "CUDA IPC weight sync (job.local.device)",
+    )
+    run.add_argument(
+        "--max-restarts", type=int, help="restarts of a crashed service (job.local.max_restarts)"
+    )
+    run.add_argument(
+        "--run-dir", help="exact run folder (default: <job.run_dir>/<job>-<timestamp>)"
+    )
+    run.add_argument(
+        "--plain",
+        action="store_true",
+        help="plain progress lines even on a terminal (the default when stdout is not one)",
+    )
+    run.add_argument(
+        "--log-level", default="warning", help="the supervisor's own log level (stderr)"
+    )
+    run.set_defaults(func=_cmd_run)

@@ -1,0 +1,673 @@
+"""`kuberl run job.yaml`: a whole job on one machine, every service its own process.
+
+The supervisor does for a laptop what the Helm chart does for a cluster, with the same
+entrypoints (`kuberl serve <service>`, the trainer under torchrun):
+
+1. **Run folder** `<job.run_dir>/<job>-<timestamp>/`: `job.yaml` (the job as the services read it:
+   absolute data paths, the model folder, Redis URL, loopback listeners, and after start-up the
+   real endpoints, so `kuberl buffer stats --config <run>/job.yaml` works during the run),
+   `logs/<service>.log`, `metrics.jsonl` (the trainer's one line per step), `checkpoints/`,
+   `timeline.jsonl` (service stats once a second), `summary.json` and the plots.
+2. **Model**: `kuberl.common.modelbuild.resolve_model` builds (or finds in the cache) the job's
+   model once, before any service starts, and every service gets its path (`model.path`).
+3. **Warm start**: when the job is RL with `trainer.sft_steps` on a `trainer.sft_data` file, the
+   SFT runs first as its own trainer run (`mode: sft`, learning rate `job.local.warm_start_lr`,
+   nothing else running), and RL starts from its HF export. The trainer's first eval round
+   therefore measures the model after SFT alone.
+4. **Services**: an embedded Redis (AOF on, in the run folder) unless `redis.url` is set; then
+   buffer, reward and weight-sync, then `job.local.rollout_replicas` rollout replicas (each with
+   its replica id, its own gRPC and metrics ports and its own sampling seed), then the trainer.
+   Each binds loopback; a service's address reaches the others through `KUBERL_ENDPOINTS__*`.
+   Each must report gRPC health SERVING before the next group starts.
+5. **Watch**: a crashed service is restarted on the same port (`job.local.max_restarts` times);
+   progress is shown live (`kuberl.local.progress`). The job is done when the trainer exits 0.
+6. **Stop** (end of job, Ctrl-C, SIGTERM, or a service that cannot go on): trainer first (it stops
+   after its current step), then the rollout replicas together (they finish or release their
+   leased prompts), then weight-sync and reward, then the buffer, then Redis. A second Ctrl-C
+   kills everything at once. The summary and plots are written in every case; the exit code is 0
+   (done), 1 (a service failed: its last log lines are printed) or 130 (interrupted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+from kuberl.common.config import JobConfig, dump_job_config, load_job_config, parse_job_config
+from kuberl.common.logs import get_logger
+from kuberl.local.procs import (
+    ManagedProcess,
+    ProcessGroup,
+    ProcessSpec,
+    ServiceFailed,
+    StopRequested,
+)
+from kuberl.local.progress import MetricsTail, Progress, Snapshot, StatsPoller
+
+log = get_logger(__name__)
+
+METRICS_JSONL_ENV = "KUBERL_METRICS_JSONL"  # the trainer appends one JSON row per step here
+TICK_SECONDS = 1.0
+# Config section of each non-rollout service (rollout replicas are named rollout-<i>).
+SECTIONS = {"buffer": "buffer", "reward": "reward", "weight-sync": "weight_sync"}
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM reached the supervisor."""
+
+
+@dataclass
+class RunOptions:
+    """What `kuberl run` was asked; None keeps the job file's `job.local` value."""
+
+    job_file: Path
+    rollout_replicas: int | None = None
+    trainer_processes: int | None = None
+    device: str | None = None
+    max_restarts: int | None = None
+    run_dir: Path | None = None
+    plain: bool | None = None
+
+
+def _abs(path: str, base: Path) -> str:
+    p = Path(path).expanduser()
+    return str(p if p.is_absolute() else (base / p).resolve())
+
+
+def _latest_hf_export(checkpoint_dir: Path) -> Path:
+    """The HF folder of the trainer's latest checkpoint (layout in kuberl.trainer.checkpoint)."""
+    pointer = checkpoint_dir / "latest"
+    if not pointer.exists():
+        raise FileNotFoundError(f"the warm start wrote no checkpoint ({pointer} is missing)")
+    hf = checkpoint_dir / pointer.read_text().strip() / "hf"
+    if not (hf / "config.json").exists():
+        raise FileNotFoundError(f"the warm start's checkpoint has no HF export ({hf})")
+    return hf
+
+
+def _thread_count(share: float) -> str:
+    """Torch threads for a process given its share of the CPUs. Measured here (2 cores shared
+    with other work): one SFT step took 0.5 s with 1 thread and 4-10 s with 2 (OpenMP threads
+    spin against each other and against the other services), so small machines get 1."""
+    return str(max(1, int((os.cpu_count() or 1) * share)))
+
+
+class Supervisor:
+    """One `kuberl run`. `run()` returns the process exit code."""
+
+    def __init__(
+        self, options: RunOptions, out: TextIO | None = None, err: TextIO | None = None
+    ) -> None:
+        self.options = options
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+        self.cwd = Path.cwd()
+        self.started = time.monotonic()
+        self.started_unix = time.time()
+        self._stop = threading.Event()
+        self._sigints = 0
+        self.group: ProcessGroup | None = None
+        self.redis: Any = None
+        self.poller = StatsPoller()
+        self.progress: Progress | None = None
+        self.config: JobConfig | None = None
+        self.doc: dict[str, Any] = {}
+        self.run_dir = Path()
+        self.shm_dir: Path | None = None
+        self.replica_names: list[str] = []
+        self.endpoints: dict[str, str] = {}
+        self.failure: ServiceFailed | None = None
+        self.error: str | None = None
+        self.model_path = ""
+        self.warm_start_hf: str | None = None
+        self.phase_seconds: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ entry
+
+    def run(self) -> int:
+        previous = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        status = "failed"
+        try:
+            self._prepare()
+            if self._warm_start_wanted():
+                self._warm_start()
+            self._start_services()
+            self._watch()
+            status = "completed"
+        except (Interrupted, StopRequested):
+            status = "interrupted"
+        except ServiceFailed as failure:
+            self.failure = failure
+        except Exception as exc:  # a bug or a bad setup: still stop everything and report
+            log.exception("run.error")
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            try:
+                self._shutdown(status)
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+        return self._report_exit(status)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._sigints += 1
+        self._stop.set()
+        if self._sigints > 1 and self.group is not None:
+            # Second Ctrl-C: no more draining.
+            for proc in self.group.processes.values():
+                proc.signal(signal.SIGKILL)
+
+    def _check_stop(self) -> None:
+        if self._stop.is_set():
+            raise Interrupted()
+
+    # ------------------------------------------------------------------ setup
+
+    def _prepare(self) -> None:
+        from kuberl.common.modelbuild import resolve_model
+
+        opts = self.options
+        config = load_job_config(opts.job_file)
+        local = config.job.local.model_dump()
+        for key in ("rollout_replicas", "trainer_processes", "device", "max_restarts"):
+            value = getattr(opts, key)
+            if value is not None:
+                local[key] = value
+        if opts.device == "cuda" and opts.rollout_replicas is None:
+            local["rollout_replicas"] = 1  # one GPU: the trainer and one colocated engine
+        doc = config.model_dump(mode="json")
+        doc["job"]["local"] = local
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.started_unix))
+        name = config.job.name
+        self.run_dir = (
+            opts.run_dir.resolve()
+            if opts.run_dir
+            else Path(_abs(config.job.run_dir, self.cwd)) / f"{name}-{stamp}"
+        )
+        self.run_dir.mkdir(parents=True, exist_ok=opts.run_dir is not None)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        for section in ("train", "eval"):
+            for ds in doc["data"][section]:
+                ds["path"] = _abs(ds["path"], self.cwd)
+        if doc["trainer"]["sft_data"]:
+            doc["trainer"]["sft_data"] = _abs(doc["trainer"]["sft_data"], self.cwd)
+        for section in ("buffer", "reward", "rollout", "trainer", "weight_sync"):
+            doc[section]["server"].update(host="127.0.0.1", port=0, metrics_port=0)
+        doc["trainer"]["checkpoint_dir"] = str(self.run_dir / "checkpoints")
+        doc["weight_sync"]["snapshot_dir"] = str(self.run_dir / "weights")
+        doc["weight_sync"]["advertise_host"] = "127.0.0.1"
+        if Path("/dev/shm").is_dir():
+            self.shm_dir = Path("/dev/shm") / f"kuberl-{self.run_dir.name}"
+            doc["weight_sync"]["shm_dir"] = str(self.shm_dir)
+        if local["device"] == "cuda":
+            if doc["rollout"]["engine"]["kind"] == "torch":
+                doc["rollout"]["engine"]["device"] = "cuda:0"
+            transports = [t for t in doc["weight_sync"]["transports"] if t != "cuda_ipc"]
+            doc["weight_sync"]["transports"] = ["cuda_ipc", *transports]
+        self.config = parse_job_config(doc, env={}, source=str(opts.job_file))
+        self.doc = self.config.model_dump(mode="json")
+        self.progress = Progress(
+            f"kuberl run {name} -> {self._rel(self.run_dir)}",
+            max_staleness=self.config.trainer.max_staleness,
+            plain=opts.plain,
+            out=self.out,
+        )
+        self.progress.message(f"kuberl run: {name}, run folder {self._rel(self.run_dir)}")
+        self.group = ProcessGroup(self.run_dir / "logs", should_stop=self._stop.is_set)
+        started = time.monotonic()
+        self.model_path = str(resolve_model(self.config, base_dir=self.cwd).resolve())
+        self.phase_seconds["model"] = time.monotonic() - started
+        self.doc["model"]["path"] = self.model_path
+        self._write_job(self.doc)
+
+    def _rel(self, path: Path) -> str:
+        with contextlib.suppress(ValueError):
+            return str(path.relative_to(self.cwd))
+        return str(path)
+
+    def _write_job(self, doc: dict[str, Any], name: str = "job.yaml") -> Path:
+        config = parse_job_config(doc, env={}, source=name)  # every value we set is checked
+        path = self.run_dir / name
+        path.write_text(
+            "# Written by `kuberl run`: the job as the services read it (see docs/local.md).\n"
+            + dump_job_config(config)
+        )
+        return path
+
+    @property
+    def local(self) -> Any:
+        assert self.config is not None
+        return self.config.job.local
+
+    def _base_env(self, threads: str | None = None) -> dict[str, str]:
+        env = {f"KUBERL_ENDPOINTS__{k.upper()}": v for k, v in self.endpoints.items()}
+        if self.local.device == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        if threads and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = threads
+        return env
+
+    def _serve_argv(self, service: str, job: Path) -> list[str]:
+        return [sys.executable, "-m", "kuberl.cli", "serve", service, "--config", str(job)]
+
+    def _trainer_argv(self, job: Path) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(self.local.trainer_processes),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "127.0.0.1:0",
+            "-m",
+            "kuberl.cli",
+            "serve",
+            "trainer",
+            "--config",
+            str(job),
+        ]
+
+    def _spec(self, name: str, argv: list[str], env: dict[str, str], **kw: Any) -> ProcessSpec:
+        # The caller's KUBERL_<SECTION>__* overrides are already in the resolved job file; the
+        # file, not the inherited environment, is what a service must read.
+        inherited = tuple(k for k in os.environ if k.startswith("KUBERL_") and "__" in k)
+        return ProcessSpec(
+            name,
+            argv,
+            env=env,
+            unset=inherited,
+            cwd=str(self.cwd),
+            max_restarts=self.local.max_restarts,
+            start_timeout=self.local.start_timeout_seconds,
+            **kw,
+        )
+
+    # ------------------------------------------------------------------ warm start
+
+    def _warm_start_wanted(self) -> bool:
+        tc = self.config.trainer if self.config else None
+        return bool(tc and tc.mode == "rl" and tc.sft_steps > 0 and tc.sft_data)
+
+    def _warm_start(self) -> None:
+        assert self.config is not None and self.group is not None and self.progress is not None
+        tc = self.config.trainer
+        doc = json.loads(json.dumps(self.doc))
+        checkpoints = self.run_dir / "checkpoints" / "warm-start"
+        doc["trainer"].update(
+            mode="sft",
+            total_steps=tc.sft_steps,
+            sft_steps=0,
+            publish_weights=False,
+            checkpoint_dir=str(checkpoints),
+            checkpoint_every=tc.sft_steps,
+            keep_checkpoints=1,
+            export_hf=True,
+            resume=False,
+            linger_seconds=0.0,
+        )
+        doc["trainer"]["optimizer"]["lr"] = self.local.warm_start_lr or tc.optimizer.lr
+        job = self._write_job(doc, "warm-start.yaml")
+        self.progress.set_phase("warm start (SFT)", tc.sft_steps)
+        rows_path = self.run_dir / "warm-start.jsonl"
+        env = {**self._base_env(_thread_count(0.5)), METRICS_JSONL_ENV: str(rows_path)}
+        started = time.monotonic()
+        proc = self.group.start(
+            self._spec(
+                "warm-start",
+                self._trainer_argv(job),
+                env,
+                exits_when_done=True,
+                port_env="KUBERL_TRAINER__SERVER__PORT",
+            ),
+            wait=False,
+        )
+        tail = MetricsTail(rows_path)
+        self._wait_all([proc])
+        while not proc.finished:
+            self._check_stop()
+            self.group.check()
+            self.progress.add_rows(tail.read())
+            self._set_services()
+            self.progress.render()
+            self._stop.wait(TICK_SECONDS / 2)
+        self.progress.add_rows(tail.read())
+        self.progress.render(force=True)
+        self.phase_seconds["warm_start"] = time.monotonic() - started
+        hf = _latest_hf_export(checkpoints)
+        self.warm_start_hf = str(hf)
+        self.doc["model"]["path"] = str(hf)
+        self.doc["trainer"]["sft_steps"] = 0
+        self._write_job(self.doc)
+        self.progress.message(
+            f"warm start done in {self.phase_seconds['warm_start']:.0f}s: RL starts from {hf}"
+        )
+
+    # ------------------------------------------------------------------ services
+
+    def _start_services(self) -> None:
+        from kuberl.common.redis_server import EmbeddedRedis, free_port
+
+        assert self.config is not None and self.group is not None and self.progress is not None
+        started = time.monotonic()
+        self.progress.set_phase("starting services", self.config.trainer.total_steps)
+        if self.config.redis.url is None:
+            self.redis = EmbeddedRedis(self.run_dir / "redis", die_with_parent=True)
+            self.doc["redis"]["url"] = self.redis.start()
+        job = self._write_job(self.doc)
+        # Services that depend on nobody, started together.
+        first = []
+        for name, section in SECTIONS.items():
+            env = self._base_env("1")
+            spec = self._spec(
+                name,
+                self._serve_argv(section, job),
+                env,
+                port_env=f"KUBERL_{section.upper()}__SERVER__PORT",
+            )
+            self._check_env(spec)
+            first.append(self.group.start(spec, wait=False))
+        self._wait_all(first)
+        for proc in first:
+            self.endpoints[SECTIONS[proc.name]] = proc.address
+        # Rollout replicas: each with its own ports (announced to weight-sync), id and seed.
+        replicas = []
+        share = 0.25 / self.local.rollout_replicas
+        for i in range(self.local.rollout_replicas):
+            name = f"rollout-{i}"
+            env = {
+                **self._base_env(_thread_count(share)),
+                "KUBERL_ROLLOUT__REPLICA_ID": name,
+                "KUBERL_ROLLOUT__SERVER__PORT": str(free_port()),
+                "KUBERL_ROLLOUT__SERVER__METRICS_PORT": str(free_port()),
+            }
+            if self.config.rollout.engine.kind == "torch":
+                env["KUBERL_ROLLOUT__ENGINE__SEED"] = str(self.config.job.seed * 1000 + i)
+            spec = self._spec(name, self._serve_argv("rollout", job), env)
+            self._check_env(spec)
+            replicas.append(self.group.start(spec, wait=False))
+            self.replica_names.append(name)
+        self._wait_all(replicas)
+        # The trainer drives the job; it starts once everything it talks to is serving.
+        env = {
+            **self._base_env(_thread_count(0.25)),
+            METRICS_JSONL_ENV: str(self.run_dir / "metrics.jsonl"),
+        }
+        spec = self._spec(
+            "trainer",
+            self._trainer_argv(job),
+            env,
+            exits_when_done=True,
+            port_env="KUBERL_TRAINER__SERVER__PORT",
+        )
+        self._check_env(spec)
+        trainer = self.group.start(spec, wait=False)
+        self._wait_all([trainer])
+        self.endpoints["trainer"] = trainer.address
+        # Record the real endpoints so the CLI works against the running job.
+        self.doc["endpoints"].update(self.endpoints)
+        self._write_job(self.doc)
+        self.phase_seconds["start_services"] = time.monotonic() - started
+        self.progress.message(
+            "services serving: "
+            + ", ".join(f"{p.name} {p.address}" for p in self.group.processes.values() if p.port)
+        )
+
+    def _check_env(self, spec: ProcessSpec) -> None:
+        """Validate the job with this process's overrides before starting it."""
+        env = {k: v for k, v in spec.env.items() if k.startswith("KUBERL_") and "__" in k}
+        parse_job_config(self.doc, env=env, source=f"{spec.name} environment")
+
+    def _wait_all(self, procs: list[ManagedProcess]) -> None:
+        assert self.group is not None
+        for proc in procs:
+            while True:
+                self._check_stop()
+                self._set_services()
+                if self.progress is not None:
+                    self.progress.render()
+                try:
+                    self.group.wait_ready(proc.name)
+                    break
+                except StopRequested:
+                    raise Interrupted() from None
+            self._set_services()
+
+    def _set_services(self) -> None:
+        if self.group is None or self.progress is None:
+            return
+        states = {}
+        for name, proc in self.group.processes.items():
+            if proc.finished:
+                states[name] = "finished"
+            elif proc.running() and proc.ready_seconds is not None:
+                states[name] = "serving"
+            elif proc.running():
+                states[name] = "starting"
+            else:
+                states[name] = "stopped"
+        restarts = sum(p.restarts for p in self.group.processes.values())
+        self.progress.set_services(states, restarts)
+
+    # ------------------------------------------------------------------ watch
+
+    def _snapshot(self) -> Snapshot:
+        assert self.group is not None
+        snap = Snapshot(time=time.time())
+        procs = self.group.processes
+        if "trainer" in procs and procs["trainer"].running():
+            snap.trainer = self.poller.trainer(procs["trainer"].address)
+        if procs["buffer"].running():
+            snap.buffer = self.poller.buffer(procs["buffer"].address)
+        for name in self.replica_names:
+            snap.replicas[name] = (
+                self.poller.replica(procs[name].address) if procs[name].running() else None
+            )
+        ws = procs["weight-sync"]
+        if ws.running():
+            snap.weight_sync = self.poller.weight_sync(ws.address)
+            snap.sync_seconds = self.poller.sync_seconds(ws.metrics_port)
+        return snap
+
+    def _watch(self) -> None:
+        assert self.group is not None and self.progress is not None and self.config is not None
+        self.progress.set_phase("RL", self.config.trainer.total_steps)
+        tail = MetricsTail(self.run_dir / "metrics.jsonl")
+        started = time.monotonic()
+        with (self.run_dir / "timeline.jsonl").open("a") as timeline:
+            while True:
+                self._check_stop()
+                self.group.check()
+                self.progress.add_rows(tail.read())
+                if self.group["trainer"].finished:
+                    break
+                self.progress.add_snapshot(self._snapshot())
+                timeline.write(json.dumps(self.progress.timeline[-1]) + "\n")
+                timeline.flush()
+                self._set_services()
+                self.progress.render()
+                self._stop.wait(TICK_SECONDS)
+        self.progress.add_rows(tail.read())
+        self.phase_seconds["rl"] = time.monotonic() - started
+
+    # ------------------------------------------------------------------ stop
+
+    def _shutdown(self, status: str) -> None:
+        group = self.group
+        final_replicas: dict[str, dict[str, Any] | None] = {}
+        final_buffer: dict[str, Any] | None = None
+        sync: dict[str, tuple[float, float]] = {}
+        try:
+            if group is not None and group.processes:
+                if self.progress is not None:
+                    self._set_services()
+                    self.progress.close()
+                    label = {"completed": "job done", "interrupted": "interrupted"}
+                    print(
+                        f"kuberl run: {label.get(status, 'failed')}, stopping the services",
+                        file=self.out,
+                        flush=True,
+                    )
+                procs = group.processes
+                for name in ("trainer", "warm-start"):
+                    if name in procs:
+                        procs[name].stop(grace=120)
+                for name in self.replica_names:
+                    if procs[name].running():
+                        final_replicas[name] = self.poller.replica(procs[name].address)
+                    else:
+                        final_replicas[name] = None
+                drain = (self.config.rollout.drain_seconds if self.config else 30) + 30
+                self._stop_together(self.replica_names, drain)
+                if "buffer" in procs and procs["buffer"].running():
+                    final_buffer = self.poller.buffer(procs["buffer"].address)
+                if "weight-sync" in procs and procs["weight-sync"].running():
+                    sync = self.poller.sync_seconds(procs["weight-sync"].metrics_port)
+                self._stop_together(["weight-sync", "reward"], 30)
+                self._stop_together(["buffer"], 30)
+                group.stop_all(grace=10)  # anything left
+        finally:
+            self.poller.close()
+            if self.redis is not None:
+                self.redis.stop()
+            if self.shm_dir is not None:
+                shutil.rmtree(self.shm_dir, ignore_errors=True)
+        if self.config is not None:
+            self._write_report(status, final_buffer, final_replicas, sync)
+
+    def _stop_together(self, names: list[str], grace: float) -> None:
+        """SIGTERM several processes at once, then wait for each (SIGKILL after grace)."""
+        assert self.group is not None
+        procs = [self.group.processes[n] for n in names if n in self.group.processes]
+        for proc in procs:
+            if proc.running():
+                proc.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in procs:
+            proc.stop(grace=max(0.1, deadline - time.monotonic()))
+
+    # ------------------------------------------------------------------ report
+
+    def _write_report(
+        self,
+        status: str,
+        final_buffer: dict[str, Any] | None,
+        final_replicas: dict[str, dict[str, Any] | None],
+        sync: dict[str, tuple[float, float]],
+    ) -> None:
+        from kuberl.local.report import build_summary, read_jsonl, write_plots
+
+        assert self.config is not None
+        rl_rows = read_jsonl(self.run_dir / "metrics.jsonl")
+        warm_rows = read_jsonl(self.run_dir / "warm-start.jsonl")
+        timeline = self.progress.timeline if self.progress else []
+        services = {}
+        if self.group is not None:
+            for name, proc in self.group.processes.items():
+                services[name] = {
+                    "reached_serving": proc.reached_serving,
+                    "starts": proc.starts,
+                    "restarts": proc.restarts,
+                    "exit_codes": proc.exit_codes,
+                    "ready_seconds": (
+                        round(proc.ready_seconds, 2) if proc.ready_seconds is not None else None
+                    ),
+                    "log": self._rel(proc.log_path),
+                }
+        failure = None
+        if self.failure is not None:
+            failure = {"service": self.failure.name, "reason": self.failure.reason}
+        elif self.error is not None:
+            failure = {"service": "supervisor", "reason": self.error}
+        plots: list[str] = []
+        try:
+            plots = [
+                self._rel(p)
+                for p in write_plots(
+                    self.run_dir,
+                    rl_rows,
+                    warm_rows,
+                    timeline,
+                    title=self.config.job.name,
+                    max_staleness=self.config.trainer.max_staleness,
+                )
+            ]
+        except Exception:  # plots are a convenience; the summary must still be written
+            log.exception("report.plots_failed")
+        summary = build_summary(
+            job=self.config.job.name,
+            status=status,
+            wall_seconds=time.monotonic() - self.started,
+            group_size=self.config.rollout.group_size,
+            max_staleness=self.config.trainer.max_staleness,
+            rl_rows=rl_rows,
+            warm_rows=warm_rows,
+            buffer_final=final_buffer,
+            replicas_final=final_replicas,
+            sync_seconds=sync,
+            services=services,
+            timeline=timeline,
+            extra={
+                "failure": failure,
+                "run_dir": str(self.run_dir),
+                "started_unix": self.started_unix,
+                "phase_seconds": {k: round(v, 1) for k, v in self.phase_seconds.items()},
+                "model_path": self.model_path,
+                "warm_start_model": self.warm_start_hf,
+                "device": self.local.device,
+                "rollout_replicas": self.local.rollout_replicas,
+                "trainer_processes": self.local.trainer_processes,
+                "plots": plots,
+            },
+        )
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self.summary = summary
+
+    def _report_exit(self, status: str) -> int:
+        summary = getattr(self, "summary", None)
+        if summary is not None:
+            start, end = summary["eval_accuracy_start"], summary["eval_accuracy_end"]
+            accuracy = ""
+            if start is not None and end is not None:
+                accuracy = f", held-out accuracy {start:.3f} -> {end:.3f}"
+            print(
+                f"kuberl run: {status} in {summary['wall_seconds']:.0f}s, "
+                f"{summary['steps']} RL steps{accuracy}; {self._rel(self.run_dir)}/summary.json",
+                file=self.out,
+                flush=True,
+            )
+        if self.failure is not None:
+            restarts = ""
+            if self.group is not None and self.failure.name in self.group.processes:
+                n = self.group.processes[self.failure.name].restarts
+                restarts = f" (after {n} restart{'s' if n != 1 else ''})"
+            print(
+                f"kuberl run: {self.failure.name} {self.failure.reason}{restarts}; the job cannot "
+                f"go on. Last lines of {self._rel(self.failure.log_path)}:\n"
+                f"{self.failure.log_tail}",
+                file=self.err,
+                flush=True,
+            )
+            return 1
+        if self.error is not None:
+            print(f"kuberl run: {self.error}", file=self.err, flush=True)
+            return 1
+        return 130 if status == "interrupted" else 0
+
+
+def run(options: RunOptions) -> int:
+    """`kuberl run`: run the job, return the exit code."""
+    return Supervisor(options).run()

@@ -1,0 +1,74 @@
+"""The example job files: they validate with `kuberl config check`, and the demo's data files are
+exactly what its generator writes, with the eval questions held out of SFT and RL."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kuberl.common.config import load_job_config
+from kuberl.local import arith
+from tests.support import REPO
+
+EXAMPLES = REPO / "examples"
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "gsm8k-qwen.yaml"])
+def test_kuberl_config_check_accepts_the_example(name: str) -> None:
+    check = subprocess.run(
+        [sys.executable, "-m", "kuberl.cli", "config", "check", str(EXAMPLES / name)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin"},  # no KUBERL_* overrides from the caller
+    )
+    assert (check.returncode, check.stderr) == (0, "")
+
+
+def test_the_gpu_example_is_qwen_on_gsm8k_with_sglang_and_zero2() -> None:
+    config = load_job_config(EXAMPLES / "gsm8k-qwen.yaml", env={})
+    assert (
+        config.model.path,
+        config.rollout.engine.kind,
+        config.trainer.zero_stage,
+        [ds.path for ds in config.data.train],
+        config.weight_sync.transports[0],
+    ) == ("/models/Qwen2.5-1.5B-Instruct", "sglang", 2, ["/data/gsm8k/train.jsonl"], "nccl")
+
+
+def test_the_demo_data_files_are_the_generators_output(tmp_path: Path) -> None:
+    arith.write(tmp_path, arith.generate())
+    names = ("train.jsonl", "eval.jsonl", "sft.jsonl")
+    assert [(tmp_path / n).read_text() for n in names] == [
+        (EXAMPLES / "data" / "arith" / n).read_text() for n in names
+    ]
+
+
+def test_no_eval_question_appears_in_the_sft_or_rl_data() -> None:
+    def prompts(name: str) -> set[str]:
+        path = EXAMPLES / "data" / "arith" / name
+        return {json.loads(line)["prompt"] for line in path.read_text().splitlines()}
+
+    held_out = prompts("eval.jsonl")
+    assert (len(held_out), held_out & (prompts("train.jsonl") | prompts("sft.jsonl"))) == (
+        200,
+        set(),
+    )
+
+
+def test_every_demo_answer_is_the_sum_of_its_question() -> None:
+    rows = [
+        json.loads(line)
+        for name in ("train.jsonl", "eval.jsonl")
+        for line in (EXAMPLES / "data" / "arith" / name).read_text().splitlines()
+    ]
+    wrong = []
+    for row in rows:
+        a, b = row["prompt"].removeprefix("Q: What is ").split("?")[0].split(" + ")
+        if int(a) + int(b) != int(row["answer"]):
+            wrong.append(row)
+    assert (len(rows), wrong) == (4200, [])

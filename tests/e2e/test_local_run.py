@@ -1,0 +1,192 @@
+"""`kuberl run` end to end: the demo job, shortened, with every service a real process.
+
+One run of examples/demo.yaml cut down to a 5-step warm start and 3 GRPO steps (small groups, a
+few eval prompts) must finish with every service having reported SERVING, every rollout replica
+having loaded a newer policy, nothing lost or duplicated, every trained group within
+`max_staleness`, and a complete run folder. A second run is interrupted with SIGINT once its
+services are up: it must stop everything it started and say so in its summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.support import REPO
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SERVICES = {"warm-start", "buffer", "reward", "weight-sync", "rollout-0", "rollout-1", "trainer"}
+
+
+def _short_job(tmp: Path, *, warm_start: bool) -> Path:
+    """examples/demo.yaml with a few steps and prompts (the demo's model, data and services)."""
+    doc = yaml.safe_load((REPO / "examples" / "demo.yaml").read_text())
+    doc["job"]["name"] = "demo-e2e"
+    doc["job"]["run_dir"] = str(tmp / "runs")
+    doc["data"]["eval"][0]["limit"] = 8
+    doc["rollout"]["group_size"] = 4
+    doc["rollout"]["prompts_per_batch"] = 4
+    doc["rollout"]["sampling"]["max_new_tokens"] = 4
+    doc["rollout"]["drain_seconds"] = 5
+    doc["buffer"]["max_inflight_groups"] = 8
+    doc["trainer"].update(
+        total_steps=3,
+        groups_per_step=4,
+        eval_every=0,
+        checkpoint_every=3,
+        sft_steps=5 if warm_start else 0,
+        sft_batch_size=16,
+        batch_wait_seconds=5,
+    )
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _kuberl_run(job: Path, run_dir: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kuberl.cli", "run", str(job), "--run-dir", str(run_dir)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that contain text (a run folder's path)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            found.append(f"{entry.name}: {cmdline[:200]}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("local-run")
+    run_dir = tmp / "run"
+    proc = _kuberl_run(_short_job(tmp, warm_start=True), run_dir)
+    output, _ = proc.communicate(timeout=280)
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    rows = (
+        [
+            json.loads(line)
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if line.strip()
+        ]
+        if (run_dir / "metrics.jsonl").exists()
+        else []
+    )
+    return {
+        "code": proc.returncode,
+        "output": output,
+        "dir": run_dir,
+        "summary": summary,
+        "rows": rows,
+    }
+
+
+@pytest.mark.slow
+def test_the_short_demo_completes_and_exits_zero(finished_run: dict[str, Any]) -> None:
+    assert (finished_run["code"], finished_run["summary"].get("status")) == (0, "completed"), (
+        finished_run["output"][-4000:]
+    )
+
+
+@pytest.mark.slow
+def test_every_service_reached_serving(finished_run: dict[str, Any]) -> None:
+    services = finished_run["summary"]["services"]
+    assert {n for n, s in services.items() if s["reached_serving"]} == SERVICES
+
+
+@pytest.mark.slow
+def test_the_policy_version_advanced_on_every_rollout_replica(
+    finished_run: dict[str, Any],
+) -> None:
+    replicas = finished_run["summary"]["replicas"]
+    versions = {name: (r or {}).get("policy_version", 0) for name, r in replicas.items()}
+    assert set(versions) == {"rollout-0", "rollout-1"} and min(versions.values()) >= 1, versions
+
+
+@pytest.mark.slow
+def test_no_prompt_was_lost_and_no_group_duplicated(finished_run: dict[str, Any]) -> None:
+    s = finished_run["summary"]
+    assert (s["prompts_lost"], s["groups_duplicated"], s["prompts_leased"] > 0) == (0, 0, True)
+
+
+@pytest.mark.slow
+def test_every_trained_group_is_within_max_staleness(finished_run: dict[str, Any]) -> None:
+    steps = [r for r in finished_run["rows"] if r["kind"] == "rl"]
+    staleness = [r["batch/staleness_max"] for r in steps]
+    assert len(steps) == 3 and max(staleness) <= finished_run["summary"]["max_staleness"]
+
+
+@pytest.mark.slow
+def test_the_job_evaluated_after_the_warm_start_and_at_the_end(
+    finished_run: dict[str, Any],
+) -> None:
+    rounds = finished_run["summary"]["eval_rounds"]
+    assert [(r["step"], r["groups"]) for r in rounds] == [(0, 8), (3, 8)]
+
+
+@pytest.mark.slow
+def test_the_run_folder_holds_logs_metrics_checkpoints_and_plots(
+    finished_run: dict[str, Any],
+) -> None:
+    run_dir: Path = finished_run["dir"]
+    expected = [
+        "job.yaml",
+        "warm-start.yaml",
+        "metrics.jsonl",
+        "timeline.jsonl",
+        "summary.json",
+        "checkpoints/latest",
+        *(f"logs/{name}.log" for name in SERVICES),
+    ]
+    missing = [p for p in expected if not (run_dir / p).is_file()]
+    plots = ["reward.png", "throughput.png", "staleness.png", "warm_start.png"]
+    not_png = [p for p in plots if (run_dir / p).read_bytes()[:8] != PNG_MAGIC]
+    assert (missing, not_png) == ([], [])
+
+
+@pytest.mark.slow
+def test_sigint_stops_every_process_of_the_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = _kuberl_run(_short_job(tmp_path, warm_start=False), run_dir)
+    try:
+        deadline = time.monotonic() + 150
+        ready = run_dir / "logs" / "rollout-1.ports.json"
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        alive_before = _processes_mentioning(str(run_dir))
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert len(alive_before) >= 5, alive_before  # redis, buffer, reward, weight-sync, rollouts
+    assert (proc.returncode, summary["status"], _processes_mentioning(str(run_dir))) == (
+        130,
+        "interrupted",
+        [],
+    ), output[-3000:]
