@@ -39,7 +39,7 @@ import torch
 from kuberl.common import metrics as prom
 from kuberl.common.config import JobConfig
 from kuberl.common.logs import get_logger
-from kuberl.common.trajectory import Group
+from kuberl.common.trajectory import Group, TrajectoryError
 from kuberl.trainer import algorithms as algo
 from kuberl.trainer import checkpoint as ckpt
 from kuberl.trainer.batching import MicroBatch, Sample, collate, micro_batches, shard
@@ -345,7 +345,8 @@ class Trainer:
 
     def _usable(self, groups: list[Group]) -> list[Group]:
         """Groups the model can train on; the others are counted and left out. Token ids
-        must be inside the vocabulary, prompts non-empty, and a batch's groups of one size."""
+        must be inside the vocabulary, prompts non-empty, arrays of one length and finite, and a
+        batch's groups of one size."""
         sizes = [len(g.trajectories) for g in groups]
         common = max(set(sizes), key=sizes.count) if sizes else 0
         kept = []
@@ -355,6 +356,11 @@ class Trainer:
                 reason = "group_size"
             for t in g.trajectories:
                 ids = np.concatenate([t.prompt_token_ids, t.response_token_ids])
+                try:
+                    t.validate()
+                except TrajectoryError:
+                    reason = "invalid_trajectory"
+                    continue
                 if len(t.prompt_token_ids) == 0:
                     reason = "empty_prompt"
                 elif ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):

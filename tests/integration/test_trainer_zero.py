@@ -87,6 +87,52 @@ def _worker(out_dir: Path, model_dir: Path) -> None:
             save_file(weights, str(out_dir / f"stage{stage}.safetensors"))
             result = {"loss": loss.item(), "grad_norm": grad_norm, "micro_batches": len(mbs)}
             (out_dir / f"stage{stage}.json").write_text(json.dumps(result))
+    _ppo_with_critic(out_dir, model_dir)
+
+
+def _ppo_with_critic(out_dir: Path, model_dir: Path) -> None:
+    """One PPO step with GAE from a critic (its own ZeRO-3 engine) through the trainer's own
+    step function, on a batch of two groups."""
+    from kuberl.common.config import JobConfig
+    from kuberl.common.trajectory import Group, Trajectory
+    from kuberl.trainer.distributed import init_distributed
+    from kuberl.trainer.loop import Trainer
+    from kuberl.trainer.sft import samples_from_groups
+
+    config = JobConfig.model_validate(
+        {
+            "model": {"path": str(model_dir)},
+            "rollout": {"group_size": 2},
+            "trainer": {
+                "zero_stage": 3,
+                "micro_batch_tokens": 24,
+                "publish_weights": False,
+                "resume": False,
+                "checkpoint_dir": str(out_dir / "ppo-ckpt"),
+                "algorithm": {"advantage": "gae", "gamma": 0.99, "lam": 0.95, "ppo_epochs": 2},
+            },
+        }
+    )
+    trainer = Trainer(config, init_distributed(), out_dir)
+    trainer.setup()
+    groups = []
+    for g, s in enumerate(_samples()[:4]):
+        trajectories = [
+            Trajectory(
+                s.prompt_ids,
+                s.response_ids[i:],
+                np.full(len(s.response_ids) - i, -4.0, dtype=np.float32),
+                prompt_id=f"p:{g}",
+                sample_index=i,
+                reward=float(i == g % 2),
+            )
+            for i in range(2)
+        ]
+        groups.append(Group(f"p:{g}", 0, trajectories))
+    batch = {"groups": groups, "samples": samples_from_groups(groups), "tokens": 1}
+    metrics = trainer._rl_step(batch)
+    if trainer.dist.is_main:
+        (out_dir / "ppo.json").write_text(json.dumps(metrics))
 
 
 def _plain_torch_step(model_dir: Path) -> tuple[float, float, dict, float]:  # type: ignore[type-arg]
@@ -145,6 +191,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-d
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return root, _plain_torch_step(model_dir)
+
+
+def test_ppo_with_gae_and_a_critic_steps_both_models_on_two_zero3_ranks(runs) -> None:  # type: ignore[no-untyped-def]
+    root, _ = runs
+    m = json.loads((root / "ppo.json").read_text())
+    assert np.isfinite([m["loss/policy"], m["loss/value"], m["value/explained_variance"]]).all()
+    assert m["grad_norm"] > 0 and m["value/grad_norm"] > 0
+    # the critic starts at V = 0 and regresses towards the (non-zero) returns
+    assert m["loss/value"] > 0 and m["value/returns_mean"] != 0.0
 
 
 @pytest.mark.parametrize("stage", STAGES)
