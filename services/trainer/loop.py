@@ -245,9 +245,34 @@ class Trainer:
         if self.critic is not None:
             self.critic.load(path / "critic", path.name)
         self.cursor = ckpt.read_cursor(path, self.dist.rank)
+        # Versions published after this checkpoint belong to weights that are now lost: jump
+        # past them, so the checkpoint's weights go out under a new, higher version.
+        seen = self._versions_elsewhere() if self.dist.is_main else 0
+        seen = int(broadcast_bytes(str(seen).encode(), self.dist).decode())
+        if seen > self.cursor.policy_version:
+            log.info("trainer.version_jump", checkpoint=self.cursor.policy_version, seen=seen)
+            self.cursor.policy_version = seen + 1
         self.status.last_checkpoint = str(path)
         self._sync_status()
         log.info("trainer.resumed", path=str(path), step=self.cursor.step)
+
+    def _versions_elsewhere(self) -> int:
+        """The highest policy version the buffer or weight-sync knows (0 if unreachable)."""
+        found = 0
+        if self.buffer is not None:
+            from kuberl.api.buffer.v1 import buffer_pb2
+
+            try:
+                stats = self.buffer.GetStats(buffer_pb2.GetStatsRequest(), timeout=10)
+                found = max(found, int(stats.policy_version))
+            except Exception as exc:
+                log.warning("buffer.unreachable_at_resume", error=str(exc)[:300])
+        if self.publisher is not None:
+            try:
+                found = max(found, int(self.publisher.current_version()))
+            except Exception as exc:
+                log.warning("weight_sync.unreachable_at_resume", error=str(exc)[:300])
+        return found
 
     # ------------------------------------------------------------------ the job
 
@@ -674,22 +699,26 @@ class Trainer:
         seen: dict[str, Group] = {}
         deadline = time.monotonic() + self.tc.eval_timeout_seconds
         while len(seen) < want and time.monotonic() < deadline and not self.stop_event.is_set():
-            resp = self.buffer.GetBatch(
-                buffer_pb2.GetBatchRequest(
-                    num_groups=max(1, want - len(seen)),
-                    max_staleness=-1,
-                    current_version=self.cursor.policy_version,
-                    consumer="trainer-eval",
-                    wait_seconds=min(5.0, self.tc.batch_wait_seconds),
-                    kind=trajectory_pb2.STREAM_KIND_EVAL,
-                ),
-                timeout=60,
-            )
+            try:
+                resp = self.buffer.GetBatch(
+                    buffer_pb2.GetBatchRequest(
+                        num_groups=max(1, want - len(seen)),
+                        max_staleness=-1,
+                        current_version=self.cursor.policy_version,
+                        consumer="trainer-eval",
+                        wait_seconds=min(5.0, self.tc.batch_wait_seconds),
+                        kind=trajectory_pb2.STREAM_KIND_EVAL,
+                    ),
+                    timeout=60,
+                )
+            except Exception as exc:  # buffer restarting: its un-acked eval batch comes back
+                log.warning("eval.get_batch_failed", error=str(exc)[:300])
+                self.stop_event.wait(1.0)
+                continue
             for g in resp.groups:
                 if g.epoch == round_:
                     seen[g.group_id] = Group.from_proto(g)
-            if resp.batch_id:
-                self.buffer.Ack(buffer_pb2.AckRequest(batch_id=resp.batch_id), timeout=30)
+            self._ack(resp.batch_id)
         return eval_metrics(list(seen.values()), self.tc.eval_correct_threshold, want)
 
     # ------------------------------------------------------------------ publish / checkpoint
