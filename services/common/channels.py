@@ -1,7 +1,10 @@
 """Client side of the gRPC runtime: channels with the same limits as servers, and readiness waits.
 
 Every service that calls another (rollout -> buffer, trainer -> weight-sync, the supervisor ->
-everyone) opens its channels here, so message-size limits and keepalive agree on both ends.
+everyone) opens its channels here, so message-size limits, keepalive and transport security
+agree on both ends. A channel is TLS (and presents a client certificate under mutual TLS) when
+the `tls` settings say so: the ones passed, else the process default of `kuberl.common.tls`
+(the job's `tls` section inside a service, `KUBERL_TLS__*` variables elsewhere).
 """
 
 from __future__ import annotations
@@ -12,19 +15,39 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kuberl.common import tls as transport
+from kuberl.common.config import TLSConfig
 from kuberl.common.server import grpc_options
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
 def aio_channel(
-    address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    address: str,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    *,
+    tls: TLSConfig | None = None,
 ) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=grpc_options(max_message_bytes))
+    """An asyncio channel to address (TLS per `tls`, default: the process's settings)."""
+    tls = tls if tls is not None else transport.current()
+    options = grpc_options(max_message_bytes) + transport.channel_options(tls)
+    if tls.enabled:
+        return grpc.aio.secure_channel(address, transport.channel_credentials(tls), options)
+    return grpc.aio.insecure_channel(address, options=options)
 
 
-def sync_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=grpc_options(max_message_bytes))
+def sync_channel(
+    address: str,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    *,
+    tls: TLSConfig | None = None,
+) -> grpc.Channel:
+    """A blocking channel to address (TLS per `tls`, default: the process's settings)."""
+    tls = tls if tls is not None else transport.current()
+    options = grpc_options(max_message_bytes) + transport.channel_options(tls)
+    if tls.enabled:
+        return grpc.secure_channel(address, transport.channel_credentials(tls), options)
+    return grpc.insecure_channel(address, options=options)
 
 
 def health_status(channel: grpc.Channel, service: str = "", timeout: float = 2.0) -> str:
@@ -37,11 +60,13 @@ def health_status(channel: grpc.Channel, service: str = "", timeout: float = 2.0
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
 
 
-def wait_serving(address: str, timeout: float = 60.0, service: str = "") -> None:
+def wait_serving(
+    address: str, timeout: float = 60.0, service: str = "", *, tls: TLSConfig | None = None
+) -> None:
     """Block until the server at address reports SERVING; TimeoutError says what it last saw."""
     deadline = time.monotonic() + timeout
     last = "UNAVAILABLE"
-    with sync_channel(address) as channel:
+    with sync_channel(address, tls=tls) as channel:
         while time.monotonic() < deadline:
             last = health_status(channel, service)
             if last == "SERVING":
@@ -50,5 +75,7 @@ def wait_serving(address: str, timeout: float = 60.0, service: str = "") -> None
     raise TimeoutError(f"{address} not SERVING after {timeout:.0f}s (last status {last})")
 
 
-async def wait_serving_async(address: str, timeout: float = 60.0, service: str = "") -> None:
-    await asyncio.to_thread(wait_serving, address, timeout, service)
+async def wait_serving_async(
+    address: str, timeout: float = 60.0, service: str = "", *, tls: TLSConfig | None = None
+) -> None:
+    await asyncio.to_thread(wait_serving, address, timeout, service, tls=tls)

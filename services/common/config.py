@@ -10,10 +10,11 @@ and every error names the field path and what was expected.
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -126,6 +127,93 @@ class RedisConfig(Section):
         description="How long a service waits for Redis at start, and how long a request keeps "
         "retrying while Redis is unreachable (e.g. restarting) before answering UNAVAILABLE.",
     )
+    tls_ca_file: str | None = Field(
+        None,
+        description="PEM CA bundle that signed the Redis server's certificate (rediss:// URLs; "
+        "null: the system's CAs).",
+    )
+    tls_cert_file: str | None = Field(
+        None,
+        description="PEM client certificate for a Redis that requires one (`tls-auth-clients`).",
+    )
+    tls_key_file: str | None = Field(None, description="Private key of `tls_cert_file` (PEM).")
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> RedisConfig:
+        tls_set = self.tls_ca_file or self.tls_cert_file or self.tls_key_file
+        if tls_set and not (self.url or "").startswith("rediss://"):
+            raise ValueError(
+                "tls_*_file are set but url is not rediss:// (the embedded server has no TLS): "
+                "use url: rediss://host:port/0 for TLS, or remove the tls_*_file fields"
+            )
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: set both or neither")
+        return self
+
+
+class TLSConfig(Section):
+    """TLS and mutual TLS for every gRPC server and client of the job (`kuberl.common.tls`).
+
+    Off by default: local mode talks over loopback, and on Kubernetes NetworkPolicies already
+    limit who reaches a service. When enabled, every service serves TLS with `cert_file` /
+    `key_file`, and verifies the services it calls against `ca_file`. With
+    `require_client_cert` (mutual TLS) servers also refuse any caller without a certificate
+    signed by `ca_file`, and every client presents `client_cert_file` / `client_key_file` (by
+    default the same pair as the server: issue it for both serverAuth and clientAuth). Files are
+    PEM; servers re-read them when they change, so a rotated certificate (cert-manager) is
+    served to new connections without a restart. docs/security.md shows a set-up."""
+
+    enabled: bool = Field(False, description="Serve and call gRPC over TLS.")
+    ca_file: str | None = Field(
+        None,
+        description="PEM CA bundle that verifies peers: the servers a service calls and, with "
+        "require_client_cert, the clients calling it (null: the system's CAs, clients only).",
+    )
+    cert_file: str | None = Field(
+        None, description="PEM certificate chain the servers present (SANs: the service names)."
+    )
+    key_file: str | None = Field(None, description="Private key of cert_file (PEM).")
+    require_client_cert: bool = Field(
+        False, description="Mutual TLS: refuse callers without a certificate signed by ca_file."
+    )
+    client_cert_file: str | None = Field(
+        None, description="PEM certificate clients present under mutual TLS (null: cert_file)."
+    )
+    client_key_file: str | None = Field(
+        None, description="Private key of client_cert_file (null: key_file)."
+    )
+    server_name_override: str | None = Field(
+        None,
+        description="Name clients expect in the servers' certificates instead of the host they "
+        "dial (e.g. one certificate for every service; testing only otherwise).",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TLSConfig:
+        if not self.enabled:
+            if self.require_client_cert:
+                raise ValueError(
+                    "require_client_cert needs TLS: set tls.enabled: true (and the files)"
+                )
+            return self
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together: set both or neither")
+        if (self.client_cert_file is None) != (self.client_key_file is None):
+            raise ValueError(
+                "client_cert_file and client_key_file go together: set both or neither"
+            )
+        if self.require_client_cert:
+            if not self.ca_file:
+                raise ValueError(
+                    "require_client_cert: servers check client certificates against ca_file; "
+                    "set tls.ca_file to the CA that signs them"
+                )
+            if not (self.cert_file or self.client_cert_file):
+                raise ValueError(
+                    "require_client_cert: clients must present a certificate; set "
+                    "tls.cert_file/key_file (or tls.client_cert_file/client_key_file)"
+                )
+        return self
 
 
 class BuildModelConfig(Section):
@@ -743,6 +831,9 @@ class JobConfig(Section):
     job: JobMeta = Field(default_factory=JobMeta)
     endpoints: Endpoints = Field(default_factory=Endpoints)
     redis: RedisConfig = Field(default_factory=RedisConfig)
+    tls: TLSConfig = Field(
+        default_factory=TLSConfig, description="TLS / mutual TLS of every gRPC connection."
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
@@ -761,6 +852,119 @@ class JobConfig(Section):
                 f"{self.trainer.algorithm.advantage!r} (got {self.rollout.group_size})"
             )
         return self
+
+    @model_validator(mode="after")
+    def _possible(self) -> JobConfig:
+        """Combinations that are valid field by field but can never run."""
+        r = self.rollout
+        if (
+            self.buffer.dynamic_sampling
+            and r.sampling.temperature == 0
+            and r.group_size > 1
+            and r.rollout_function is None
+        ):
+            raise ValueError(
+                "buffer.dynamic_sampling with rollout.sampling.temperature 0: greedy sampling "
+                "gives every sample of a group the same response and reward, so every group is "
+                "dropped and training never starts; set rollout.sampling.temperature > 0 (e.g. "
+                "1.0) or buffer.dynamic_sampling: false"
+            )
+        local = self.job.local
+        if "device" in local.model_fields_set and local.device == "cpu":
+            # A CPU-only local run (`kuberl run` hides CUDA): GPU-only settings cannot work.
+            fix = "or set job.local.device: cuda on a machine with a GPU"
+            transports = set(self.weight_sync.transports)
+            if transports and transports <= {"nccl", "cuda_ipc"}:
+                raise ValueError(
+                    f"weight_sync.transports {self.weight_sync.transports} needs GPUs but "
+                    f"job.local.device is cpu: add gloo, shm or snapshot, {fix}"
+                )
+            engine = r.engine
+            if isinstance(engine, TorchEngineConfig) and engine.device.startswith("cuda"):
+                raise ValueError(
+                    f"rollout.engine.device {engine.device!r} but job.local.device is cpu: set "
+                    f"rollout.engine.device: cpu, {fix}"
+                )
+            if isinstance(engine, SGLangEngineConfig) and engine.launch:
+                raise ValueError(
+                    "rollout.engine.launch starts an SGLang server, which needs a GPU, but "
+                    f"job.local.device is cpu: use rollout.engine.kind: torch, {fix}"
+                )
+            rm = self.reward.reward_model
+            if rm is not None and rm.device.startswith("cuda"):
+                raise ValueError(
+                    f"reward.reward_model.device {rm.device!r} but job.local.device is cpu: set "
+                    f"reward.reward_model.device: cpu, {fix}"
+                )
+        return self
+
+    def check_files(self, service: str) -> None:
+        """Raise ConfigError unless the files `service` reads at start are here.
+
+        `kuberl serve <service>` calls this before it binds a port, so a wrong path fails at
+        once with the field that names it, instead of as a traceback deep in the start-up.
+        `kuberl config check` does not: a job file is often checked away from the volumes its
+        pods mount. Relative paths are taken from the working directory, as the services do.
+        """
+        problems: list[str] = []
+
+        def need(field: str, path: str | None, what: str, fix: str) -> None:
+            if path and not Path(path).exists():
+                problems.append(f"{field}: {path} does not exist ({what}); {fix}")
+
+        model_fix = (
+            "mount the model there or fix the path, or set model.path: null to build a small "
+            "model (model.build)"
+        )
+        if service in ("rollout", "trainer") and self.model.path:
+            need(
+                "model.path",
+                str(Path(self.model.path) / "config.json"),
+                "a Hugging Face model folder has config.json",
+                model_fix,
+            )
+        tc = self.trainer
+        if service == "trainer" and tc.sft_data and (tc.mode == "sft" or tc.sft_steps):
+            need(
+                "trainer.sft_data",
+                tc.sft_data,
+                "JSONL of prompt/response pairs",
+                "fix the path, or set trainer.sft_data: null",
+            )
+        rm = self.reward.reward_model
+        if service == "reward" and rm is not None and "rm" in self.reward.verifiers:
+            need(
+                "reward.reward_model.path",
+                str(Path(rm.path) / "config.json"),
+                "a Hugging Face sequence-classification folder",
+                "mount it or fix the path",
+            )
+        if service == "buffer":
+            for kind in ("train", "eval"):
+                for i, ds in enumerate(getattr(self.data, kind)):
+                    need(
+                        f"data.{kind}[{i}].path",
+                        ds.path,
+                        "a .jsonl or .parquet file",
+                        "fix the path (relative paths start at the working directory)",
+                    )
+            for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+                need(
+                    f"redis.{name}",
+                    getattr(self.redis, name),
+                    "PEM file",
+                    "mount the Redis TLS secret there or fix the path",
+                )
+        if self.tls.enabled:
+            for name in ("ca_file", "cert_file", "key_file", "client_cert_file", "client_key_file"):
+                need(
+                    f"tls.{name}",
+                    getattr(self.tls, name),
+                    "PEM file",
+                    "mount the TLS secret there or fix the path",
+                )
+        if problems:
+            raise ConfigError(f"cannot start {service}:\n  " + "\n  ".join(problems))
 
 
 SECTIONS = tuple(JobConfig.model_fields)
@@ -796,12 +1000,44 @@ def env_overrides(env: Mapping[str, str]) -> list[tuple[list[str], Any, str]]:
     return found
 
 
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation can hold (through Optional, unions, lists, dicts)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
+def _unknown_field_hint(loc: tuple[Any, ...]) -> str:
+    """'; did you mean X?' (or the known names) for an unknown key at loc."""
+    models: list[type[BaseModel]] = [JobConfig]
+    for part in loc[:-1]:
+        inner = [
+            m
+            for model in models
+            if isinstance(part, str) and part in model.model_fields
+            for m in _models_in(model.model_fields[part].annotation)
+        ]
+        if inner:
+            models = inner
+        elif isinstance(part, str):  # a discriminator tag (engine kind) or a dict key
+            tagged = [
+                m for m in models if getattr(m.model_fields.get("kind"), "default", 0) == part
+            ]
+            models = tagged or models
+    known = sorted({name for model in models for name in model.model_fields})
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f"; known fields here: {', '.join(known)}" if known else ""
+
+
 def _describe(err: dict[str, Any], origins: dict[str, str]) -> str:
     loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
     where = f" (from {origins[loc]})" if loc in origins else ""
     got = err.get("input")
     got_text = "" if err["type"] == "missing" or isinstance(got, dict) else f" (got {got!r})"
-    return f"{loc or '<job>'}: {err['msg']}{got_text}{where}"
+    hint = _unknown_field_hint(tuple(err["loc"])) if err["type"] == "extra_forbidden" else ""
+    return f"{loc or '<job>'}: {err['msg']}{got_text}{hint}{where}"
 
 
 def parse_job_config(

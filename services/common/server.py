@@ -8,6 +8,13 @@ real readiness); server reflection; one interceptor that turns exceptions into s
 counts requests, errors and latency; a Prometheus /metrics endpoint; and a graceful drain on
 SIGTERM: health flips to NOT_SERVING, new calls are refused, in-flight calls get
 `grace_seconds` to finish, then `stop()` runs.
+
+Hostile input is answered, never crashed on: a request whose bytes are not the method's message
+gets INVALID_ARGUMENT (gRPC's own answer would be UNKNOWN, uncounted) and is counted like every
+other rejection in `kuberl_<service>_rpc_errors_total`; a message over `max_message_bytes` is
+refused by gRPC itself with RESOURCE_EXHAUSTED before any kuberl code runs. With the job's `tls`
+section enabled the server speaks only TLS, and with `require_client_cert` only to clients whose
+certificate the job's CA signed (`kuberl.common.tls`).
 """
 
 from __future__ import annotations
@@ -28,8 +35,9 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
 from kuberl.common import metrics
-from kuberl.common.config import ServerConfig
-from kuberl.common.errors import ServiceError
+from kuberl.common import tls as transport
+from kuberl.common.config import ServerConfig, TLSConfig
+from kuberl.common.errors import InvalidArgument, ServiceError
 from kuberl.common.logs import get_logger
 
 log = get_logger(__name__)
@@ -81,6 +89,49 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
+class Undecodable:
+    """What a handler receives instead of a request whose bytes do not parse as its message."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def rejection(self) -> InvalidArgument:
+        return InvalidArgument(
+            f"the request is not a valid message of this method: {type(self.error).__name__}: "
+            f"{self.error}"
+        )
+
+
+def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """A deserializer that hands `Undecodable` to the handler instead of raising in gRPC."""
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:
+            return Undecodable(exc)
+
+    return parse
+
+
+async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        if isinstance(request, Undecodable):
+            raise request.rejection()
+        yield request
+
+
+def _checked(request: Any) -> Any:
+    """The request for the servicer: a parsed message, or a stream that raises on bad items."""
+    if isinstance(request, Undecodable):
+        raise request.rejection()
+    if hasattr(request, "__aiter__"):
+        return _checked_stream(request)
+    return request
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps exceptions to status codes and records per-method request counts and latency."""
 
@@ -121,7 +172,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.perf_counter()
             try:
-                result = behavior(request, context)
+                result = behavior(_checked(request), context)
                 if inspect.isawaitable(result):
                     result = await result
             except grpc.aio.AbortError:
@@ -141,7 +192,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             started = time.perf_counter()
             try:
-                async for item in behavior(request, context):
+                async for item in behavior(_checked(request), context):
                     yield item
             except grpc.aio.AbortError:
                 self._record(method, context.code() or grpc.StatusCode.UNKNOWN, started)
@@ -163,7 +214,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return handler
         method = handler_call_details.method.rsplit("/", 1)[-1]
         kw = {
-            "request_deserializer": handler.request_deserializer,
+            "request_deserializer": _tolerant(handler.request_deserializer),
             "response_serializer": handler.response_serializer,
         }
         if handler.unary_unary:
@@ -202,8 +253,15 @@ async def serve(
     *,
     port_file: str | None = None,
     stop_event: asyncio.Event | None = None,
+    tls: TLSConfig | None = None,
 ) -> None:
-    """Run `service` until SIGTERM/SIGINT (or `stop_event`), then drain and stop it."""
+    """Run `service` until SIGTERM/SIGINT (or `stop_event`), then drain and stop it.
+
+    `tls` is the job's `tls` section (None: `kuberl.common.tls.current()`); it secures this
+    server and becomes the process default for the service's own client channels."""
+    tls = tls if tls is not None else transport.current()
+    transport.configure(tls)
+    credentials = transport.server_credentials(tls) if tls.enabled else None
     server = grpc.aio.server(
         options=grpc_options(config.max_message_bytes),
         interceptors=[ErrorInterceptor(service.name)],
@@ -222,12 +280,21 @@ async def serve(
         ),
         server,
     )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    address = f"{config.host}:{config.port}"
+    if credentials is not None:
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"{service.name}: cannot bind {config.host}:{config.port}")
     metrics_port = metrics.start_metrics_server(config.metrics_port, config.host)
     await server.start()
-    log.info("server.listening", port=port, metrics_port=metrics_port)
+    log.info(
+        "server.listening",
+        port=port,
+        metrics_port=metrics_port,
+        tls="mutual" if tls.require_client_cert else "on" if tls.enabled else "off",
+    )
     if port_file:
         _write_port_file(port_file, {"port": port, "metrics_port": metrics_port})
 
