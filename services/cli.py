@@ -37,6 +37,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from kuberl.common.server import serve
 
     config = load_job_config(args.config)
+    config.check_files(args.service)
     setup_logging(args.service)
     try:
         module = importlib.import_module(f"kuberl.{args.service}.server")
@@ -47,7 +48,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     service = module.create_service(config)
     section = getattr(config, args.service)
-    asyncio.run(serve(service, section.server, port_file=args.port_file))
+    asyncio.run(serve(service, section.server, port_file=args.port_file, tls=config.tls))
     return 0
 
 
