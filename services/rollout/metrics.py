@@ -18,7 +18,8 @@ GENERATED_TOKENS = metrics.counter(
 )
 REQUESTS = metrics.counter(
     "kuberl_rollout_requests_total",
-    "Engine generate requests by outcome (ok, aborted, error)",
+    "Generation requests (one prompt's group through the rollout function) by outcome (ok, "
+    "aborted, error)",
     ["outcome"],
 )
 BATCH_SIZE = metrics.histogram(

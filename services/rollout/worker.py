@@ -174,18 +174,25 @@ class RolloutWorker:
         self._generating: set[_Generation] = set()
         self._gen_changed = asyncio.Condition()
         self._update_lock = asyncio.Lock()
+        self._run_finished = asyncio.Event()  # run() is not leasing (set until it starts)
+        self._run_finished.set()
 
     # -- the loop -----------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Lease and dispatch batches until draining starts."""
+        self._run_finished.clear()
+        try:
+            await self._run()
+        finally:
+            self._run_finished.set()
+
+    async def _run(self) -> None:
         self.state = "running" if not self._paused else "paused"
         failures = 0
         while not self._stopping:
             await self._lease_gate.wait()
-            await self._slots.acquire()
-            if self._stopping:
-                self._slots.release()
+            if not await self._acquire_slot():
                 break
             try:
                 got = await self._lease()
@@ -207,9 +214,27 @@ class RolloutWorker:
                 await self._sleep(self.rc.idle_poll_seconds)
                 continue
             kind, prompts = got
+            if self._stopping:  # the drain began while this lease was in flight
+                await self._release(kind, [p.lease_id for p in prompts])
+                self._slots.release()
+                break
             task = asyncio.create_task(self._process_batch(kind, prompts))
             self._batches.add(task)
             task.add_done_callback(self._batch_done)
+
+    async def _acquire_slot(self) -> bool:
+        """Wait for a free batch slot; False (holding none) once draining starts."""
+        acquire = asyncio.ensure_future(self._slots.acquire())
+        stop = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({acquire, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not acquire.done():
+            acquire.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await acquire
+        if acquire.done() and not acquire.cancelled() and self._stopping:
+            self._slots.release()
+        return acquire.done() and not acquire.cancelled() and not self._stopping
 
     def _batch_done(self, task: asyncio.Task[None]) -> None:
         self._batches.discard(task)
@@ -560,6 +585,9 @@ class RolloutWorker:
         self._stop.set()
         self._lease_gate.set()
         log.info("replica.draining", batches=len(self._batches), timeout=timeout)
+        # A lease in flight either becomes a batch or is released before run() returns.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._run_finished.wait(), self.rc.rpc_timeout_seconds)
         if self._batches:
             await asyncio.wait(set(self._batches), timeout=timeout)
         if self._batches:

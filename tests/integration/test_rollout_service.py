@@ -204,6 +204,7 @@ class Scenario:
     versions_seen: list[int]  # B's policy version after the trainer published version 1
     control: list[int]  # B's state after Pause, then after Resume
     bad_notify: grpc.StatusCode
+    drained: rpb.DrainResponse
 
 
 PROMPTS = 8
@@ -298,10 +299,14 @@ def scenario(env: Env) -> Iterator[Scenario]:
             groups = buffer.take_all(PROMPTS, timeout=150)
             b.wait_serving(30)
             status, seen, control, bad = _control(env, b, sync_proc.address)
-            b_exit = b.stop(30)
+            with sync_channel(b.address) as channel:
+                drained = rollout_pb2_grpc.RolloutServiceStub(channel).Drain(
+                    rpb.DrainRequest(timeout_seconds=5), timeout=60
+                )
+            b_exit = b.proc.wait(60)  # Drain answers, then the replica SIGTERMs itself
             stats = buffer.stats()
             log = b.log_path.read_text()
-    yield Scenario(groups, held, stats, b_exit, log, status, seen, control, bad)
+    yield Scenario(groups, held, stats, b_exit, log, status, seen, control, bad, drained)
 
 
 def test_a_replica_finishes_a_small_dataset_with_every_prompt_accounted_for(scenario) -> None:
@@ -350,9 +355,11 @@ def test_a_weight_notification_without_an_instruction_is_invalid(scenario) -> No
     assert scenario.bad_notify == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_sigterm_drains_the_replica_and_it_exits_cleanly(scenario) -> None:
-    assert scenario.b_exit == 0
-    assert "replica.drained" in scenario.b_log
+def test_drain_answers_then_the_replica_leaves_through_its_sigterm_path(scenario) -> None:
+    # Drain sends SIGTERM to its own process: the same handler as a SIGTERM from Kubernetes.
+    assert (scenario.drained.finished, scenario.drained.released, scenario.b_exit) == (0, 0, 0)
+    assert "event=server.draining" in scenario.b_log
+    assert "event=server.stopped" in scenario.b_log
 
 
 # -- the loop in this process against the real services ----------------------------------------
