@@ -15,6 +15,12 @@ Pausing, aborting and weight loads happen between decode steps: forward passes a
 hold one lock, so a load never sees half a step. `pause("in_place")` parks the running batch,
 which continues after `resume()` (on new weights if some were loaded meanwhile, which the
 completion's `version_end` records); `pause("abort")` ends every row with finish_reason "abort".
+
+Weights arrive in this process: `kuberl.common.weights.EngineClient` receives a version over its
+transport (shared memory, a gloo / NCCL broadcast group, CUDA IPC, a snapshot stream) and calls
+`load_weights(named_tensors, version)`; `update_weights_from_disk` reads a safetensors folder.
+The engine therefore does not join broadcast groups itself (`init_weights_update_group` is the
+SGLang server's way, see `kuberl.rollout.engine.sglang`).
 """
 
 from __future__ import annotations
