@@ -89,8 +89,10 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         g_lp = grad_logprobs.to(acc)  # [N]
         g_h = grad_entropy.to(acc)  # [N]
         grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)  # [N, H]
+        # Each chunk's rows are computed in fp32 and written once, so the [V, H] gradient can be
+        # held in the weight's own dtype (no fp32 copy of the whole head).
         grad_weight = (
-            torch.zeros(weight.shape, dtype=acc, device=weight.device)
+            torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
             if ctx.needs_input_grad[1]
             else None
         )  # [V, H]
@@ -107,10 +109,10 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             grad_z = grad_z * inv_t
             grad_hidden += grad_z @ w.to(acc)  # [N, H]
             if grad_weight is not None:
-                grad_weight[start:end] = grad_z.T @ hidden.to(acc)  # [C, H]
+                grad_weight[start:end] = (grad_z.T @ hidden.to(acc)).to(weight.dtype)  # [C, H]
         return (
             grad_hidden.to(hidden.dtype) if ctx.needs_input_grad[0] else None,
-            grad_weight.to(weight.dtype) if grad_weight is not None else None,
+            grad_weight,
             None,
             None,
             None,
