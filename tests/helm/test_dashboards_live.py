@@ -1,21 +1,25 @@
 """Every Grafana panel query and every alert expression, run against a real Prometheus (Debian's
-`prometheus` package) scraping a short real kuberl job: the five services as their own processes
-(`kuberl serve <service>`, exactly the containers' entrypoint) on an embedded Redis, a tiny
-locally built model, GSM8K prompts. A query that returns no series fails the test: a renamed
-metric, a wrong label or a broken expression shows up here, not on a user's empty dashboard.
+`prometheus` package) scraping a short local `kuberl run`: the supervisor starts an embedded
+Redis and the five services as their own processes (`kuberl serve <service>`, the containers'
+entrypoint; the trainer under torchrun), on a tiny locally built model and GSM8K prompts. A query
+that returns no series fails the test: a renamed metric, a wrong label or a broken expression shows
+up here, not on a user's empty dashboard.
 
-Prometheus scrapes each service with the labels the chart's ServiceMonitor produces
-(`namespace`, `pod`, `component`), and the dashboards' variables are filled in as Grafana would.
-Some panels chart rare events (rejections, verifier errors, engines dropped); the job provokes
-each of them once, the way a misbehaving client would, so those panels are checked too.
+Prometheus scrapes each process with the labels the chart's ServiceMonitor produces (`namespace`,
+`pod`, `component`), and the dashboards' variables are filled in as Grafana would. Some panels
+chart rare events (rejections, verifier errors and timeouts, engines dropped, failed updates); the
+test provokes each once, the way a misbehaving client would, so those panels are checked too.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import signal
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -29,12 +33,14 @@ import yaml
 
 from tests.helm.chart import NAMESPACE, render
 from tests.helm.promql import as_series_query, panel_queries, substitute
-from tests.support import SHARED_DATA, ServiceProcess
+from tests.support import REPO, SHARED_DATA
 
 PROMETHEUS = shutil.which("prometheus")
 SERVICES = ("buffer", "reward", "weight_sync", "rollout", "trainer")
 DATA = SHARED_DATA / "gsm8k" / "train.jsonl"
-# How long the job may take to make every query return a series (a 2-core machine, shared).
+# How long the job may take to start, and then to make every query return a series (a 2-core
+# machine, shared).
+START_SECONDS = 180.0
 DEADLINE_SECONDS = 150.0
 
 pytestmark = [
@@ -65,31 +71,15 @@ class Prometheus:
         return result
 
 
-def _job(workdir: Path, redis_url: str, ports: dict[str, tuple[int, int]]) -> Path:
-    def endpoint(service: str) -> str:
-        return f"127.0.0.1:{ports[service][0]}"
-
+def _job(workdir: Path) -> Path:
+    """A job `kuberl run` finishes in seconds per step: tiny model, two samples per prompt."""
+    columns = {"prompt": "question", "answer": "answer"}
     job: dict[str, Any] = {
         "job": {"name": "dashboards", "seed": 1, "run_dir": str(workdir / "runs")},
-        "endpoints": {s: endpoint(s) for s in ("buffer", "reward", "weight_sync", "trainer")},
-        "redis": {"url": redis_url},
         "model": {"build": {"arch": "qwen2", "size": "tiny", "tokenizer": "digits"}},
         "data": {
-            "train": [
-                {
-                    "path": str(DATA),
-                    "columns": {"prompt": "question", "answer": "answer"},
-                    "limit": 48,
-                }
-            ],
-            "eval": [
-                {
-                    "path": str(DATA),
-                    "name": "eval",
-                    "columns": {"prompt": "question", "answer": "answer"},
-                    "limit": 4,
-                }
-            ],
+            "train": [{"path": str(DATA), "columns": columns, "limit": 48}],
+            "eval": [{"path": str(DATA), "name": "eval", "columns": columns, "limit": 4}],
             "num_epochs": 10,
         },
         # A small in-flight limit so backpressure happens; a filter that drops some groups.
@@ -115,19 +105,66 @@ def _job(workdir: Path, redis_url: str, ports: dict[str, tuple[int, int]]) -> Pa
             "groups_per_step": 2,
             "max_staleness": -1,
             "checkpoint_every": 0,
-            "checkpoint_dir": str(workdir / "checkpoints"),
         },
         "weight_sync": {"transports": ["gloo", "snapshot"], "heartbeat_seconds": 0.5},
     }
-    for service, (port, metrics_port) in ports.items():
-        job.setdefault(service, {})["server"] = {
-            "host": "127.0.0.1",
-            "port": port,
-            "metrics_port": metrics_port,
-        }
     path = workdir / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
+
+
+@dataclass
+class Run:
+    """A `kuberl run` in its own process group, and the ports its services announced."""
+
+    proc: subprocess.Popen
+    run_dir: Path
+    log_path: Path
+
+    def log(self) -> str:
+        text = self.log_path.read_text(errors="replace")[-3000:]
+        for path in sorted((self.run_dir / "logs").glob("*.log")):
+            text += f"\n--- {path.name}\n" + path.read_text(errors="replace")[-1500:]
+        return text
+
+    def ports(self) -> dict[str, dict[str, int]]:
+        """Process name ("buffer", "weight-sync", "rollout-0", ...) -> gRPC and metrics ports."""
+        return {
+            p.name.removesuffix(".ports.json"): json.loads(p.read_text())
+            for p in (self.run_dir / "logs").glob("*.ports.json")
+        }
+
+    def wait_started(self, names: set[str], timeout: float) -> dict[str, dict[str, int]]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kuberl run exited with {self.proc.returncode}:\n{self.log()}")
+            ports = self.ports()
+            # The supervisor records the trainer's endpoint once every service serves.
+            endpoints = self.job().get("endpoints", {})
+            if names <= set(ports) and endpoints.get("trainer") == (
+                f"127.0.0.1:{ports['trainer']['port']}"
+            ):
+                return ports
+            time.sleep(0.5)
+        raise TimeoutError(f"kuberl run did not start {sorted(names)} in {timeout}s:\n{self.log()}")
+
+    def job(self) -> dict[str, Any]:
+        """The run's job file, as the services read it."""
+        try:
+            data = yaml.safe_load((self.run_dir / "job.yaml").read_text())
+        except (OSError, yaml.YAMLError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # the supervisor drains and stops everything
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
 
 
 def _start_prometheus(workdir: Path, metrics_ports: dict[str, int]) -> tuple[subprocess.Popen, str]:
@@ -145,11 +182,11 @@ def _start_prometheus(workdir: Path, metrics_ports: dict[str, int]) -> tuple[sub
                         # What the chart's ServiceMonitor attaches to every series.
                         "labels": {
                             "namespace": NAMESPACE,
-                            "component": service.replace("_", "-"),
-                            "pod": f"rl-kuberl-{service.replace('_', '-')}-0",
+                            "component": name.rsplit("-", 1)[0] if name[-1].isdigit() else name,
+                            "pod": f"rl-kuberl-{name}",
                         },
                     }
-                    for service, port in metrics_ports.items()
+                    for name, port in metrics_ports.items()
                 ],
             }
         ],
@@ -186,7 +223,7 @@ def _start_prometheus(workdir: Path, metrics_ports: dict[str, int]) -> tuple[sub
         time.sleep(0.2)
 
 
-def _provoke_rare_events(ports: dict[str, tuple[int, int]]) -> None:
+def _provoke_rare_events(ports: dict[str, dict[str, int]]) -> None:
     """What a misbehaving client or engine does, once each, so that the panels of rare events
     (rejections, verifier errors and timeouts, engines dropped, failed updates) have a series."""
     import grpc
@@ -199,7 +236,7 @@ def _provoke_rare_events(ports: dict[str, tuple[int, int]]) -> None:
     from kuberl.common.channels import sync_channel
 
     def address(service: str) -> str:
-        return f"127.0.0.1:{ports[service][0]}"
+        return f"127.0.0.1:{ports[service]['port']}"
 
     def refused(call, request) -> None:
         with pytest.raises(grpc.RpcError):
@@ -217,10 +254,10 @@ def _provoke_rare_events(ports: dict[str, tuple[int, int]]) -> None:
             for kind in ("raise", "hang")
         ]
         reward.Score(reward_pb2.ScoreRequest(samples=broken), timeout=60)
-    with sync_channel(address("rollout")) as channel:
+    with sync_channel(address("rollout-0")) as channel:
         rollout = rollout_pb2_grpc.RolloutServiceStub(channel)
         refused(rollout.Drain, rollout_pb2.DrainRequest(timeout_seconds=-1))
-    with sync_channel(address("weight_sync")) as channel:
+    with sync_channel(address("weight-sync")) as channel:
         weights = ws_grpc.WeightSyncServiceStub(channel)
         # An engine that fails its update, then goes silent and is dropped.
         engine = ws.EngineInfo(engine_id="probe-engine", transports=[ws.TRANSPORT_SNAPSHOT])
@@ -233,36 +270,39 @@ def _provoke_rare_events(ports: dict[str, tuple[int, int]]) -> None:
 
 
 @pytest.fixture(scope="module")
-def job(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[Prometheus, list[ServiceProcess]]]:
+def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus, Run]]:
     missing = _missing_services()
     if missing:
         pytest.skip(
             f"services not implemented yet: {', '.join(missing)} (no kuberl.<service>.server)"
         )
-    from kuberl.common.redis_server import EmbeddedRedis, free_port
-
+    if importlib.util.find_spec("kuberl.local.supervisor") is None:
+        pytest.skip("`kuberl run` (kuberl.local.supervisor) not implemented yet")
     workdir = tmp_path_factory.mktemp("live")
-    ports = {s: (free_port(), free_port()) for s in SERVICES}
-    procs: list[ServiceProcess] = []
+    job_file = _job(workdir)
+    log_path = workdir / "kuberl-run.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kuberl.cli", "run", "--plain", "--rollout-replicas", "1",
+             "--max-restarts", "0", "--run-dir", str(workdir / "run"), str(job_file)],
+            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+    run = Run(proc, workdir / "run", log_path)
     prometheus: subprocess.Popen | None = None
-    with EmbeddedRedis(workdir / "redis") as redis:
-        job_file = _job(workdir, redis.url, ports)
-        try:
-            prometheus, url = _start_prometheus(workdir, {s: p[1] for s, p in ports.items()})
-            for service in SERVICES:
-                procs.append(ServiceProcess.kuberl(service, job_file, workdir, service))
-            for proc in procs:
-                proc.wait_serving(120)
-            _provoke_rare_events(ports)
-            yield Prometheus(url), procs
-        finally:
-            for proc in reversed(procs):
-                proc.stop()
-            if prometheus is not None:
-                prometheus.terminate()
-                prometheus.wait(10)
+    try:
+        names = {"buffer", "reward", "weight-sync", "rollout-0", "trainer"}
+        ports = run.wait_started(names, START_SECONDS)
+        prometheus, url = _start_prometheus(
+            workdir, {name: ports[name]["metrics_port"] for name in names}
+        )
+        _provoke_rare_events(ports)
+        yield Prometheus(url), run
+    finally:
+        run.stop()
+        if prometheus is not None:
+            prometheus.terminate()
+            prometheus.wait(10)
 
 
 def _queries() -> list[tuple[str, str]]:
@@ -281,16 +321,14 @@ def _queries() -> list[tuple[str, str]]:
 
 
 def test_every_panel_and_alert_query_returns_series(job) -> None:
-    prometheus, procs = job
+    prometheus, run = job
     queries = _queries()
     empty = set(range(len(queries)))
     deadline = time.monotonic() + DEADLINE_SECONDS
     while empty and time.monotonic() < deadline:
-        for proc in procs:
-            assert proc.proc.poll() is None, f"{proc.name} exited:\n{proc.log()}"
+        assert run.proc.poll() is None, f"kuberl run exited early:\n{run.log()}"
         empty = {i for i in empty if not prometheus.query(queries[i][1])}
         if empty:
             time.sleep(2)
     no_series = sorted(f"{queries[i][0]}: {queries[i][1]}" for i in empty)
-    logs = "\n".join(f"--- {proc.name} (last lines)\n{proc.log()[-1500:]}" for proc in procs)
-    assert not no_series, "queries without a series:\n" + "\n".join(no_series) + "\n" + logs
+    assert not no_series, "queries without a series:\n" + "\n".join(no_series) + "\n" + run.log()
