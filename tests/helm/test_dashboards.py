@@ -102,3 +102,73 @@ def test_promtool_accepts_the_alert_rules(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
     result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_alerts_fire_on_a_stalled_job_and_stay_quiet_on_a_healthy_one(tmp_path: Path) -> None:
+    """Prometheus' own rule engine (`promtool test rules`) on synthetic series: a job that stops
+    generating, stepping and updating its engines, with a growing backlog, fires all four alerts;
+    a healthy one fires none."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package `prometheus`)")
+    rule = render("monitoring").all("PrometheusRule")[0]
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    ns = f'namespace="{NAMESPACE}"'
+
+    def series(name: str, values: str, labels: str = "") -> dict[str, str]:
+        return {"series": f"{name}{{{ns}{labels}}}", "values": values}
+
+    # One sample a minute for 40 minutes. Stalled: counters flat, backlog growing, engine at v5
+    # while the trainer is at v10. Healthy: everything moving, engine current.
+    stalled = [
+        series("kuberl_rollout_generated_tokens_total", "1000+0x40", ',kind="train"'),
+        series("kuberl_trainer_steps_total", "50+0x40", ',mode="rl"'),
+        series("kuberl_buffer_groups_pending", "0+1x40", ',kind="train"'),
+        series("kuberl_trainer_policy_version", "10+0x40"),
+        series("kuberl_rollout_engine_version", "5+0x40"),
+    ]
+    healthy = [
+        series("kuberl_rollout_generated_tokens_total", "0+500x40", ',kind="train"'),
+        series("kuberl_trainer_steps_total", "0+1x40", ',mode="rl"'),
+        series("kuberl_buffer_groups_pending", "4+0x40", ',kind="train"'),
+        series("kuberl_trainer_policy_version", "0+1x40"),
+        series("kuberl_rollout_engine_version", "0+1x40"),
+    ]
+    alerts = [
+        "KuberlRolloutStalled",
+        "KuberlBufferBacklogGrowing",
+        "KuberlTrainerNotStepping",
+        "KuberlWeightSyncLagging",
+    ]
+
+    rules = {r["alert"]: r for r in _rules()}
+
+    def case(input_series: list[dict[str, str]], firing: bool) -> dict:
+        expected = {
+            name: [
+                {"exp_labels": rules[name]["labels"], "exp_annotations": rules[name]["annotations"]}
+            ]
+            for name in alerts
+        }
+        return {
+            "interval": "1m",
+            "input_series": input_series,
+            "alert_rule_test": [
+                {
+                    "eval_time": "40m",
+                    "alertname": name,
+                    "exp_alerts": expected[name] if firing else [],
+                }
+                for name in alerts
+            ],
+        }
+
+    (tmp_path / "tests.yaml").write_text(
+        yaml.safe_dump(
+            {"rule_files": ["rules.yaml"], "tests": [case(stalled, True), case(healthy, False)]}
+        )
+    )
+    result = subprocess.run(
+        [promtool, "test", "rules", "tests.yaml"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
