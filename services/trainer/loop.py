@@ -368,16 +368,17 @@ class Trainer:
                 time.sleep(min(2**attempt, 10))
         log.error("buffer.ack_gave_up", batch_id=batch_id)
 
-    def _usable(self, groups: list[Group]) -> list[Group]:
+    def _usable(self, groups: list[Group], same_size: bool = True) -> list[Group]:
         """Groups the model can train on; the others are counted and left out. Token ids
-        must be inside the vocabulary, prompts non-empty, arrays of one length and finite, and a
-        batch's groups of one size."""
+        must be inside the vocabulary, prompts non-empty, arrays of one length and finite, and
+        (RL, `same_size`) a batch's groups of one size; rejection sampling's SFT groups keep any
+        number of samples."""
         sizes = [len(g.trajectories) for g in groups]
         common = max(set(sizes), key=sizes.count) if sizes else 0
         kept = []
         for g in groups:
             reason = None
-            if len(g.trajectories) != common:
+            if same_size and len(g.trajectories) != common:
                 reason = "group_size"
             for t in g.trajectories:
                 ids = np.concatenate([t.prompt_token_ids, t.response_token_ids])
@@ -418,7 +419,7 @@ class Trainer:
         from kuberl.api.buffer.v1 import buffer_pb2
 
         resp = buffer_pb2.GetBatchResponse.FromString(body)
-        groups = self._usable([Group.from_proto(g) for g in resp.groups])
+        groups = self._usable([Group.from_proto(g) for g in resp.groups], same_size=not sft)
         samples = samples_from_groups(groups)
         return MSG_BATCH, {
             "rejected": len(resp.groups) - len(groups),

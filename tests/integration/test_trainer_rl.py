@@ -2,15 +2,16 @@
 `kuberl serve weight_sync`, and `kuberl serve trainer`, each its own process.
 
 The trainer runs as two torchrun ranks with ZeRO-3 on gloo (rank 0 serves and talks to the
-services; both train). The test plays rollout: it leases five prompts and puts five groups of
-four samples (token ids of the tiny model's vocabulary, engine logprobs, rewards), the oldest of
-them with token ids outside the vocabulary. The trainer (GRPO, PPO with two epochs over two
-mini-batches, old logprobs recomputed, KL to a frozen reference, TIS) evaluates first (the test
-answers the eval prompts it queues, as rollout would), takes three steps, leaving out and
-counting the unusable group, acknowledges each batch after its optimizer step, advances the
-buffer's policy version, publishes every version to weight-sync, checkpoints at the end and exits
-0 after a second evaluation. The weights weight-sync holds for the last version are exactly the
-trainer's exported weights.
+services; both train). The test plays rollout: it leases six prompts, puts five groups of four
+samples (token ids of the tiny model's vocabulary, engine logprobs, rewards), the oldest of them
+with token ids outside the vocabulary, and one group of two kept samples on the SFT stream (as
+rejection sampling does). The trainer takes one SFT warm-start step on that stream, evaluates
+(the test answers the eval prompts it queues, as rollout would), then takes three RL steps (GRPO,
+PPO with two epochs over two mini-batches, old logprobs recomputed, KL to a frozen reference,
+TIS), leaving out and counting the unusable group, acknowledges each batch after its optimizer
+step, advances the buffer's policy version, publishes every version to weight-sync, checkpoints
+at the end and exits 0 after a second evaluation. The weights weight-sync holds for the last
+version are exactly the trainer's exported weights.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
     tmp = tmp_path_factory.mktemp("rl")
     model = build_model(tmp / "model", tokenizer="digits", seed=2)
     with EmbeddedRedis(tmp / "redis", die_with_parent=True) as redis:
-        job = write_job(tmp, redis.url, prompts=5, eval_prompts=2, job=f"rl{uuid.uuid4().hex[:8]}")
+        job = write_job(tmp, redis.url, prompts=6, eval_prompts=2, job=f"rl{uuid.uuid4().hex[:8]}")
         doc = yaml.safe_load(job.read_text())
         doc["weight_sync"] = {
             "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
@@ -109,8 +110,11 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
             ServiceProcess.kuberl("weight_sync", job, tmp).wait_serving(60) as ws,
             Client(buffer.address) as client,
         ):
-            prompts = list(client.lease(5).prompts)
+            prompts = list(client.lease(6).prompts)
             prompts.sort(key=lambda p: int(p.prompt_id.rsplit(":", 1)[1]))
+            sft_prompt = prompts.pop()  # rejection sampling kept 2 of its 4 samples
+            kept = _group(sft_prompt, [1.0, 1.0], 7)
+            client.put([kept], [sft_prompt.lease_id], kind=tpb.STREAM_KIND_SFT)
             groups = [_group(prompts[0], REWARDS[0], 9, vocab=5000)]  # not this model's ids
             groups += [_group(p, REWARDS[i], i) for i, p in enumerate(prompts[1:])]
             for p, g in zip(prompts, groups, strict=True):  # one put each: oldest first
@@ -121,6 +125,7 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
                 "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
                 "mode": "rl",
                 "total_steps": 3,
+                "sft_steps": 1,
                 "batch_wait_seconds": 1.0,
                 "zero_stage": 3,
                 "groups_per_step": 2,
@@ -174,7 +179,7 @@ def test_the_trainer_trains_total_steps_on_buffer_batches_and_exits_0(run) -> No
     assert run["code"] == 0, run["log"][-4000:]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert "world_size=2" in run["log"] and "zero_stage=3" in run["log"]
-    assert [r["policy_version"] for r in steps] == [1, 2, 3]
+    assert [r["policy_version"] for r in steps] == [2, 3, 4]  # version 1: the SFT warm start
     for r in steps:
         assert np.isfinite([r["loss/total"], r["loss/policy"], r["grad_norm"], r["kl/ref"]]).all()
         assert r["grad_norm"] > 0
@@ -194,7 +199,7 @@ def test_batches_hold_whole_groups_oldest_first_and_unusable_groups_are_left_out
 
 def test_batches_are_acked_after_the_step_and_the_policy_version_advances(run) -> None:  # type: ignore[no-untyped-def]
     stats = run["stats"]
-    assert (stats.batches_unacked, stats.groups_pending, stats.policy_version) == (0, 0, 3)
+    assert (stats.batches_unacked, stats.groups_pending, stats.policy_version) == (0, 0, 4)
 
 
 def test_weight_sync_holds_the_trainers_final_weights(run) -> None:  # type: ignore[no-untyped-def]
@@ -202,9 +207,15 @@ def test_weight_sync_holds_the_trainers_final_weights(run) -> None:  # type: ign
 
     exported = load_file(str(run["tmp"] / "ckpt" / "step-000003" / "hf" / "model.safetensors"))
     published = run["published"]
-    assert run["version"] == 3
+    assert run["version"] == 4
     assert set(exported) == set(published)
     assert all((published[k] == exported[k]).all() for k in exported)
+
+
+def test_an_sft_warm_start_trains_on_the_buffers_rejection_sampling_stream(run) -> None:  # type: ignore[no-untyped-def]
+    sft = [r for r in run["rows"] if r.get("kind") == "sft"]
+    assert [(r["step"], r["policy_version"], r["batch/sequences"]) for r in sft] == [(0, 1, 2.0)]
+    assert np.isfinite(sft[0]["loss/sft"]) and sft[0]["loss/sft"] > 0
 
 
 def test_eval_rounds_at_start_and_end_report_accuracy_per_dataset(run) -> None:  # type: ignore[no-untyped-def]
