@@ -15,6 +15,7 @@ the weight-sync engine client, which also learns of updates by its heartbeat lon
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import socket
@@ -87,8 +88,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def Drain(
         self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
     ) -> pb.DrainResponse:
-        if request.timeout_seconds < 0:
-            raise InvalidArgument(f"timeout_seconds must be >= 0, got {request.timeout_seconds}")
+        if not math.isfinite(request.timeout_seconds) or request.timeout_seconds < 0:
+            raise InvalidArgument(
+                f"timeout_seconds must be a finite number >= 0, got {request.timeout_seconds}"
+            )
         timeout = request.timeout_seconds or self.service.config.rollout.drain_seconds
         finished, released = await self._worker().drain(timeout)
         # Then leave as on SIGTERM (the bootstrap's handler stops the server and the service).
