@@ -15,12 +15,14 @@ entrypoints (`kuberl serve <service>`, the trainer under torchrun):
    nothing else running), and RL starts from its HF export. The trainer's first eval round
    therefore measures the model after SFT alone.
 4. **Services**: an embedded Redis (AOF on, in the run folder) unless `redis.url` is set; then
-   buffer, reward and weight-sync, then `job.local.rollout_replicas` rollout replicas (each with
-   its replica id, its own gRPC and metrics ports and its own sampling seed), then the trainer.
-   Each binds loopback; a service's address reaches the others through `KUBERL_ENDPOINTS__*`.
-   Each must report gRPC health SERVING before the next group starts.
-5. **Watch**: a crashed service is restarted on the same port (`job.local.max_restarts` times);
-   progress is shown live (`kuberl.local.progress`). The job is done when the trainer exits 0.
+   buffer, reward and weight-sync; once those report gRPC health SERVING,
+   `job.local.rollout_replicas` rollout replicas (each with its replica id, its own gRPC and
+   metrics ports and its own sampling seed) and the trainer (torchrun), waiting again for every
+   one to report SERVING. Each binds loopback; a service's address reaches the others through
+   `KUBERL_ENDPOINTS__*`.
+5. **Watch**: a crashed service is restarted on the same port (`job.local.max_restarts` times),
+   and so is the embedded Redis (same port, its AOF replayed); progress is shown live
+   (`kuberl.local.progress`). The job is done when the trainer exits 0.
 6. **Stop** (end of job, Ctrl-C, SIGTERM, or a service that cannot go on): trainer first (it stops
    after its current step), then the rollout replicas together (they finish or release their
    leased prompts), then weight-sync and reward, then the buffer, then Redis. A second Ctrl-C
@@ -51,6 +53,7 @@ from kuberl.local.procs import (
     ProcessSpec,
     ServiceFailed,
     StopRequested,
+    tail_lines,
 )
 from kuberl.local.progress import MetricsTail, Progress, Snapshot, StatsPoller
 
@@ -118,6 +121,7 @@ class Supervisor:
         self._sigints = 0
         self.group: ProcessGroup | None = None
         self.redis: Any = None
+        self.redis_restarts = 0
         self.poller = StatsPoller()
         self.progress: Progress | None = None
         self.config: JobConfig | None = None
@@ -400,8 +404,8 @@ class Supervisor:
             self._check_env(spec)
             replicas.append(self.group.start(spec, wait=False))
             self.replica_names.append(name)
-        self._wait_all(replicas)
-        # The trainer drives the job; it starts once everything it talks to is serving.
+        # The trainer starts beside the replicas (both take seconds to load a model): it talks
+        # only to buffer and weight-sync, and waits in GetBatch until groups arrive.
         env = {
             **self._base_env(_thread_count(0.25)),
             METRICS_JSONL_ENV: str(self.run_dir / "metrics.jsonl"),
@@ -415,7 +419,7 @@ class Supervisor:
         )
         self._check_env(spec)
         trainer = self.group.start(spec, wait=False)
-        self._wait_all([trainer])
+        self._wait_all([*replicas, trainer])
         self.endpoints["trainer"] = trainer.address
         # Record the real endpoints so the CLI works against the running job.
         self.doc["endpoints"].update(self.endpoints)
@@ -423,7 +427,11 @@ class Supervisor:
         self.phase_seconds["start_services"] = time.monotonic() - started
         self.progress.message(
             "services serving: "
-            + ", ".join(f"{p.name} {p.address}" for p in self.group.processes.values() if p.port)
+            + ", ".join(
+                f"{p.name} {p.address}"
+                for p in self.group.processes.values()
+                if p.port and not p.finished
+            )
         )
 
     def _check_env(self, spec: ProcessSpec) -> None:
@@ -490,6 +498,7 @@ class Supervisor:
         with (self.run_dir / "timeline.jsonl").open("a") as timeline:
             while True:
                 self._check_stop()
+                self._check_redis()
                 self.group.check()
                 self.progress.add_rows(tail.read())
                 if self.group["trainer"].finished:
@@ -502,6 +511,18 @@ class Supervisor:
                 self._stop.wait(TICK_SECONDS)
         self.progress.add_rows(tail.read())
         self.phase_seconds["rl"] = time.monotonic() - started
+
+    def _check_redis(self) -> None:
+        """Restart the embedded Redis if it died (same port and folder: the AOF is replayed)."""
+        if self.redis is None or self.redis.running():
+            return
+        self.redis_restarts += 1
+        if self.redis_restarts > self.local.max_restarts:
+            raise ServiceFailed(
+                "redis", "exited", self.redis.log_path, tail_lines(self.redis.log_path)
+            )
+        log.warning("redis.restart", restarts=self.redis_restarts)
+        self.redis.start()
 
     # ------------------------------------------------------------------ stop
 
@@ -627,6 +648,7 @@ class Supervisor:
                 "phase_seconds": {k: round(v, 1) for k, v in self.phase_seconds.items()},
                 "model_path": self.model_path,
                 "warm_start_model": self.warm_start_hf,
+                "redis_restarts": self.redis_restarts,
                 "device": self.local.device,
                 "rollout_replicas": self.local.rollout_replicas,
                 "trainer_processes": self.local.trainer_processes,
