@@ -39,6 +39,14 @@ FINISH_REASONS = {
     "turn_limit": pb.FINISH_REASON_TURN_LIMIT,
 }
 _FINISH_NAMES = {v: k for k, v in FINISH_REASONS.items()}
+# numpy dtype kinds each array of a trajectory may arrive in (i/u: integers, f: floats, b: bool).
+_ARRAY_KINDS = {
+    "prompt_token_ids": "iu",
+    "response_token_ids": "iu",
+    "rollout_logprobs": "f",
+    "loss_mask": "ub",
+}
+_KIND_NAMES = {"iu": "integer", "f": "floating-point", "ub": "uint8 or bool"}
 
 
 class TrajectoryError(ValueError):
@@ -131,9 +139,31 @@ class Trajectory:
             )
 
     def validate(self) -> None:
-        """Raise TrajectoryError unless arrays agree in length and numbers are finite."""
+        """Raise TrajectoryError unless arrays agree in length, numbers are finite and every
+        value is one a trajectory can have (token ids >= 0, a 0/1 mask, a non-empty prompt,
+        versions >= 0 with start <= end, sample_index >= 0)."""
         r = len(self.response_token_ids)
         assert self.loss_mask is not None
+        tid = self.trajectory_id
+        if len(self.prompt_token_ids) == 0:
+            raise TrajectoryError(f"trajectory {tid}: prompt_token_ids is empty")
+        for name in ("prompt_token_ids", "response_token_ids"):
+            ids = getattr(self, name)
+            if ids.size and int(ids.min()) < 0:
+                raise TrajectoryError(f"trajectory {tid}: {name} has a negative id {ids.min()}")
+        if self.loss_mask.size and int(self.loss_mask.max()) > 1:
+            raise TrajectoryError(f"trajectory {tid}: loss_mask values must be 0 or 1")
+        for name in ("queued_seconds", "generate_seconds", "score_seconds", "finished_unix"):
+            if not math.isfinite(getattr(self, name)):
+                raise TrajectoryError(f"trajectory {tid}: timings.{name} is {getattr(self, name)}")
+        start, end = self.policy_version_start, self.policy_version_end
+        if start < 0 or end < 0 or start > end:
+            raise TrajectoryError(
+                f"trajectory {tid}: policy versions must be >= 0 with start <= end, got "
+                f"start {start} end {end}"
+            )
+        if self.sample_index < 0:
+            raise TrajectoryError(f"trajectory {tid}: sample_index {self.sample_index} < 0")
         for name, arr in (
             ("rollout_logprobs", self.rollout_logprobs),
             ("loss_mask", self.loss_mask),
@@ -200,6 +230,15 @@ class Trajectory:
             name: decode_array(getattr(msg, name), what=f"trajectory {tid}: {name}")
             for name in ("prompt_token_ids", "response_token_ids", "rollout_logprobs", "loss_mask")
         }
+        for name, array in arrays.items():
+            # The constructor converts with astype: refuse what would convert silently (float
+            # token ids truncated, a float mask, 2-D arrays measured by their first axis).
+            kinds = _ARRAY_KINDS[name]
+            if (array.size and array.dtype.kind not in kinds) or array.ndim > 1:
+                raise TrajectoryError(
+                    f"trajectory {tid}: {name} must be a 1-D {_KIND_NAMES[kinds]} tensor, got "
+                    f"{getattr(msg, name).dtype} with shape {list(array.shape)}"
+                )
         return cls(
             **arrays,
             trajectory_id=msg.trajectory_id,
@@ -241,6 +280,11 @@ class Group:
                 f"the job's group size is {group_size}"
             )
         for i, t in enumerate(self.trajectories):
+            if group_size is not None and t.sample_index >= group_size:
+                raise TrajectoryError(
+                    f"group {self.group_id}: trajectory {i} has sample_index {t.sample_index}, "
+                    f"outside 0..{group_size - 1}"
+                )
             if (t.prompt_id, t.epoch) != (self.prompt_id, self.epoch):
                 raise TrajectoryError(
                     f"group {self.group_id}: trajectory {i} belongs to prompt {t.prompt_id!r} "
