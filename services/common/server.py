@@ -82,6 +82,9 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, RecursionError):
+        # json.loads and friends on hostile input (a JSON text thousands of levels deep).
+        return grpc.StatusCode.INVALID_ARGUMENT, "input nested too deeply to be parsed"
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
     if isinstance(exc, NotImplementedError):
@@ -158,6 +161,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         code, message = status_for(exc)
         if code is grpc.StatusCode.INTERNAL:
             log.exception("rpc.internal_error", method=method)
+        elif isinstance(exc, RecursionError):  # louder: it could also be a bug of ours
+            log.warning("rpc.rejected", method=method, code=code.name, reason=message)
         else:
             log.info("rpc.rejected", method=method, code=code.name, reason=message)
         retry = getattr(exc, "retry_after_seconds", None)
