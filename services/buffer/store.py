@@ -50,6 +50,7 @@ from kuberl.buffer.datasets import PromptRow, epoch_order
 from kuberl.common.config import JobConfig
 from kuberl.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kuberl.common.logs import get_logger
+from kuberl.common.tls import redis_options
 
 log = get_logger(__name__)
 
@@ -226,7 +227,9 @@ class BufferStore:
         }
 
     @classmethod
-    def connect(cls, url: str, password: str | None = None, **kw: Any) -> BufferStore:
+    def connect(
+        cls, url: str, password: str | None = None, tls: dict[str, Any] | None = None, **kw: Any
+    ) -> BufferStore:
         """A store on a new client for url (no I/O yet; see `wait_ready`)."""
         client = aioredis.Redis.from_url(
             url,
@@ -234,6 +237,7 @@ class BufferStore:
             retry=Retry(NoBackoff(), 0),  # `_retry` below is deadline-based instead
             socket_connect_timeout=5,
             health_check_interval=10,
+            **(tls or {}),  # rediss://: CA and client certificate (kuberl.common.tls)
         )
         return cls(client, **kw)
 
@@ -250,6 +254,7 @@ class BufferStore:
         return cls.connect(
             url,
             os.environ.get(config.redis.password_env) or None,
+            redis_options(config.redis),
             job=config.job.name,
             lease_timeout_seconds=cfg.lease_timeout_seconds,
             max_inflight_groups=cfg.max_inflight_groups,

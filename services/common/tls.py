@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 import yaml
 
-from kuberl.common.config import ENV_PREFIX, ConfigError, TLSConfig
+from kuberl.common.config import ENV_PREFIX, ConfigError, RedisConfig, TLSConfig
 from kuberl.common.logs import get_logger
 
 log = get_logger(__name__)
@@ -153,3 +153,18 @@ def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
     return grpc.dynamic_ssl_server_credentials(
         files.config, files.fetch, require_client_authentication=tls.require_client_cert
     )
+
+
+def redis_options(redis: RedisConfig) -> dict[str, Any]:
+    """Keyword arguments for `redis.Redis.from_url` that make a rediss:// connection verify the
+    server against `redis.tls_ca_file` and present `redis.tls_cert_file` when set (empty for a
+    redis:// URL). The password comes separately, from `redis.password_env`."""
+    if not (redis.url or "").startswith("rediss://"):
+        return {}
+    options: dict[str, Any] = {"ssl_cert_reqs": "required"}
+    if redis.tls_ca_file:
+        options["ssl_ca_certs"] = redis.tls_ca_file
+    if redis.tls_cert_file and redis.tls_key_file:
+        options["ssl_certfile"] = redis.tls_cert_file
+        options["ssl_keyfile"] = redis.tls_key_file
+    return options
