@@ -47,7 +47,7 @@ format: setup
 
 test: setup
 	@$(MAKE) --no-print-directory lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 protos: setup
 	$(PY) protos/generate.py
