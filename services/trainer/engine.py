@@ -166,6 +166,27 @@ def make_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def _weights_only_loads(engine: Any) -> None:
+    """Make DeepSpeed read its checkpoint files with `torch.load(weights_only=True)`.
+
+    DeepSpeed writes its shards with torch.save (pickle) and reads them with weights_only=False,
+    so a tampered checkpoint would run code when a trainer resumes. Its files hold tensors,
+    plain containers and these few DeepSpeed classes (0.19: optimizer shards of ZeRO 1-3 and the
+    fp16/bf16 optimizers), which torch's restricted unpickler may rebuild; anything else fails
+    the load with the name of the refused class (docs/security.md)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    allowed = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+    def load(path: str, map_location: Any = None) -> Any:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    engine.checkpoint_engine.load = load
+
+
 class TrainEngine:
     """One trainable module (policy or critic) under a DeepSpeed engine."""
 
@@ -235,6 +256,7 @@ class TrainEngine:
         self.engine.save_checkpoint(str(directory), tag=tag)
 
     def load(self, directory: Path, tag: str) -> None:
+        _weights_only_loads(self.engine)
         path, _ = self.engine.load_checkpoint(
             str(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
         )
