@@ -56,6 +56,9 @@ REWARD_TOLERANCE = 1e-9
 MAX_LEASE = 4096
 MAX_WAIT_SECONDS = 600.0
 STATS_REFRESH_SECONDS = 2.0
+# Redis' Lua scripts compute in doubles: larger versions and rounds would be stored rounded
+# (and unreadable as integers afterwards), so they are refused.
+MAX_EXACT_INT = 2**53 - 1
 
 GroupFilter = Callable[[Group], Any]
 
@@ -332,11 +335,11 @@ class BufferService(Service):
     async def StartEval(
         self, request: bpb.StartEvalRequest, context: grpc.aio.ServicerContext
     ) -> bpb.StartEvalResponse:
-        if request.round < 0:
+        if not 0 <= request.round < MAX_EXACT_INT:
             raise _reject(
                 "StartEval",
                 "bad_request",
-                InvalidArgument(f"round must be >= 0, got {request.round}"),
+                InvalidArgument(f"round must be in 0..{MAX_EXACT_INT - 1}, got {request.round}"),
             )
         rounds, started, num = await self.db.start_eval(request.round)
         if num == 0:
@@ -560,11 +563,11 @@ class BufferService(Service):
     async def SetPolicyVersion(
         self, request: bpb.SetPolicyVersionRequest, context: grpc.aio.ServicerContext
     ) -> bpb.SetPolicyVersionResponse:
-        if request.version < 0:
+        if not 0 <= request.version <= MAX_EXACT_INT:
             raise _reject(
                 "SetPolicyVersion",
                 "bad_request",
-                InvalidArgument(f"version must be >= 0, got {request.version}"),
+                InvalidArgument(f"version must be in 0..{MAX_EXACT_INT}, got {request.version}"),
             )
         ok, version = await self.db.set_policy_version(request.version)
         if not ok:
