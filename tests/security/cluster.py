@@ -37,6 +37,16 @@ TRAIN_PROMPTS = 8
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 
 
+#: One read per service that touches its state (Redis for the buffer): path, request bytes.
+PROBES = {
+    "buffer": ("/kuberl.buffer.v1.BufferService/GetStats", b""),
+    "reward": ("/kuberl.reward.v1.RewardService/ListVerifiers", b""),
+    "weight_sync": ("/kuberl.weight_sync.v1.WeightSyncService/GetStatus", b""),
+    "rollout": ("/kuberl.rollout.v1.RolloutService/GetStatus", b""),
+    "trainer": ("/kuberl.trainer.v1.TrainerService/GetStatus", b""),
+}
+
+
 @dataclass
 class Cluster:
     folder: Path
@@ -72,7 +82,8 @@ class Cluster:
         return {name: proc.proc.poll() for name, proc in self.procs.items()}
 
     def assert_healthy(self) -> None:
-        """Every service process still runs and says SERVING to a legitimate client."""
+        """Every service process still runs, says SERVING, and answers its basic read (so state
+        that a hostile request corrupted shows up here, not only in the request's answer)."""
         from kuberl.common.channels import health_status
 
         assert self.alive() == dict.fromkeys(self.procs), self.logs()
@@ -80,6 +91,11 @@ class Cluster:
         for name in self.procs:
             with self.channel(name) as channel:
                 status[name] = health_status(channel, timeout=10)
+                path, request = PROBES[name]
+                try:
+                    channel.unary_unary(path)(request, timeout=10)
+                except Exception as exc:
+                    status[name] = f"{path}: {exc}"
         assert set(status.values()) == {"SERVING"}, (status, self.logs())
 
     def logs(self) -> str:

@@ -28,7 +28,6 @@ from kuberl.api.reward.v1 import reward_pb2
 from kuberl.api.rollout.v1 import rollout_pb2
 from kuberl.api.trainer.v1 import trainer_pb2
 from kuberl.api.weight_sync.v1 import weight_sync_pb2
-from kuberl.common.channels import health_status
 from tests.security.cluster import Cluster
 from tests.security.fuzzing import (
     NEVER,
@@ -108,10 +107,8 @@ def _fuzz(cluster: Cluster, method: Method, strategy: st.SearchStrategy, example
             assert code not in NEVER and code in allowed, f"{method}: {code.name}"
 
         run()
-        status = health_status(channel)
     after = rpc_errors(cluster.metrics(method.service), method.service)
-    assert cluster.alive() == dict.fromkeys(cluster.procs), cluster.logs()
-    assert status == "SERVING"
+    cluster.assert_healthy()
     assert uncounted(before, after, method.name, call.seen) == {}, dict(call.seen)
 
 
