@@ -84,7 +84,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("local-run")
     run_dir = tmp / "run"
     proc = _kuberl_run(_short_job(tmp, warm_start=True), run_dir)
-    output, _ = proc.communicate(timeout=280)
+    output, _ = proc.communicate(timeout=600)
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     rows = (
