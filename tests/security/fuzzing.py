@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescriptor
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
 
 CALL_TIMEOUT = 10.0
@@ -39,24 +39,28 @@ NEVER = {
 }
 
 
-def fuzz_settings(examples: int) -> settings:
-    """Settings of one fuzz test: `examples` (or $KUBERL_FUZZ_EXAMPLES), no deadline (a real
-    service on a shared 2-core box), no example database (the services' state moves on)."""
+def fuzz_settings(examples: int, limit: int | None = None) -> Callable[[Any], Any]:
+    """Decorator (above @given) for one fuzz test: `examples` examples, or $KUBERL_FUZZ_EXAMPLES
+    (at most `limit`, for requests with real side effects); no deadline (real services on a
+    shared 2-core box); no example database (the services' state moves on). Derandomized
+    unless $KUBERL_FUZZ_SEED gives a seed, so CI runs the same examples every time."""
     n = int(os.environ.get("KUBERL_FUZZ_EXAMPLES", "0") or 0) or examples
-    seed = os.environ.get("KUBERL_FUZZ_SEED")
-    return settings(
+    n = min(n, limit) if limit else n
+    seed_text = os.environ.get("KUBERL_FUZZ_SEED")
+    configured = settings(
         max_examples=n,
         deadline=None,
         database=None,
-        derandomize=seed is None,
+        derandomize=not seed_text,
         suppress_health_check=list(HealthCheck),
         print_blob=True,
     )
 
+    def apply(test: Any) -> Any:
+        test = configured(test)
+        return seed(int(seed_text))(test) if seed_text else test
 
-def fuzz_seed() -> int | None:
-    seed = os.environ.get("KUBERL_FUZZ_SEED")
-    return int(seed) if seed else None
+    return apply
 
 
 # ---------------------------------------------------------------- scalars
@@ -316,6 +320,3 @@ def uncounted(
         if counted < n:
             missing[code.name] = (n, counted)
     return missing
-
-
-Check = Callable[[grpc.StatusCode], bool]

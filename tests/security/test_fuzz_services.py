@@ -74,7 +74,8 @@ OVERRIDES = {
     "snapshot_endpoint": st.sampled_from(["", "127.0.0.1:1", "unix:/nonexistent"]),
     "endpoint": st.sampled_from(["", "127.0.0.1:1", "localhost:9"]),
 }
-EXAMPLES = {"trainer.CheckpointNow": 4}
+#: Requests with real side effects (each CheckpointNow writes a checkpoint): at most this many.
+LIMITS = {"trainer.CheckpointNow": 4}
 
 
 def _allowed(method: Method) -> set[grpc.StatusCode]:
@@ -98,7 +99,7 @@ def _fuzz(cluster: Cluster, method: Method, strategy: st.SearchStrategy, example
     with cluster.channel(method.service) as channel:
         call = RawCaller(channel, method)
 
-        @fuzz_settings(EXAMPLES.get(str(method), examples))
+        @fuzz_settings(examples, limit=LIMITS.get(str(method)))
         @given(request=strategy)
         def run(request: object) -> None:
             data = request if isinstance(request, bytes) else request.SerializeToString()  # type: ignore[attr-defined]
