@@ -9,11 +9,14 @@ text), random bytes, nested messages, repeated fields and maps. `tensors()` draw
 reach the server too.
 
 `KUBERL_FUZZ_EXAMPLES=N` runs every fuzz test with N examples (default: each test's own small
-count, sized for CI); `KUBERL_FUZZ_SEED` fixes the seed (default: derandomized, so CI is stable).
+count, sized for CI); `KUBERL_FUZZ_SEED=S` makes a random run from seed S (default:
+derandomized, so CI is stable); `KUBERL_FUZZ_REPORT=FILE` appends one JSON line per fuzz test
+with the status codes its calls got (docs/security.md shows how to read it).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -320,3 +323,12 @@ def uncounted(
         if counted < n:
             missing[code.name] = (n, counted)
     return missing
+
+
+def report(test: str, seen: Counter[grpc.StatusCode]) -> None:
+    """Append the calls of one fuzz test to $KUBERL_FUZZ_REPORT (if set)."""
+    path = os.environ.get("KUBERL_FUZZ_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": test, "codes": {c.name: n for c, n in seen.items()}}))
+            f.write("\n")

@@ -34,7 +34,15 @@ from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc
 from kuberl.common.trajectory import encode_array
 from tests.integration.buffer_support import make_group
 from tests.security.cluster import GROUP_SIZE, MAX_MESSAGE_BYTES, Cluster, wait_for
-from tests.security.fuzzing import NEVER, RawCaller, fuzz_settings, methods, rpc_errors, uncounted
+from tests.security.fuzzing import (
+    NEVER,
+    RawCaller,
+    fuzz_settings,
+    methods,
+    report,
+    rpc_errors,
+    uncounted,
+)
 
 C = grpc.StatusCode
 NONFINITE = st.sampled_from([math.nan, math.inf, -math.inf])
@@ -226,6 +234,7 @@ def test_groups_with_one_defect_for_leased_prompts_are_refused_and_nothing_is_st
             assert code is C.INVALID_ARGUMENT, f"{name}={str(value)[:40]}: {code.name}"
 
         put_corrupted()
+        report("buffer.PutTrajectories:one-defect groups", call.seen)
         stored_after = _stored_groups(cluster, job)
         accepted_after = _accepted(buffer_stub)
         # The control: the same kind of group without a defect is accepted and stored.
@@ -350,6 +359,7 @@ def test_samples_with_one_bad_field_are_refused_and_good_batches_get_finite_rewa
             assert code is C.INVALID_ARGUMENT, f"{name}={str(value)[:40]}: {code.name}"
 
         score_corrupted()
+        report("reward.Score:one-defect samples", call.seen)
 
         @fuzz_settings(10)
         @given(response=st.text(max_size=200), answer=st.text(max_size=20))
