@@ -345,8 +345,9 @@ class SandboxConfig(Section):
     uid_base: int = Field(
         61000,
         ge=1000,
-        description="When the service runs as root, run i executes as uid/gid uid_base + slot "
-        "(slot < max_concurrent): these ids must belong to nobody else on the host.",
+        description="When the service runs as root, each concurrent run executes as its own "
+        "uid/gid, the first max_concurrent ids from uid_base up that no other reward service on "
+        "the host holds (claimed with lock files): these ids must belong to nobody else.",
     )
     tmpfs_bytes: int = Field(
         64 * 1024 * 1024,

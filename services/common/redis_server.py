@@ -19,8 +19,6 @@ imported here, so every service may use this module.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -30,12 +28,12 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from kuberl.common.childproc import die_with_parent
 from kuberl.common.logs import get_logger
 
 log = get_logger(__name__)
 
 ENV_EXECUTABLE = "KUBERL_REDIS_SERVER"
-_PR_SET_PDEATHSIG = 1
 
 
 class RedisServerError(RuntimeError):
@@ -71,11 +69,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _server_pid(host: str, port: int, password: str | None, timeout: float = 0.5) -> int | None:
@@ -202,12 +195,12 @@ class EmbeddedRedis:
         for _attempt in range(1 if fixed_port else 5):
             if not fixed_port:
                 self.port = free_port(self.host)
+            args = self._args(executable)
             self.proc = subprocess.Popen(
-                self._args(executable),
+                die_with_parent(args) if self.die_with_parent else args,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent if self.die_with_parent else None,
             )
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:

@@ -25,7 +25,6 @@ Nothing here knows about kuberl's services: the unit tests drive it with small d
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -34,23 +33,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
+from kuberl.common.childproc import die_with_parent
 from kuberl.common.logs import get_logger
 
 log = get_logger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-try:
-    # Resolved once here: the child between fork and exec must not import or take locks.
-    _prctl: Any = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # pragma: no cover - not Linux
-    _prctl = None
-
-
-def _child_setup() -> None:  # pragma: no cover - runs in the forked child
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -167,14 +155,13 @@ class ManagedProcess:
         )
         self._log.flush()
         self.proc = subprocess.Popen(
-            argv,
+            die_with_parent(argv, signal.SIGTERM),
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
             cwd=self.spec.cwd,
             start_new_session=True,
-            preexec_fn=_child_setup,
         )
         self.starts += 1
         self._exit_recorded = False

@@ -3,10 +3,13 @@
 `Sandbox.run` starts `sandbox_launcher.py` (see its docstring for the isolation: namespaces,
 dedicated uid, rlimits, process-tree cleanup) as a separate process in its own session with a
 scrubbed environment, sends it the program and its tests, and reads back one result per test.
-At most `max_concurrent` runs execute at once; each holds a slot, which is also its uid offset
-when the service runs as root, so runs never share a uid. The launcher enforces the per-test
-wall clock and the run's deadline itself; if it still overruns (it should not), the service
-kills its process group and every process of the run's uid, and the sample fails with a timeout.
+At most `max_concurrent` runs execute at once; each holds a slot, which owns one dedicated uid
+when the service runs as root, so runs never share a uid. The uids are claimed with lock files
+(`claim_uids`), so two reward services on one host (local mode, tests, a node without PID
+namespaces per pod) never hand the same uid to their programs either. The launcher enforces
+the per-test wall clock and the run's deadline itself; if it still overruns (it should not),
+the service kills its process group and every process of the run's uid, and the sample fails
+with a timeout.
 
 `Sandbox.probe` runs one trivial program at start-up and reports which isolation the host
 allows; with `require_isolation` a host without network namespaces or root refuses to start.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
 import json
 import os
 import shutil
@@ -91,6 +95,39 @@ def protect_process() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
 
 
+UID_LOCK_DIR = Path(tempfile.gettempdir()) / "kuberl-sandbox-uids"
+UID_SEARCH_SPAN = 4096
+
+
+def claim_uids(base: int, count: int, lock_dir: Path = UID_LOCK_DIR) -> tuple[list[int], list[int]]:
+    """Claim `count` uids from `base` upwards that no other live process on this host holds.
+
+    Each uid is held by an exclusive flock on `lock_dir/<uid>.lock` (released by the kernel when
+    the holder exits, so a killed service frees its ids). Returns the uids and the open lock
+    descriptors, which must stay open for as long as the uids are in use.
+    """
+    lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    uids: list[int] = []
+    fds: list[int] = []
+    for uid in range(base, base + UID_SEARCH_SPAN):
+        fd = os.open(lock_dir / f"{uid}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        uids.append(uid)
+        fds.append(fd)
+        if len(uids) == count:
+            return uids, fds
+    for fd in fds:
+        os.close(fd)
+    raise RuntimeError(
+        f"no {count} free sandbox uids in [{base}, {base + UID_SEARCH_SPAN}): other reward "
+        f"services on this host hold them (see {lock_dir}); set reward.sandbox.uid_base"
+    )
+
+
 class Sandbox:
     """Runs programs against tests with the job's `reward.sandbox` limits."""
 
@@ -103,9 +140,18 @@ class Sandbox:
         for slot in range(config.max_concurrent):
             self._slots.put_nowait(slot)
         self.isolation: dict[str, str] = {}
+        self._uids: list[int] = []
+        self._uid_locks: list[int] = []
+        if self.root:
+            self._uids, self._uid_locks = claim_uids(config.uid_base, config.max_concurrent)
+
+    @property
+    def uids(self) -> list[int]:
+        """The uids this sandbox's slots run programs as (empty without root)."""
+        return list(self._uids)
 
     def _uid(self, slot: int) -> int | None:
-        return self.config.uid_base + slot if self.root else None
+        return self._uids[slot] if self.root else None
 
     def _job(
         self,

@@ -69,6 +69,11 @@ _isolation = metrics.gauge(
     "1 where the code sandbox has this isolation (network, files, uid), else 0",
     ["aspect"],
 )
+_sandbox_uids = metrics.gauge(
+    "kuberl_reward_sandbox_uid",
+    "The dedicated uid each sandbox slot runs programs as (root only; see reward.sandbox.uid_base)",
+    ["slot"],
+)
 
 Outcome = Verdict | VerifierFailure
 
@@ -147,6 +152,8 @@ class Scorer:
             return
         for aspect, good in (("network", "namespace"), ("files", "private"), ("uid", "dedicated")):
             _isolation.labels(aspect).set(1.0 if isolation.get(aspect) == good else 0.0)
+        for slot, uid in enumerate(self.sandbox.uids):
+            _sandbox_uids.labels(str(slot)).set(uid)
         if self.sandbox.fully_isolated:
             log.info("sandbox.isolation", **isolation)
         elif self.config.sandbox.require_isolation:

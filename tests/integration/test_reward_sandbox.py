@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -53,6 +54,28 @@ class Sandboxed:
         request = reward_pb2.ScoreRequest(samples=[sample])
         return self.stub.Score(request, timeout=60).scores[0]
 
+    def uids(self) -> set[int]:
+        """The uids the service's sandbox slots run as (its `kuberl_reward_sandbox_uid` gauges;
+        other reward services on this host hold other uids)."""
+        url = f"http://127.0.0.1:{self.proc.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        found = re.findall(r'^kuberl_reward_sandbox_uid\{slot="\d+"\} ([0-9.e+]+)$', text, re.M)
+        return {int(float(v)) for v in found}
+
+    def processes(self) -> list[int]:
+        """Live processes owned by the sandbox's uids."""
+        uids, found = self.uids(), []
+        for entry in os.listdir("/proc"):
+            try:
+                st = os.stat(f"/proc/{entry}")
+                with open(f"/proc/{entry}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if entry.isdigit() and st.st_uid in uids and state != "Z":
+                found.append(int(entry))
+        return found
+
     def still_answers(self) -> bool:
         ok = reward_pb2.Sample(sample_id="ok", response="#### 5", answer="#### 5")
         reply = self.stub.Score(reward_pb2.ScoreRequest(samples=[ok]), timeout=30)
@@ -82,21 +105,6 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandboxed]:
             yield Sandboxed(proc, reward_pb2_grpc.RewardServiceStub(channel))
 
 
-def sandbox_processes() -> list[int]:
-    """Live processes owned by the sandbox uids."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            st = os.stat(f"/proc/{entry}")
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if entry.isdigit() and UID_BASE <= st.st_uid < UID_BASE + SLOTS and state != "Z":
-            found.append(int(entry))
-    return found
-
-
 def test_an_infinite_loop_is_stopped_and_reported_as_a_timeout(sandbox: Sandboxed) -> None:
     score = sandbox.run("while True:\n    pass")
     assert (score.reward, score.breakdown["code/timeout"], score.error) == (0.0, 1.0, "")
@@ -124,7 +132,7 @@ def test_a_process_can_fork_only_up_to_its_process_limit(sandbox: Sandboxed) -> 
     )
     score = sandbox.run(program, expected=str(MAX_PROCESSES - 1))
     assert (score.reward, score.details) == (1.0, "code: 1/1 passed")
-    assert sandbox_processes() == []
+    assert sandbox.processes() == []
     assert sandbox.still_answers()
 
 
@@ -139,7 +147,7 @@ def test_a_fork_bomb_is_contained_and_leaves_no_process(sandbox: Sandboxed) -> N
     )
     score = sandbox.run(program)
     assert (score.reward, score.breakdown["code/timeout"]) == (0.0, 1.0)
-    assert sandbox_processes() == []
+    assert sandbox.processes() == []
     assert sandbox.still_answers()
 
 
@@ -222,7 +230,7 @@ def test_network_sockets_reach_nothing(sandbox: Sandboxed) -> None:
 def test_a_huge_stdout_is_cut_off_and_reported(sandbox: Sandboxed) -> None:
     score = sandbox.run("while True:\n    print('x' * 10000)")
     assert (score.reward, score.breakdown["code/output_limit"]) == (0.0, 1.0)
-    assert sandbox_processes() == []
+    assert sandbox.processes() == []
     assert sandbox.still_answers()
 
 
@@ -252,6 +260,8 @@ def test_the_sandbox_reports_full_isolation_when_run_as_root(sandbox: Sandboxed)
         f'kuberl_reward_sandbox_isolated{{aspect="{a}"}} 1.0' for a in ("network", "files", "uid")
     ]
     assert [g for g in gauges if g not in text] == []
+    uids = sandbox.uids()
+    assert len(uids) == SLOTS and min(uids) >= UID_BASE
 
 
 @pytest.mark.skipif(

@@ -1,0 +1,28 @@
+"""Starting child processes that die with their parent, safely from a threaded process.
+
+`subprocess.Popen(preexec_fn=...)` runs Python between fork and exec; in a process with other
+threads (gRPC's, for one) a lock held by another thread at fork time can deadlock or abort the
+child before it execs (seen as a redis-server "exited with -6 at start"). Instead the child
+execs a tiny interpreter that sets the parent-death signal and then execs the real program:
+the setting survives execve (for programs without setuid bits or file capabilities), and the
+pid stays the same, so `Popen.pid` is the program's pid.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+_SET_PDEATHSIG_AND_EXEC = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, int(sys.argv[1]), 0, 0, 0)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def die_with_parent(argv: list[str], sig: int = signal.SIGKILL) -> list[str]:
+    """`argv` wrapped so that Linux sends `sig` to the program when the thread that started it
+    exits (PR_SET_PDEATHSIG). Pass the result to `subprocess.Popen` without a `preexec_fn`."""
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    return [sys.executable, "-I", "-S", "-c", _SET_PDEATHSIG_AND_EXEC, str(int(sig)), *argv]
