@@ -28,6 +28,7 @@ from kuberl.api.common.v1 import trajectory_pb2 as tpb
 from kuberl.buffer import metrics as m
 from kuberl.buffer.datasets import read_dataset
 from kuberl.buffer.store import DATASET_NAME, BufferStore, Drop, PutItem, StoredGroup, lease_kind
+from kuberl.buffer.validation import RawPutRequest, check_group, encode_varint, group_payloads
 from kuberl.common.config import DatasetConfig, JobConfig
 from kuberl.common.errors import (
     AlreadyExists,
@@ -51,8 +52,6 @@ KIND_NAMES: dict[int, str] = {
     tpb.STREAM_KIND_EVAL: "eval",
     tpb.STREAM_KIND_SFT: "sft",
 }
-# Rewards closer than this count as equal for the dynamic-sampling (zero variance) filter.
-REWARD_TOLERANCE = 1e-9
 MAX_LEASE = 4096
 MAX_WAIT_SECONDS = 600.0
 STATS_REFRESH_SECONDS = 2.0
@@ -70,18 +69,6 @@ def _kind(value: int) -> str:
         raise InvalidArgument(f"unknown stream kind {value}; expected TRAIN, EVAL or SFT") from None
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
 _GROUPS_TAG = b"\x12"  # GetBatchResponse.groups: field 2, length-delimited
 
 
@@ -92,7 +79,7 @@ def encode_batch(head: bpb.GetBatchResponse, payloads: Sequence[bytes]) -> bytes
     and re-encoded: that is most of the cost of a batch in Python."""
     parts = [head.SerializeToString()]
     for p in payloads:
-        parts += [_GROUPS_TAG, _varint(len(p)), p]
+        parts += [_GROUPS_TAG, encode_varint(len(p)), p]
     return b"".join(parts)
 
 
@@ -227,11 +214,15 @@ class BufferService(Service):
         handlers = {}
         for method, (fn, req, resp) in methods.items():
             serializer = getattr(resp, rs)
+            deserializer = getattr(req, rq)
             if method == "GetBatch":
                 # GetBatch may answer with pre-encoded bytes (see encode_batch).
                 serializer = _bytes_or_proto
+            if method == "PutTrajectories":
+                # Keep the request's bytes: the groups in it are stored as they are.
+                deserializer = RawPutRequest.parse
             handlers[method] = grpc.unary_unary_rpc_method_handler(
-                fn, request_deserializer=getattr(req, rq), response_serializer=serializer
+                fn, request_deserializer=deserializer, response_serializer=serializer
             )
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),)
@@ -352,42 +343,16 @@ class BufferService(Service):
 
     # -- groups -------------------------------------------------------------------------------
 
-    def _check_group(self, msg: tpb.Group, kind: str, lease_id: str) -> PutItem:
-        """Validate one group; TrajectoryError says what is wrong."""
-        group = Group.from_proto(msg)
-        n = len(group.trajectories)
-        if not group.prompt_id:
-            raise TrajectoryError("prompt_id is empty")
-        if kind == "sft":
-            # Rejection sampling keeps 0..group_size samples; an empty group completes the lease.
-            if n > self.group_size:
-                raise TrajectoryError(
-                    f"group {group.group_id}: has {n} trajectories, more than the job's group "
-                    f"size {self.group_size}"
-                )
-            group.validate()
-        else:
-            group.validate(self.group_size)
-        indices = [t.sample_index for t in group.trajectories]
-        if len(set(indices)) != n:
-            raise TrajectoryError(f"group {group.group_id}: sample_index values repeat: {indices}")
-        rewards = [t.reward for t in group.trajectories]
-        zero_variance = n > 0 and max(rewards) - min(rewards) <= REWARD_TOLERANCE
-        version = min((t.policy_version_start for t in group.trajectories), default=0)
-        if not msg.group_id:
-            msg.group_id = group.group_id
-        return PutItem(
-            prompt_id=group.prompt_id,
-            epoch=group.epoch,
-            version=version,
-            zero_variance=zero_variance,
-            payload=msg.SerializeToString() if n else b"",
-            lease_id=lease_id,
-        )
-
     async def PutTrajectories(
-        self, request: bpb.PutTrajectoriesRequest, context: grpc.aio.ServicerContext
+        self,
+        request: bpb.PutTrajectoriesRequest | RawPutRequest,
+        context: grpc.aio.ServicerContext,
     ) -> bpb.PutTrajectoriesResponse:
+        # Over gRPC the request arrives with its bytes (see register), so the groups' bytes are
+        # stored as sent; in-process callers pass the message and the groups are encoded anew.
+        raw = request.data if isinstance(request, RawPutRequest) else None
+        if isinstance(request, RawPutRequest):
+            request = request.message
         kind = _kind(request.kind)
         if not request.groups:
             raise _reject("PutTrajectories", "bad_request", InvalidArgument("no groups to put"))
@@ -400,16 +365,29 @@ class BufferService(Service):
                     "one per group (same order) or none"
                 ),
             )
-        items = []
-        for i, msg in enumerate(request.groups):
-            lease = request.lease_ids[i] if request.lease_ids else ""
+        groups = request.groups
+        checked = []
+        for i, msg in enumerate(groups):
             try:
-                items.append(self._check_group(msg, kind, lease))
+                checked.append(check_group(msg, self.group_size, partial=kind == "sft"))
             except TrajectoryError as exc:
-                m.GROUPS_PUT_TOTAL.labels(kind, "rejected").inc(len(request.groups))
+                m.GROUPS_PUT_TOTAL.labels(kind, "rejected").inc(len(groups))
                 raise _reject(
                     "PutTrajectories", "invalid_group", InvalidArgument(f"groups[{i}]: {exc}")
                 ) from None
+        payloads = group_payloads(groups, checked, raw)
+        leases = request.lease_ids or [""] * len(groups)
+        items = [
+            PutItem(
+                prompt_id=c.prompt_id,
+                epoch=c.epoch,
+                version=c.version,
+                zero_variance=c.zero_variance,
+                payload=payload,
+                lease_id=lease,
+            )
+            for c, payload, lease in zip(checked, payloads, leases, strict=True)
+        ]
         try:
             accepted = await self.db.put(kind, items)
         except InvalidArgument as exc:
@@ -427,10 +405,10 @@ class BufferService(Service):
         return bpb.PutTrajectoriesResponse(
             results=[
                 bpb.PutResult(
-                    group_id=msg.group_id,
+                    group_id=c.group_id,
                     status=bpb.PUT_STATUS_ACCEPTED if ok else bpb.PUT_STATUS_DUPLICATE,
                 )
-                for msg, ok in zip(request.groups, accepted, strict=True)
+                for c, ok in zip(checked, accepted, strict=True)
             ]
         )
 

@@ -138,7 +138,7 @@ class PutItem:
     epoch: int
     version: int
     zero_variance: bool
-    payload: bytes  # b"" = empty SFT group: complete the lease, store nothing
+    payload: bytes | memoryview  # b"" = empty SFT group: complete the lease, store nothing
     lease_id: str = ""
 
 
