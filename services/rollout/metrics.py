@@ -49,7 +49,8 @@ ABORTED = metrics.counter(
 )
 PROMPTS = metrics.counter(
     "kuberl_rollout_prompts_total",
-    "Leased prompts by outcome (leased, put, released, requeued)",
+    "Leased prompts by outcome (leased, put, released, requeued; abandoned: a release the "
+    "buffer could not be told of, re-delivered after its lease timeout)",
     ["kind", "outcome"],
 )
 GROUPS_PUT = metrics.counter(

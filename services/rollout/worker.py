@@ -9,10 +9,11 @@ the start and end of generation, the engine's logprobs, the loss mask, timings a
 
 Nothing leased is dropped silently. Every prompt leaves the replica either inside a group the
 buffer accepted, or through `ReleasePrompts` (generation failed, scoring or putting failed after
-`max_attempts` retries, shutdown); only a crash (SIGKILL) leaves leases behind, and the buffer
-re-delivers those after its lease timeout. Transient errors (UNAVAILABLE, DEADLINE_EXCEEDED,
-RESOURCE_EXHAUSTED) are retried with exponential backoff; a refused lease (backpressure) waits
-for the `retry-after-seconds` trailer.
+`max_attempts` retries, shutdown); only a crash (SIGKILL) or a buffer it cannot reach (a
+network partition: the release fails too, and the prompts are counted `abandoned`) leaves
+leases behind, and the buffer re-delivers those after its lease timeout. Transient errors
+(UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED) are retried with exponential backoff; a
+refused lease (backpressure) waits for the `retry-after-seconds` trailer.
 
 Modes (`rollout.mode`): `rl` puts training groups (and serves the EVAL stream first when the job
 has eval data); `eval` leases and puts only EVAL groups; `rejection_sampling` leases training
@@ -487,16 +488,24 @@ class RolloutWorker:
         request = bpb.ReleasePromptsRequest(
             lease_ids=ids, consumer=self.replica_id, kind=KINDS[kind]
         )
+        released = True
         try:
             await self._call(self.buffer.ReleasePrompts, request, "ReleasePrompts")
-        except CallFailed as exc:  # the buffer re-delivers them after its lease timeout
+        except CallFailed as exc:
+            # Unreachable buffer (a partition): the leases stay with this replica at the buffer,
+            # which re-delivers them after its lease timeout. Not counted as released.
+            released = False
             m.FAILURES.labels("release").inc()
             log.error("prompts.release_failed", prompts=len(ids), error=str(exc))
         for lid in ids:
             self._inflight.pop(lid, None)
+        m.IN_FLIGHT.set(len(self._inflight))
+        if not released:
+            m.PROMPTS.labels(kind, "abandoned").inc(len(ids))
+            log.warning("prompts.abandoned", prompts=len(ids), kind=kind)
+            return
         self.prompts_released += len(ids)
         m.PROMPTS.labels(kind, "released").inc(len(ids))
-        m.IN_FLIGHT.set(len(self._inflight))
         log.info("prompts.released", prompts=len(ids), kind=kind)
 
     async def _call(self, method: Callable[..., Awaitable[Any]], request: Any, name: str) -> Any:

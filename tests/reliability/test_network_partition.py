@@ -79,6 +79,8 @@ class Outcome:
     recovery_seconds: float  # restore -> first group stored
     finish_seconds: float  # restore -> every prompt stored
     failed_codes: list[str]  # status codes of the replica's failed calls (its log)
+    released_logged: int  # prompts the replica logged as released to the buffer
+    abandoned_logged: int  # prompts it gave up on because the buffer could not be told
     rollout_alive_at_end: bool
     rollout_exit: int
 
@@ -274,6 +276,8 @@ def _run(link: Link, work: Path, sockets: Path, started: list[Any]) -> Outcome:
         recovery_seconds=round(recovery, 2),
         finish_seconds=round(finish, 2),
         failed_codes=sorted(set(re.findall(r"code=([A-Z_]+)", log))),
+        released_logged=sum(map(int, re.findall(r"event=prompts\.released prompts=(\d+)", log))),
+        abandoned_logged=sum(map(int, re.findall(r"event=prompts\.abandoned prompts=(\d+)", log))),
         rollout_alive_at_end=alive,
         rollout_exit=exit_code,
     )
@@ -371,3 +375,11 @@ def test_the_same_replica_reconnects_and_finishes_the_job(outcome: Outcome) -> N
     assert (outcome.rollout_alive_at_end, outcome.rollout_exit) == (True, 0)
     assert outcome.accepted["restore"] < PROMPTS  # the rest was stored after the link returned
     assert outcome.replicas == [REPLICA]
+
+
+def test_the_replica_counts_as_released_only_what_the_buffer_took_back(outcome: Outcome) -> None:
+    # Releases sent during the cut fail: those prompts are abandoned (left to the lease timeout),
+    # and what the replica reports as released is exactly what the buffer received.
+    assert outcome.released_logged == outcome.counters.get("train:released", 0)
+    assert outcome.abandoned_logged + outcome.released_logged >= len(outcome.held_at_cut)
+    assert outcome.abandoned_logged > 0
