@@ -76,6 +76,9 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         },
         "dashboards": {"annotations": {"grafana_folder": "kuberl"}},
     },
+    "mutual-tls": {
+        "tls": {"enabled": True, "secretName": "kuberl-grpc-tls"},
+    },
     "cpu-only": {
         "rollout": {"sglang": {"enabled": False}},
         "model": {"path": ""},

@@ -143,6 +143,9 @@ both use it.
 {{- if .Values.model.path }}
 {{- $_ := set $wiring "model" (dict "path" .Values.model.path) }}
 {{- end }}
+{{- if .Values.tls.enabled }}
+{{- $_ := set $wiring "tls" (include "kuberl.tlsSettings" . | fromYaml) }}
+{{- end }}
 {{- if .Values.rollout.sglang.enabled }}
 {{- $engine := dict }}
 {{- $jobEngine := dig "rollout" "engine" dict $job }}
@@ -205,6 +208,53 @@ affinity:
 {{- end }}
 
 {{/* Environment of every kuberl container. */}}
+{{/*
+gRPC TLS: the job file's `tls` section when .Values.tls.enabled, the files from the Secret mounted
+at /etc/kuberl-tls. The same settings go into every container's environment (KUBERL_TLS__*), so
+`kuberl health` in probes and in the helm test pod speaks TLS too.
+*/}}
+{{- define "kuberl.tlsServerName" -}}
+{{- default (printf "%s-grpc" (include "kuberl.fullname" .)) .Values.tls.serverName }}
+{{- end }}
+
+{{- define "kuberl.tlsSettings" -}}
+{{- if not .Values.tls.secretName }}
+{{- fail "tls.enabled needs tls.secretName: a Secret with tls.crt, tls.key and ca.crt (e.g. from a cert-manager Certificate, see docs/security.md)" }}
+{{- end -}}
+enabled: true
+ca_file: /etc/kuberl-tls/ca.crt
+cert_file: /etc/kuberl-tls/tls.crt
+key_file: /etc/kuberl-tls/tls.key
+require_client_cert: {{ .Values.tls.requireClientCert }}
+server_name_override: {{ include "kuberl.tlsServerName" . | quote }}
+{{- end }}
+
+{{- define "kuberl.tlsEnv" -}}
+{{- if .Values.tls.enabled }}
+{{- range $key, $value := include "kuberl.tlsSettings" . | fromYaml }}
+- name: KUBERL_TLS__{{ upper $key }}
+  value: {{ $value | toString | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kuberl.tlsVolumeMount" -}}
+{{- if .Values.tls.enabled }}
+- name: grpc-tls
+  mountPath: /etc/kuberl-tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "kuberl.tlsVolume" -}}
+{{- if .Values.tls.enabled }}
+- name: grpc-tls
+  secret:
+    secretName: {{ .Values.tls.secretName }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+
 {{- define "kuberl.env" -}}
 - name: KUBERL_LOG_FORMAT
   value: {{ .Values.logFormat | quote }}
@@ -218,6 +268,7 @@ affinity:
       fieldPath: status.podIP
 - name: TMPDIR
   value: /tmp
+{{- include "kuberl.tlsEnv" . }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
@@ -254,6 +305,7 @@ filesystem is read-only).
 - name: work
   emptyDir:
     sizeLimit: 10Gi
+{{- include "kuberl.tlsVolume" . }}
 {{- end }}
 
 {{- define "kuberl.jobVolumeMount" -}}
@@ -264,6 +316,7 @@ filesystem is read-only).
   mountPath: /tmp
 - name: work
   mountPath: /var/lib/kuberl/work
+{{- include "kuberl.tlsVolumeMount" . }}
 {{- end }}
 
 {{- define "kuberl.workingDir" -}}
@@ -282,21 +335,33 @@ workingDir: /var/lib/kuberl/work
 Native gRPC probes on grpc.health.v1 (every kuberl server serves it), which says SERVING only
 once the service's start-up is done: (dict "root" $ "port" 50051 ["startupFailures" N]).
 */}}
+{{/*
+Startup, readiness and liveness probes on grpc.health.v1: the kubelet's own gRPC probe, or with
+tls.enabled (the kubelet's probe speaks only plaintext) `kuberl health` over TLS in the container.
+*/}}
+{{- define "kuberl.healthCheck" -}}
+{{- if .root.Values.tls.enabled }}
+exec:
+  command: ["kuberl", "health", "--timeout", {{ .timeout | quote }}, "127.0.0.1:{{ .port }}"]
+{{- else }}
+grpc:
+  port: {{ .port }}
+{{- end }}
+{{- end }}
+
 {{- define "kuberl.grpcProbes" -}}
+{{- $probes := .root.Values.probes }}
 startupProbe:
-  grpc:
-    port: {{ .port }}
+  {{- include "kuberl.healthCheck" (dict "root" .root "port" .port "timeout" $probes.readiness.timeoutSeconds) | nindent 2 }}
   periodSeconds: 5
-  timeoutSeconds: {{ .root.Values.probes.readiness.timeoutSeconds }}
-  failureThreshold: {{ max .root.Values.probes.startupFailureThreshold (default 0 .startupFailures) }}
+  timeoutSeconds: {{ $probes.readiness.timeoutSeconds }}
+  failureThreshold: {{ max $probes.startupFailureThreshold (default 0 .startupFailures) }}
 readinessProbe:
-  grpc:
-    port: {{ .port }}
-  {{- toYaml .root.Values.probes.readiness | nindent 2 }}
+  {{- include "kuberl.healthCheck" (dict "root" .root "port" .port "timeout" $probes.readiness.timeoutSeconds) | nindent 2 }}
+  {{- toYaml $probes.readiness | nindent 2 }}
 livenessProbe:
-  grpc:
-    port: {{ .port }}
-  {{- toYaml .root.Values.probes.liveness | nindent 2 }}
+  {{- include "kuberl.healthCheck" (dict "root" .root "port" .port "timeout" $probes.liveness.timeoutSeconds) | nindent 2 }}
+  {{- toYaml $probes.liveness | nindent 2 }}
 {{- end }}
 
 {{- define "kuberl.containerPorts" -}}
