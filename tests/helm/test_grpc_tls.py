@@ -33,9 +33,8 @@ def _kuberl_containers(value_set: str) -> list[dict[str, Any]]:
 
 
 def _tls_env(container: dict[str, Any]) -> dict[str, str]:
-    return {
-        e["name"]: e["value"] for e in container.get("env", []) if e["name"].startswith("KUBERL_TLS")
-    }
+    env = container.get("env", [])
+    return {e["name"]: e["value"] for e in env if e["name"].startswith("KUBERL_TLS")}
 
 
 def test_the_job_file_turns_on_mutual_tls_with_the_mounted_files() -> None:
