@@ -1,20 +1,24 @@
 """Throughput of one buffer replica against raw Redis streams, measured in the same run.
 
 Workload: groups of 8 trajectories with 2,048 response tokens each (int32 token ids, float32
-logprobs, uint8 loss mask, a 128-token prompt): about 150 KB per group. Several producer
-processes act as rollout replicas and one consumer as the trainer.
+logprobs, uint8 loss mask, a 128-token prompt): 152 KB per group. Several producer processes act
+as rollout replicas and one consumer as the trainer, each in its own process.
 
-- service: producers LeasePrompts, then PutTrajectories (4 groups per request) through one
-  `kuberl serve buffer` process; the consumer loops GetBatch(32 groups) + Ack.
+- service: producers LeasePrompts (16 at a time), then PutTrajectories (4 groups per request)
+  through one `kuberl serve buffer` process (a subprocess, as deployed); the consumer loops
+  GetBatch(32 groups) + Ack.
 - raw: the same producers XADD the same serialized group bytes with redis-py pipelines (4 per
   round trip); the consumer loops XREADGROUP(COUNT 32) + pipelined XACK/XDEL. No leasing, no
-  validation, no gRPC: the floor any Redis-streams buffer pays.
+  validation, no gRPC, no parsing of the groups: the floor any Redis-streams buffer pays.
 
 Both use one embedded Redis (AOF on, appendfsync everysec). Time runs from the moment producers
-are released until the consumer has acknowledged the last group. The last line printed is one
-JSON object with both figures, their ratio, the goal and the machine.
+are released until the consumer has acknowledged the last group. On a shared machine both figures
+swing with other processes' load, so the two are measured in alternating rounds (raw, service,
+service, raw, ...) and the medians are compared; every round is reported too, with CPU seconds per
+process role (less sensitive to load than wall-clock time). The last line printed is one JSON
+object with both figures, their ratio, the goal, the load and the machine.
 
-    .venv/bin/python benchmarks/buffer_throughput.py [--groups 1200] [--producers 3]
+    .venv/bin/python benchmarks/buffer_throughput.py [--groups 1600] [--producers 3] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,8 +69,8 @@ def template_group() -> Any:
     return Group(prompt_id="x", epoch=0, trajectories=trajectories).to_proto()
 
 
-def group_for(template: Any, prompt_id: str, epoch: int) -> Any:
-    g = type(template)()
+def fill_group(g: Any, template: Any, prompt_id: str, epoch: int) -> Any:
+    """g (an empty Group, e.g. a new entry of a request) as a copy of template for one prompt."""
     g.CopyFrom(template)
     g.prompt_id, g.epoch, g.group_id = prompt_id, epoch, f"{prompt_id}@{epoch}"
     for t in g.trajectories:
@@ -104,14 +109,12 @@ def service_producer(address: str, name: str, start: Any, cpu: Any) -> None:
             prompts = list(resp.prompts)
             for i in range(0, len(prompts), PUT_GROUPS):
                 chunk = prompts[i : i + PUT_GROUPS]
-                stub.PutTrajectories(
-                    bpb.PutTrajectoriesRequest(
-                        groups=[group_for(template, p.prompt_id, p.epoch) for p in chunk],
-                        lease_ids=[p.lease_id for p in chunk],
-                        consumer=name,
-                    ),
-                    timeout=60,
+                request = bpb.PutTrajectoriesRequest(
+                    lease_ids=[p.lease_id for p in chunk], consumer=name
                 )
+                for p in chunk:
+                    fill_group(request.groups.add(), template, p.prompt_id, p.epoch)
+                stub.PutTrajectories(request, timeout=60)
     cpu.put(time.process_time() - cpu0)
 
 
@@ -140,18 +143,20 @@ def service_consumer(address: str, total: int) -> tuple[float, float]:
 
 def run_service(
     redis_url: str, redis_pid: int, workdir: Path, groups: int, producers: int
-) -> dict[str, float]:
+) -> dict[str, Any]:
+    """One round through a fresh buffer process serving a fresh job (started before the clock)."""
     import yaml
 
     from kuberl.common.channels import wait_serving
 
+    workdir.mkdir(parents=True)
     data = workdir / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(groups)))
     config = workdir / "job.yaml"
     config.write_text(
         yaml.safe_dump(
             {
-                "job": {"name": "bench"},
+                "job": {"name": f"bench-{workdir.name}"},
                 "redis": {"url": redis_url},
                 "data": {"train": [{"path": str(data)}]},
                 "rollout": {"group_size": GROUP_SIZE},
@@ -241,13 +246,14 @@ def raw_producer(url: str, stream: str, ids: list[int], start: Any, cpu: Any) ->
     for i in range(0, len(ids), PUT_GROUPS):
         pipe = client.pipeline(transaction=False)
         for j in ids[i : i + PUT_GROUPS]:
-            payload = group_for(template, f"p{j}", 0).SerializeToString()
+            payload = fill_group(type(template)(), template, f"p{j}", 0).SerializeToString()
             pipe.xadd(stream, {"p": f"p{j}", "e": 0, "v": 0, "z": 0, "g": payload})
         pipe.execute()
     cpu.put(time.process_time() - cpu0)
 
 
 def run_raw(redis_url: str, redis_pid: int, groups: int, producers: int) -> dict[str, Any]:
+    """One round of the same groups through Redis streams directly."""
     import redis
 
     client = redis.Redis.from_url(redis_url)
@@ -318,45 +324,76 @@ def machine() -> dict[str, Any]:
     }
 
 
+def _median_cpu(runs: list[dict[str, Any]], groups: int) -> dict[str, float]:
+    """Per role, the median over rounds of CPU milliseconds per 1,000 trajectories."""
+    per_round = [_per_1k(r["cpu"], groups) for r in runs]
+    return {k: round(statistics.median(r[k] for r in per_round), 1) for k in per_round[0]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--groups", type=int, default=1200, help="groups per run (x8 samples)")
+    parser.add_argument("--groups", type=int, default=1600, help="groups per round (x8 samples)")
     parser.add_argument("--producers", type=int, default=3, help="producer processes")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each (alternating)")
     args = parser.parse_args()
 
     from kuberl.common.redis_server import EmbeddedRedis
 
     info = machine()
     group_bytes = len(template_group().SerializeToString())
+    raw: list[dict[str, Any]] = []
+    service: list[dict[str, Any]] = []
     with (
         tempfile.TemporaryDirectory() as tmp,
         EmbeddedRedis(Path(tmp) / "redis", die_with_parent=True) as redis_server,
     ):
         assert redis_server.proc is not None
         pid = redis_server.proc.pid
-        raw = run_raw(redis_server.url, pid, args.groups, args.producers)
-        print(f"raw redis-py: {raw['traj_per_s']:.0f} trajectories/s", file=sys.stderr)
-        service = run_service(redis_server.url, pid, Path(tmp), args.groups, args.producers)
-        print(f"service: {service['traj_per_s']:.0f} trajectories/s", file=sys.stderr)
-    ratio = service["traj_per_s"] / raw["traj_per_s"]
+        for i in range(args.rounds):
+            # Alternate which goes first, so a load change mid-run hits both alike.
+            order = ("raw", "service") if i % 2 == 0 else ("service", "raw")
+            for what in order:
+                if what == "raw":
+                    raw.append(run_raw(redis_server.url, pid, args.groups, args.producers))
+                else:
+                    service.append(
+                        run_service(
+                            redis_server.url, pid, Path(tmp) / f"r{i}", args.groups, args.producers
+                        )
+                    )
+                last = (raw if what == "raw" else service)[-1]
+                print(
+                    f"round {i + 1} {what}: {last['traj_per_s']:.0f} trajectories/s "
+                    f"(load {os.getloadavg()[0]:.1f})",
+                    file=sys.stderr,
+                )
+    service_tps = statistics.median(r["traj_per_s"] for r in service)
+    raw_tps = statistics.median(r["traj_per_s"] for r in raw)
+    ratio = service_tps / raw_tps
     result = {
         "benchmark": "buffer_throughput",
-        "groups": args.groups,
+        "groups_per_round": args.groups,
+        "rounds": args.rounds,
         "group_size": GROUP_SIZE,
         "response_tokens": RESPONSE_TOKENS,
+        "prompt_tokens": PROMPT_TOKENS,
         "bytes_per_group": group_bytes,
         "producers": args.producers,
-        "service_traj_per_s": round(service["traj_per_s"], 1),
-        "service_mb_per_s": round(service["traj_per_s"] / GROUP_SIZE * group_bytes / 1e6, 1),
-        "raw_redis_traj_per_s": round(raw["traj_per_s"], 1),
+        "service_traj_per_s": round(service_tps, 1),
+        "service_mb_per_s": round(service_tps / GROUP_SIZE * group_bytes / 1e6, 1),
+        "raw_redis_traj_per_s": round(raw_tps, 1),
         "ratio_service_to_raw": round(ratio, 3),
+        "rounds_traj_per_s": {
+            "service": [round(r["traj_per_s"]) for r in service],
+            "raw": [round(r["traj_per_s"]) for r in raw],
+        },
         "cpu_ms_per_1k_traj": {
-            "service": _per_1k(service["cpu"], args.groups),
-            "raw": _per_1k(raw["cpu"], args.groups),
+            "service": _median_cpu(service, args.groups),
+            "raw": _median_cpu(raw, args.groups),
         },
         "goal": {"traj_per_s": GOAL_TRAJ_PER_S, "ratio": GOAL_RATIO},
-        "goal_met": service["traj_per_s"] >= GOAL_TRAJ_PER_S and ratio >= GOAL_RATIO,
-        "machine": info,
+        "goal_met": service_tps >= GOAL_TRAJ_PER_S and ratio >= GOAL_RATIO,
+        "machine": {**info, "loadavg_1m_at_end": round(os.getloadavg()[0], 2)},
     }
     print(json.dumps(result))
     return 0

@@ -26,6 +26,7 @@ import grpc
 from kuberl.api.buffer.v1 import buffer_pb2 as bpb
 from kuberl.api.common.v1 import trajectory_pb2 as tpb
 from kuberl.buffer import metrics as m
+from kuberl.buffer.allocator import keep_freed_memory
 from kuberl.buffer.datasets import read_dataset
 from kuberl.buffer.store import DATASET_NAME, BufferStore, Drop, PutItem, StoredGroup, lease_kind
 from kuberl.buffer.validation import RawPutRequest, check_group, encode_varint, group_payloads
@@ -592,5 +593,6 @@ def stats_response(stats: dict[str, Any], exhausted: bool) -> bpb.GetStatsRespon
 
 
 def create_service(config: JobConfig) -> BufferService:
-    """The entrypoint `kuberl serve buffer` calls."""
+    """The entrypoint `kuberl serve buffer` calls (it also tunes this process' allocator)."""
+    keep_freed_memory()
     return BufferService(config)
