@@ -217,11 +217,28 @@ def run_service(
         }
         for p in procs:
             p.join(60)
-        return {"seconds": t1 - t0, "traj_per_s": groups * GROUP_SIZE / (t1 - t0), "cpu": cpu}
+        return {
+            "seconds": t1 - t0,
+            "traj_per_s": groups * GROUP_SIZE / (t1 - t0),
+            "cpu": cpu,
+            "leases_refused": _leases_refused(address),
+        }
     finally:
         proc.terminate()
         proc.wait(30)
         log.close()
+
+
+def _leases_refused(address: str) -> int:
+    """LeasePrompts answered RESOURCE_EXHAUSTED (producers ahead of the consumer by
+    max_inflight_groups) during the round."""
+    from kuberl.api.buffer.v1 import buffer_pb2 as bpb
+    from kuberl.api.buffer.v1 import buffer_pb2_grpc
+    from kuberl.common.channels import sync_channel
+
+    with sync_channel(address) as channel:
+        stats = buffer_pb2_grpc.BufferServiceStub(channel).GetStats(bpb.GetStatsRequest())
+    return int(stats.counters.get("train:lease_refused", 0))
 
 
 def _proc_cpu_seconds(pid: int) -> float:
@@ -387,6 +404,7 @@ def main() -> int:
             "service": [round(r["traj_per_s"]) for r in service],
             "raw": [round(r["traj_per_s"]) for r in raw],
         },
+        "service_leases_refused": [r["leases_refused"] for r in service],
         "cpu_ms_per_1k_traj": {
             "service": _median_cpu(service, args.groups),
             "raw": _median_cpu(raw, args.groups),
