@@ -182,7 +182,7 @@ def _served(link: Link, ns: str, service: str, config: Path, work: Path, **env: 
     return ServiceProcess(die_with_parent(link.argv(ns, argv)), work, service, env)
 
 
-def _pending(r: redis.Redis, job: str) -> dict[str, tuple[str, int]]:
+def _pending(r: Any, job: str) -> dict[str, tuple[str, int]]:
     """Leased prompts of the job: prompt id -> (lease id, ms since delivered)."""
     stream = f"kuberl:{{{job}}}:prompts:train"
     out = {}
@@ -226,7 +226,7 @@ def _run(link: Link, work: Path, sockets: Path, started: list[Any]) -> Outcome:
     }
     rollout = _served(link, link.b, "rollout", config, work, **endpoints)
     started.append(rollout)
-    r = redis.Redis(unix_socket_path=redis_sock)
+    r: Any = redis.Redis(unix_socket_path=redis_sock)  # redis-py types sync and async alike
     _until(lambda: Path(redis_sock).exists() and bool(r.ping()), 30, "redis")
     buffer = Buffer(buffer_sock)
     _until(lambda: health_status(buffer.channel) == "SERVING", 90, "buffer", *started[1:3])
