@@ -53,6 +53,9 @@ class Engine:
     #: Versions this engine must not get by broadcast (it joined after their fan-out began).
     catch_up_below: int = 0
     wake: Any = field(default=None, repr=False)
+    gpu_uuid: str = ""
+    #: Shared-memory versions sent to it and not yet reported (their segments stay unreused).
+    pins: list[Any] = field(default_factory=list, repr=False)
 
     def info(self, now: float) -> pb.EngineInfo:
         return pb.EngineInfo(
@@ -66,6 +69,7 @@ class Engine:
             ranks=self.ranks,
             last_transport=self.last_transport,  # type: ignore[arg-type]
             last_error=self.last_error,
+            gpu_uuid=self.gpu_uuid,
         )
 
 
@@ -102,9 +106,11 @@ class Registry:
             loaded_version=max(0, info.loaded_version),
             last_seen=now,
             registered_at=now,
+            gpu_uuid=info.gpu_uuid,
         )
         if previous is not None:
             engine.wake = previous.wake
+            engine.pins = previous.pins  # still unreported: keep them pinned
         self.engines[engine_id] = engine
         return engine, previous is None
 

@@ -2,23 +2,27 @@
 
 `kuberl serve weight_sync` runs it. Control plane: engines register, heartbeat (a long poll that
 returns as soon as an update is pending) and leave; one silent for `missed_heartbeats` beats is
-dropped. The trainer announces a version (`Publish`, strictly increasing, else
-FAILED_PRECONDITION), hands over its bytes — written straight into this service's shared memory
-on the same host (`CommitPublish`), or streamed in checked chunks (`UploadSnapshot`) — and
-returns: the trainer never waits for engines. The service is then the relay: for every engine
-present and idle it starts an update over the first transport of `weight_sync.transports` the
-engine offers — `shm` (same host), `gloo` (a group formed for this version and this engine, the
-relay at rank 0, one broadcast per bucket), else `snapshot` (`StreamSnapshot`). One group per
-engine is the choice that makes a slow or dead engine fail alone: in a shared gloo group one dead
-member breaks the broadcast for everyone. An engine that joins after a version's fan-out began,
-or whose update failed or timed out (`broadcast_timeout_seconds`), catches up by snapshot and
-takes broadcasts from the next version on. `GetStatus` and the metrics say who holds what.
+dropped. The trainer announces a version (`Publish`, strictly increasing, else FAILED_PRECONDITION),
+hands over its bytes — written straight into this service's shared memory on the same host
+(`CommitPublish`), or streamed in checked chunks (`UploadSnapshot`) — and returns: the trainer never
+waits for engines. The service is then the relay: for every engine present and idle it starts an
+update over the first transport of `weight_sync.transports` the engine can use — `cuda_ipc` (the
+engine is on the trainer's host and GPU and the trainer exported CUDA IPC handles of its GPU
+buckets: one set per such engine), `nccl` (the relay has a GPU, `weight_sync.device`, and the engine
+another one), `shm` (same host: the one copy the trainer wrote, which every engine maps read-only
+and copies from in parallel), `gloo`, else `snapshot` (`StreamSnapshot`). Broadcasts (`nccl`,
+`gloo`: the same code, backend and device as parameters) use a group formed for this version and
+this engine, the relay at rank 0, one broadcast per bucket. One group per engine is the choice that
+makes a slow or dead engine fail alone: in a shared gloo group one dead member breaks the broadcast
+for everyone. Only control messages (heartbeat answers, reports) go through gRPC on these paths; the
+bytes never do. An engine that joins after a version's fan-out began, or whose update failed or
+timed out (`broadcast_timeout_seconds`), catches up by snapshot and takes broadcasts from the next
+version on. `GetStatus` and the metrics say who holds what.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import socket
@@ -41,9 +45,15 @@ from kuberl.common.logs import get_logger
 from kuberl.common.server import Service
 from kuberl.common.weights.chunks import ChunkReceiver, CorruptSnapshot, iter_chunks
 from kuberl.common.weights.manifest import Manifest
-from kuberl.common.weights.transports import BroadcastSender, transport_name, transport_value
+from kuberl.common.weights.transports import (
+    BroadcastSender,
+    gpu_uuid,
+    split_cuda_ipc,
+    transport_name,
+    transport_value,
+)
 from kuberl.weight_sync.registry import Assignment, Engine, Registry
-from kuberl.weight_sync.store import StoredVersion, VersionStore
+from kuberl.weight_sync.store import DigestMismatch, StoredVersion, VersionStore
 
 log = get_logger(__name__)
 
@@ -100,6 +110,9 @@ class _Announced:
     version: int
     transport: int
     started: float
+    #: Where CUDA IPC handles of this version can be opened (when the trainer offered it).
+    trainer_host: str = ""
+    gpu_uuid: str = ""
 
 
 def _default_advertise_host() -> str:
@@ -121,6 +134,8 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         #: host:port engines use for StreamSnapshot; empty = the address they registered at.
         self.address = address
         self.offered = [transport_value(t) for t in config.transports]
+        #: The relay's GPU for NCCL broadcasts ("" without one: no engine gets nccl).
+        self.relay_gpu = ""
         self.registry = Registry(config.heartbeat_seconds, config.missed_heartbeats)
         self.store: VersionStore | None = None
         self.metrics = _Metrics()
@@ -145,6 +160,8 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.store = VersionStore(self._store_dir(), self.config.retain_versions)
+        if pb.TRANSPORT_NCCL in self.offered and self.config.device.startswith("cuda"):
+            self.relay_gpu = gpu_uuid(self.config.device) or self.config.device
         self._reaper = asyncio.create_task(self._reap_forever())
         log.info(
             "weight_sync.ready",
@@ -152,6 +169,8 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             shm=self.store.in_shared_memory,
             transports=",".join(self.config.transports),
             advertise_host=self.advertise_host,
+            device=self.config.device,
+            nccl=bool(self.relay_gpu),
         )
 
     async def stop(self) -> None:
@@ -231,6 +250,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         engine = self.registry.remove(request.engine_id)
         if engine is not None:
             self._end_assignment(engine)
+            self._unpin(engine)
             engine.wake.set()
             self.metrics.leaves.labels("leave").inc()
             self._refresh_engine_gauge()
@@ -268,6 +288,8 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             )  # fmt: skip
         if assignment is not None and assignment.version <= request.version:
             self._end_assignment(engine)
+        # The engine is done reading what it was sent up to this version (even after a timeout).
+        self._unpin(engine, request.version)
         if not request.ok:
             # Retry by snapshot: the failed transport may be what is broken.
             engine.catch_up_below = max(engine.catch_up_below, request.version + 1)
@@ -318,19 +340,41 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             self.announced.pop(old)
             self.store.discard(old)
         self.highest_announced = version
-        self.announced[version] = _Announced(version, transport, time.monotonic())
+        announced = _Announced(version, transport, time.monotonic())
+        ipc_engines = 0
+        if (
+            pb.TRANSPORT_CUDA_IPC in offered
+            and pb.TRANSPORT_CUDA_IPC in self.offered
+            and request.gpu_uuid
+        ):
+            announced.trainer_host, announced.gpu_uuid = request.trainer_host, request.gpu_uuid
+            ipc_engines = sum(
+                1 for e in self.registry.engines.values() if self._colocated(e, announced)
+            )
+        self.announced[version] = announced
         send = pb.UpdateInstruction(version=version, transport=transport)
         send.manifest.bucket_bytes = self.config.bucket_bytes
         if transport == pb.TRANSPORT_SHM:
-            path = self.store.path(version)
-            self.store.discard(version)
-            send.handles_json = json.dumps({"path": path})
+            send.handles_json = json.dumps({"path": self.store.reserve(version)})
         log.info(
             "publish.announced", version=version, transport=transport_name(transport),
-            trainer_host=request.trainer_host,
+            trainer_host=request.trainer_host, cuda_ipc_engines=ipc_engines,
         )  # fmt: skip
         return pb.PublishResponse(
-            version=version, send=send, upload_snapshot=transport == pb.TRANSPORT_SNAPSHOT
+            version=version,
+            send=send,
+            upload_snapshot=transport == pb.TRANSPORT_SNAPSHOT,
+            cuda_ipc_engines=ipc_engines,
+        )
+
+    @staticmethod
+    def _colocated(engine: Engine, announced: _Announced) -> bool:
+        """The engine can open the trainer's CUDA IPC handles: same host, same GPU."""
+        return (
+            pb.TRANSPORT_CUDA_IPC in engine.transports
+            and bool(announced.gpu_uuid)
+            and engine.gpu_uuid == announced.gpu_uuid
+            and engine.host == announced.trainer_host
         )
 
     def _announced(self, version: int, transport: int) -> _Announced:
@@ -350,6 +394,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         fd = -1
         version = 0
         receiver: ChunkReceiver | None = None
+        handles = ""
 
         def write(offset: int, data: bytes) -> None:
             view = memoryview(data)
@@ -365,6 +410,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                     fd = self.store.open_upload(version)
                     receiver = ChunkReceiver(write, version=version)
                 receiver.feed(chunk)
+                handles = chunk.cuda_ipc_handles_json or handles
             if receiver is None:
                 raise CorruptSnapshot("empty upload: no chunk was sent")
             manifest = receiver.finish()
@@ -380,7 +426,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         finally:
             if fd >= 0:
                 os.close(fd)
-        engine_ids = self._commit(version, manifest, uploaded=True)
+        engine_ids = self._commit(version, manifest, uploaded=True, cuda_ipc_handles=handles)
         return pb.UploadSnapshotResponse(
             version=version, bytes_received=receiver.received, engine_ids=engine_ids
         )
@@ -394,11 +440,23 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         except ValueError as exc:
             self.metrics.rejected.labels("bad_manifest").inc()
             raise InvalidArgument(f"version {request.version}: {exc}") from None
-        engine_ids = self._commit(request.version, manifest, uploaded=False, sha256=request.sha256)
+        engine_ids = self._commit(
+            request.version,
+            manifest,
+            uploaded=False,
+            sha256=request.sha256,
+            cuda_ipc_handles=request.cuda_ipc_handles_json,
+        )
         return pb.CommitPublishResponse(version=request.version, engine_ids=engine_ids)
 
     def _commit(
-        self, version: int, manifest: Manifest, *, uploaded: bool, sha256: str = ""
+        self,
+        version: int,
+        manifest: Manifest,
+        *,
+        uploaded: bool,
+        sha256: str = "",
+        cuda_ipc_handles: str = "",
     ) -> list[str]:
         assert self.store is not None
         announced = self.announced.pop(version, None)
@@ -408,19 +466,31 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             raise FailedPrecondition(
                 f"version {version} was superseded by version {self.current} while it was sent"
             )
+        ipc_sets = []
+        if cuda_ipc_handles:
+            try:
+                ipc_sets = split_cuda_ipc(cuda_ipc_handles, manifest)
+                if ipc_sets[0].gpu_uuid != announced.gpu_uuid:
+                    raise ValueError(
+                        f"handles are for GPU {ipc_sets[0].gpu_uuid!r}, Publish announced "
+                        f"{announced.gpu_uuid!r}"
+                    )
+            except ValueError as exc:
+                self.metrics.rejected.labels("bad_cuda_ipc_handles").inc()
+                self.store.discard(version)
+                raise InvalidArgument(f"version {version}: {exc}") from None
         try:
-            stored = self.store.commit(version, manifest, uploaded)
+            stored = self.store.commit(version, manifest, uploaded, sha256)
+        except DigestMismatch as exc:
+            self.metrics.rejected.labels("corrupt_snapshot").inc()
+            self.store.discard(version)
+            raise InvalidArgument(str(exc)) from None
         except ValueError:
             self.metrics.rejected.labels("bad_payload").inc()
             self.store.discard(version)
             raise
-        if sha256:
-            digest = hashlib.sha256(stored.flat.numpy().data).hexdigest()
-            if digest != sha256:
-                self.metrics.rejected.labels("corrupt_snapshot").inc()
-                self.store.versions.pop(version, None)
-                self.store.discard(version)
-                raise InvalidArgument(f"version {version}: SHA-256 {digest} != {sha256}")
+        stored.cuda_ipc_sets = ipc_sets
+        stored.cuda_ipc_host, stored.cuda_ipc_gpu = announced.trainer_host, announced.gpu_uuid
         seconds = time.monotonic() - announced.started
         transport = transport_name(announced.transport)
         self.current = version
@@ -439,11 +509,25 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
 
     # ------------------------------------------------------------------ relay
 
-    def _choose(self, engine: Engine) -> int:
+    def _choose(self, engine: Engine, stored: StoredVersion) -> int:
+        """The first transport of the relay's preference the engine offers and can use now."""
         for transport in self.offered:
             if transport not in engine.transports:
                 continue
-            if transport == pb.TRANSPORT_SHM:
+            if transport == pb.TRANSPORT_CUDA_IPC:
+                if stored.cuda_ipc_sets and self._colocated(
+                    engine, _Announced(0, 0, 0, stored.cuda_ipc_host, stored.cuda_ipc_gpu)
+                ):
+                    return transport
+            elif transport == pb.TRANSPORT_NCCL:
+                # Two ranks of one NCCL group cannot share a GPU ("Duplicate GPU detected").
+                if (
+                    self.relay_gpu
+                    and engine.device.startswith("cuda")
+                    and engine.gpu_uuid != self.relay_gpu
+                ):
+                    return transport
+            elif transport == pb.TRANSPORT_SHM:
                 assert self.store is not None
                 if engine.host == self.hostname and self.store.in_shared_memory:
                     return transport
@@ -459,7 +543,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             transport = (
                 pb.TRANSPORT_SNAPSHOT
                 if stored.version < engine.catch_up_below
-                else self._choose(engine)
+                else self._choose(engine, stored)
             )
             self._assign(engine, stored, transport)
             started.append(engine.engine_id)
@@ -486,16 +570,25 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         assignment = Assignment(instruction, started=now, deadline=now + timeout)
         if transport == pb.TRANSPORT_SHM:
             instruction.handles_json = json.dumps({"path": stored.path})
+            # Not reused until the engine reports this version, whatever the deadline says: a
+            # late copy must never read the next version's bytes.
+            assert self.store is not None
+            self.store.pin(stored)
+            engine.pins.append(stored)
+        elif transport == pb.TRANSPORT_CUDA_IPC:
+            instruction.handles_json = stored.cuda_ipc_sets.pop(0).to_json()
         elif transport == pb.TRANSPORT_SNAPSHOT:
             # Empty: the address the engine already talks to (right behind a Kubernetes Service).
             instruction.snapshot_endpoint = self.address
-        elif transport == pb.TRANSPORT_GLOO:
+        elif transport in (pb.TRANSPORT_GLOO, pb.TRANSPORT_NCCL):
+            nccl = transport == pb.TRANSPORT_NCCL
             sender = BroadcastSender(
-                backend="gloo",
+                backend="nccl" if nccl else "gloo",
                 advertise_host=self.advertise_host,
                 world_size=1 + engine.ranks,
                 group_name=f"kuberl-ws-{self.job}-v{stored.version}-{engine.engine_id}",
                 timeout_s=timeout,
+                device=self.config.device if nccl else "cpu",
             )
             instruction.group.CopyFrom(sender.group)
             instruction.rank = 1
@@ -515,7 +608,8 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         self, engine_id: str, stored: StoredVersion, sender: BroadcastSender
     ) -> None:
         loop = self._loop
-        assert loop is not None
+        assert loop is not None and self.store is not None
+        self.store.pin(stored)
 
         def run() -> None:
             started = time.monotonic()
@@ -525,18 +619,22 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             except Exception as exc:  # a dead or slow peer: only this engine's update fails
                 error = f"{type(exc).__name__}: {exc}"
             seconds = time.monotonic() - started
-            loop.call_soon_threadsafe(self._broadcast_done, engine_id, stored, error, seconds)
+            loop.call_soon_threadsafe(
+                self._broadcast_done, engine_id, stored, sender.backend, error, seconds
+            )
 
         threading.Thread(target=run, name=f"broadcast-{engine_id}", daemon=True).start()
 
     def _broadcast_done(
-        self, engine_id: str, stored: StoredVersion, error: str, seconds: float
+        self, engine_id: str, stored: StoredVersion, backend: str, error: str, seconds: float
     ) -> None:
+        assert self.store is not None
+        self.store.unpin(stored)
         engine = self.registry.get(engine_id)
         if not error:
-            self._count_out("gloo", stored.manifest.total_bytes, seconds)
+            self._count_out(backend, stored.manifest.total_bytes, seconds)
             return
-        self.metrics.update_failures.labels("gloo").inc()
+        self.metrics.update_failures.labels(backend).inc()
         log.warning(
             "broadcast.failed", engine_id=engine_id, version=stored.version, error=error[:300]
         )
@@ -544,7 +642,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             engine is not None
             and engine.assignment is not None
             and engine.assignment.version == stored.version
-            and engine.assignment.transport == pb.TRANSPORT_GLOO
+            and engine.assignment.transport in (pb.TRANSPORT_GLOO, pb.TRANSPORT_NCCL)
         ):
             engine.last_error = error[:500]
             self._end_assignment(engine)
@@ -554,6 +652,17 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         assignment, engine.assignment = engine.assignment, None
         if assignment is not None and assignment.sender is not None:
             assignment.sender.close()
+
+    def _unpin(self, engine: Engine, up_to: int | None = None) -> None:
+        """Release the shared-memory versions the engine was sent (up to a version it reported)."""
+        assert self.store is not None
+        keep = []
+        for stored in engine.pins:
+            if up_to is None or stored.version <= up_to:
+                self.store.unpin(stored)
+            else:
+                keep.append(stored)
+        engine.pins = keep
 
     def _count_out(self, transport: str, nbytes: int, seconds: float) -> None:
         self.metrics.bytes.labels(transport, "out").inc(nbytes)
@@ -589,6 +698,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         for engine in self.registry.expired():
             self.registry.remove(engine.engine_id)
             self._end_assignment(engine)
+            self._unpin(engine)
             self.metrics.timeouts.labels("heartbeat").inc()
             self.metrics.leaves.labels("dropped").inc()
             log.warning(
@@ -639,10 +749,14 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             for at in range(0, len(flat), chunk_bytes):
                 yield flat[at : at + chunk_bytes].data
 
-        for chunk in iter_chunks(
-            stored.version, pieces(), chunk_bytes=chunk_bytes, manifest_first=stored.manifest
-        ):
-            yield chunk
+        self.store.pin(stored)
+        try:
+            for chunk in iter_chunks(
+                stored.version, pieces(), chunk_bytes=chunk_bytes, manifest_first=stored.manifest
+            ):
+                yield chunk
+        finally:
+            self.store.unpin(stored)
         self._count_out("snapshot", stored.manifest.total_bytes, time.monotonic() - started)
 
     async def GetVersion(

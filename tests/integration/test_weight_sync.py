@@ -59,8 +59,8 @@ def _engine_main(args: argparse.Namespace) -> None:
 
         real, received = transports.broadcast, [0]
 
-        def dying_broadcast(group, tensor, timeout_s):  # type: ignore[no-untyped-def]
-            real(group, tensor, timeout_s)
+        def dying_broadcast(group, tensor, timeout_s, backend="gloo"):  # type: ignore[no-untyped-def]
+            real(group, tensor, timeout_s, backend)
             received[0] += 1
             if received[0] >= args.die_after_buckets:
                 os.kill(os.getpid(), signal.SIGKILL)

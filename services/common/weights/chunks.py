@@ -36,11 +36,13 @@ def iter_chunks(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     manifest_first: Manifest | None = None,
     manifest_last: Callable[[], Manifest] | None = None,
+    cuda_ipc_last: Callable[[], str] | None = None,
 ) -> Iterator[pb.SnapshotChunk]:
     """Cut a payload given as consecutive byte pieces into checked chunks.
 
     `manifest_last` is called after the last piece (the publisher's manifest is complete only
-    then). Pieces are consumed lazily, so memory holds one chunk at a time."""
+    then), and so is `cuda_ipc_last` (CUDA IPC handles of the same version, for an upload).
+    Pieces are consumed lazily, so memory holds one chunk at a time."""
     sha = hashlib.sha256()
 
     def blocks() -> Iterator[bytes]:
@@ -75,6 +77,8 @@ def iter_chunks(
     last.sha256 = sha.hexdigest()
     if manifest_last is not None:
         last.manifest.CopyFrom(manifest_last().to_proto())
+    if cuda_ipc_last is not None:
+        last.cuda_ipc_handles_json = cuda_ipc_last()
     yield last
 
 

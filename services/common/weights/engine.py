@@ -2,11 +2,14 @@
 
 `EngineClient` registers the engine with the weight-sync service, keeps it alive with heartbeats
 (long polls, so an update is learnt of at once), receives each version over the transport the
-service instructs and hands the whole version to the engine in one call, `load(tensors, version)`
-— an engine never holds a mix of two versions because it swaps after the last byte arrived — then
-reports it loaded. Engines that receive by themselves (an SGLang server joining the broadcast
-group natively) pass `apply(instruction)` instead of `load`. Updates also pushed to the replica
-(RolloutService.NotifyWeightsUpdate) go through `submit(instruction)`; duplicates are ignored.
+service instructs and hands the whole version to the engine in one call, `load(tensors, version)` —
+an engine never holds a mix of two versions because it swaps after the last byte arrived — then
+reports it loaded. Versions are received into a double buffer (`BufferPool`) reused across versions:
+the engine keeps serving the version it holds while the next arrives, and after the first two
+versions no memory is allocated. Engines that receive by themselves (an SGLang server joining the
+broadcast group natively) pass `apply(instruction)` instead of `load`. Updates also pushed to the
+replica (RolloutService.NotifyWeightsUpdate) go through `submit(instruction)`; duplicates are
+ignored.
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ from kuberl.common.logs import get_logger
 from kuberl.common.weights.chunks import DEFAULT_CHUNK_BYTES
 from kuberl.common.weights.manifest import Manifest
 from kuberl.common.weights.transports import (
+    BufferPool,
+    Receiver,
     download_snapshot,
+    gpu_uuid,
     make_receiver,
     transport_name,
     transport_value,
@@ -57,7 +63,10 @@ class EngineClient:
         host: str | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        gpu: str | None = None,
     ) -> None:
+        """`gpu`: the UUID of the engine's GPU, which decides CUDA IPC eligibility (None: looked
+        up from `device`; "" on the CPU)."""
         if (load is None) == (apply is None):
             raise ValueError("give exactly one of load (tensors in this process) or apply")
         self.address = address
@@ -65,6 +74,7 @@ class EngineClient:
         self.endpoint = endpoint
         self.transports: list[Any] = [transport_value(t) for t in transports]
         self.device = device
+        self.gpu_uuid = gpu_uuid(device) if gpu is None else gpu
         self.host = host or socket.gethostname()
         self.chunk_bytes = chunk_bytes
         self.heartbeat_seconds = 2.0
@@ -77,6 +87,11 @@ class EngineClient:
         self._queued: pb.UpdateInstruction | None = None
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
+        #: Receive memory reused across versions, and one receiver per transport (the shm
+        #: receiver keeps its mapping of the service's files between versions).
+        self._buffers = BufferPool()
+        self._receivers: dict[int, Receiver] = {}
+        self._receive_lock = threading.Lock()  # one version at a time into the spare buffer
         #: Last error of a failed update (for the replica's status page).
         self.last_error = ""
         #: (version, transport name) of every version loaded, oldest first.
@@ -100,6 +115,7 @@ class EngineClient:
             device=self.device,
             host=self.host,
             loaded_version=self._version,
+            gpu_uuid=self.gpu_uuid,
         )
         answer = self._stub.RegisterEngine(pb.RegisterEngineRequest(engine=info), timeout=30)
         self.engine_id = answer.engine_id
@@ -142,13 +158,14 @@ class EngineClient:
 
     def sync_now(self, timeout: float | None = None) -> int:
         """Download and load the latest version by snapshot right now (blocking); returns it."""
-        version, manifest, flat = download_snapshot(
-            self.address, 0, engine_id=self.engine_id, chunk_bytes=self.chunk_bytes,
-            timeout_s=timeout,
-        )  # fmt: skip
-        if version > self._version:
-            self.current_transport = "snapshot"
-            self._deliver(version, manifest, flat)
+        with self._receive_lock:
+            version, manifest, flat = download_snapshot(
+                self.address, 0, engine_id=self.engine_id, chunk_bytes=self.chunk_bytes,
+                timeout_s=timeout, allocate=self._buffers,
+            )  # fmt: skip
+            if version > self._version:
+                self.current_transport = "snapshot"
+                self._deliver(version, manifest, flat)
         return self._version
 
     def stop(self, leave: bool = True) -> None:
@@ -223,12 +240,15 @@ class EngineClient:
                 self._apply(instruction)
                 self._set_version(instruction.version)
             else:
-                receiver = make_receiver(
-                    instruction.transport, device=self.device, address=self.address,
-                    engine_id=self.engine_id, chunk_bytes=self.chunk_bytes,
-                )  # fmt: skip
-                manifest, flat = receiver.receive(instruction)
-                self._deliver(instruction.version, manifest, flat)
+                receiver = self._receivers.get(instruction.transport)
+                if receiver is None:
+                    receiver = self._receivers[instruction.transport] = make_receiver(
+                        instruction.transport, device=self.device, address=self.address,
+                        engine_id=self.engine_id, chunk_bytes=self.chunk_bytes,
+                    )  # fmt: skip
+                with self._receive_lock:
+                    manifest, flat = receiver.receive(instruction, self._buffers)
+                    self._deliver(instruction.version, manifest, flat)
             ok, error = True, ""
         except Exception as exc:  # any failure is reported; the service retries by snapshot
             ok, error = False, f"{type(exc).__name__}: {exc}"
@@ -257,6 +277,7 @@ class EngineClient:
     def _deliver(self, version: int, manifest: Manifest, flat: torch.Tensor) -> None:
         assert self._load is not None
         self._load(manifest.views(flat), version)
+        self._buffers.hold(flat)
         self._set_version(version)
 
     def _set_version(self, version: int) -> None:

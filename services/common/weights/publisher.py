@@ -5,7 +5,11 @@ feeds ZeRO-3-gathered parameters one bucket at a time — and never holds more t
 it: on the service's host each tensor is written straight into the shared-memory file the service
 names (`shm`), elsewhere it is cut into CRC32C-checked chunks of a gRPC upload (`snapshot`). The
 call returns once the bytes have left the trainer; the service relays them to the engines, so a
-slow or dead engine never blocks training. Versions must increase: a version not above every one
+slow or dead engine never blocks training. With `cuda_ipc` offered and a GPU `device`, when the
+service counts engines on this host and GPU, the version is also packed into flat GPU buckets
+(one more copy of the weights in GPU memory, kept until the next publish) whose CUDA IPC handles
+(JSON, one set per such engine) ride on the commit: those engines copy device to device and
+nothing they load goes through the host. Versions must increase: a version not above every one
 published before raises `VersionConflict` (the service's FAILED_PRECONDITION).
 """
 
@@ -26,8 +30,14 @@ from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
 from kuberl.common.channels import DEFAULT_MAX_MESSAGE_BYTES, sync_channel
 from kuberl.common.logs import get_logger
 from kuberl.common.weights.chunks import DEFAULT_CHUNK_BYTES, iter_chunks
-from kuberl.common.weights.manifest import ManifestBuilder
-from kuberl.common.weights.transports import ShmWriter, transport_name, transport_value
+from kuberl.common.weights.manifest import ManifestBuilder, TensorEntry
+from kuberl.common.weights.transports import (
+    ShmWriter,
+    export_cuda_ipc,
+    gpu_uuid,
+    transport_name,
+    transport_value,
+)
 
 log = get_logger(__name__)
 
@@ -48,6 +58,27 @@ class PublishResult:
     seconds: float
     #: Engines the service started relaying the version to.
     engine_ids: list[str] = field(default_factory=list)
+    #: Sets of CUDA IPC handles exported for engines on this GPU (0: none).
+    cuda_ipc_sets: int = 0
+
+
+class GpuBuckets:
+    """A version packed into flat uint8 GPU buckets as tensors stream by (for CUDA IPC)."""
+
+    def __init__(self, device: str, bucket_bytes: int) -> None:
+        self.device, self.bucket_bytes = device, bucket_bytes
+        self._buckets: list[torch.Tensor] = []
+
+    def add(self, entry: TensorEntry, tensor: torch.Tensor) -> None:
+        while len(self._buckets) <= entry.bucket:
+            # A tensor larger than a bucket travels alone in a bucket of its own size.
+            capacity = max(self.bucket_bytes, entry.nbytes)
+            self._buckets.append(torch.empty(capacity, dtype=torch.uint8, device=self.device))
+        raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        self._buckets[entry.bucket][entry.offset : entry.offset + entry.nbytes].copy_(raw)
+
+    def finish(self, bucket_sizes: list[int]) -> list[torch.Tensor]:
+        return [b[:n] for b, n in zip(self._buckets, bucket_sizes, strict=True)]
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -68,10 +99,19 @@ class WeightPublisher:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         timeout_s: float = 600.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        device: str = "cpu",
     ) -> None:
+        """`transports`: how the trainer may hand versions over ("shm", "snapshot"), plus
+        "cuda_ipc" to also export GPU buckets to engines on `device`'s GPU."""
         self.address = address
-        self.transports: list[Any] = [transport_value(t) for t in transports]
+        self.device = device
+        self.gpu_uuid = gpu_uuid(device) if "cuda_ipc" in transports else ""
+        self.transports: list[Any] = [
+            transport_value(t) for t in transports if t != "cuda_ipc" or self.gpu_uuid
+        ]
         self.host = host or socket.gethostname()
+        #: The GPU buckets of the last version exported by CUDA IPC (engines may still copy).
+        self._exported: list[torch.Tensor] = []
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
         self._channel = sync_channel(address, max(max_message_bytes, 2 * chunk_bytes))
@@ -100,23 +140,50 @@ class WeightPublisher:
     ) -> PublishResult:
         started = time.perf_counter()
         answer = self._stub.Publish(
-            pb.PublishRequest(version=version, transports=self.transports, trainer_host=self.host),
+            pb.PublishRequest(
+                version=version,
+                transports=self.transports,
+                trainer_host=self.host,
+                gpu_uuid=self.gpu_uuid,
+            ),
             timeout=30,
         )
-        builder = ManifestBuilder(answer.send.manifest.bucket_bytes or DEFAULT_BUCKET_BYTES)
+        bucket_bytes = answer.send.manifest.bucket_bytes or DEFAULT_BUCKET_BYTES
+        builder = ManifestBuilder(bucket_bytes)
+        sets = answer.cuda_ipc_engines if self.gpu_uuid else 0
+        gpu = GpuBuckets(self.device, bucket_bytes) if sets else None
         count = 0
+
+        def place(name: str, tensor: torch.Tensor) -> TensorEntry:
+            nonlocal count
+            entry = builder.add(name, tensor.dtype, tensor.shape)
+            if gpu is not None:
+                gpu.add(entry, tensor)
+            count += 1
+            return entry
+
+        def handles() -> str:
+            if gpu is None:
+                return ""
+            buckets = gpu.finish(builder.build().bucket_sizes)
+            exported = export_cuda_ipc(buckets, sets)
+            self._exported = buckets  # the previous version's are left to torch's IPC limbo
+            return exported
+
         if answer.send.transport == pb.TRANSPORT_SHM:
             path = json.loads(answer.send.handles_json)["path"]
             writer = ShmWriter(path)
             try:
                 for name, tensor in named_tensors:
-                    entry = builder.add(name, tensor.dtype, tensor.shape)
-                    writer.write(entry.flat_offset, tensor)
-                    count += 1
-                writer.close()
+                    writer.write(place(name, tensor).flat_offset, tensor)
                 manifest = builder.build()
+                writer.close(manifest.total_bytes)
                 done = self._stub.CommitPublish(
-                    pb.CommitPublishRequest(version=version, manifest=manifest.to_proto()),
+                    pb.CommitPublishRequest(
+                        version=version,
+                        manifest=manifest.to_proto(),
+                        cuda_ipc_handles_json=handles(),
+                    ),
                     timeout=self.timeout_s,
                 )
             except BaseException:
@@ -126,14 +193,16 @@ class WeightPublisher:
         else:
 
             def pieces() -> Iterator[memoryview]:
-                nonlocal count
                 for name, tensor in named_tensors:
-                    builder.add(name, tensor.dtype, tensor.shape)
-                    count += 1
+                    place(name, tensor)
                     yield tensor_bytes(tensor)
 
             chunks = iter_chunks(
-                version, pieces(), chunk_bytes=self.chunk_bytes, manifest_last=builder.build
+                version,
+                pieces(),
+                chunk_bytes=self.chunk_bytes,
+                manifest_last=builder.build,
+                cuda_ipc_last=handles if gpu is not None else None,
             )
             uploaded = self._stub.UploadSnapshot(chunks, timeout=self.timeout_s)
             manifest = builder.build()
@@ -145,6 +214,7 @@ class WeightPublisher:
             num_tensors=count,
             seconds=time.perf_counter() - started,
             engine_ids=engine_ids,
+            cuda_ipc_sets=sets,
         )
         log.info(
             "weights.published",
@@ -154,6 +224,7 @@ class WeightPublisher:
             tensors=count,
             seconds=round(result.seconds, 4),
             engines=len(engine_ids),
+            cuda_ipc_sets=sets,
         )
         return result
 

@@ -85,7 +85,7 @@ class UpdateInstruction(_message.Message):
     def __init__(self, version: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., group: _Optional[_Union[BroadcastGroup, _Mapping]] = ..., rank: _Optional[int] = ..., snapshot_endpoint: _Optional[str] = ..., handles_json: _Optional[str] = ..., deadline_seconds: _Optional[float] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("engine_id", "endpoint", "transports", "device", "host", "loaded_version", "last_seen_seconds", "ranks", "last_transport", "last_error")
+    __slots__ = ("engine_id", "endpoint", "transports", "device", "host", "loaded_version", "last_seen_seconds", "ranks", "last_transport", "last_error", "gpu_uuid")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class EngineInfo(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     LAST_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     endpoint: str
     transports: _containers.RepeatedScalarFieldContainer[Transport]
@@ -106,7 +107,8 @@ class EngineInfo(_message.Message):
     ranks: int
     last_transport: Transport
     last_error: str
-    def __init__(self, engine_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., device: _Optional[str] = ..., host: _Optional[str] = ..., loaded_version: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., ranks: _Optional[int] = ..., last_transport: _Optional[_Union[Transport, str]] = ..., last_error: _Optional[str] = ...) -> None: ...
+    gpu_uuid: str
+    def __init__(self, engine_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., device: _Optional[str] = ..., host: _Optional[str] = ..., loaded_version: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., ranks: _Optional[int] = ..., last_transport: _Optional[_Union[Transport, str]] = ..., last_error: _Optional[str] = ..., gpu_uuid: _Optional[str] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
     __slots__ = ("engine",)
@@ -175,31 +177,35 @@ class ReportLoadedResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("version", "manifest", "transports", "trainer_host")
+    __slots__ = ("version", "manifest", "transports", "trainer_host", "gpu_uuid")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     TRAINER_HOST_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     version: int
     manifest: Manifest
     transports: _containers.RepeatedScalarFieldContainer[Transport]
     trainer_host: str
-    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., trainer_host: _Optional[str] = ...) -> None: ...
+    gpu_uuid: str
+    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., trainer_host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
-    __slots__ = ("version", "send", "upload_snapshot", "engine_ids")
+    __slots__ = ("version", "send", "upload_snapshot", "engine_ids", "cuda_ipc_engines")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SEND_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_ENGINES_FIELD_NUMBER: _ClassVar[int]
     version: int
     send: UpdateInstruction
     upload_snapshot: bool
     engine_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[int] = ..., send: _Optional[_Union[UpdateInstruction, _Mapping]] = ..., upload_snapshot: _Optional[bool] = ..., engine_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    cuda_ipc_engines: int
+    def __init__(self, version: _Optional[int] = ..., send: _Optional[_Union[UpdateInstruction, _Mapping]] = ..., upload_snapshot: _Optional[bool] = ..., engine_ids: _Optional[_Iterable[str]] = ..., cuda_ipc_engines: _Optional[int] = ...) -> None: ...
 
 class SnapshotChunk(_message.Message):
-    __slots__ = ("version", "offset", "data", "crc32c", "manifest", "sha256", "last")
+    __slots__ = ("version", "offset", "data", "crc32c", "manifest", "sha256", "last", "cuda_ipc_handles_json")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +213,7 @@ class SnapshotChunk(_message.Message):
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLES_JSON_FIELD_NUMBER: _ClassVar[int]
     version: int
     offset: int
     data: bytes
@@ -214,7 +221,8 @@ class SnapshotChunk(_message.Message):
     manifest: Manifest
     sha256: str
     last: bool
-    def __init__(self, version: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., sha256: _Optional[str] = ..., last: _Optional[bool] = ...) -> None: ...
+    cuda_ipc_handles_json: str
+    def __init__(self, version: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., sha256: _Optional[str] = ..., last: _Optional[bool] = ..., cuda_ipc_handles_json: _Optional[str] = ...) -> None: ...
 
 class UploadSnapshotResponse(_message.Message):
     __slots__ = ("version", "bytes_received", "engine_ids")
@@ -227,14 +235,16 @@ class UploadSnapshotResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., bytes_received: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CommitPublishRequest(_message.Message):
-    __slots__ = ("version", "manifest", "sha256")
+    __slots__ = ("version", "manifest", "sha256", "cuda_ipc_handles_json")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLES_JSON_FIELD_NUMBER: _ClassVar[int]
     version: int
     manifest: Manifest
     sha256: str
-    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., sha256: _Optional[str] = ...) -> None: ...
+    cuda_ipc_handles_json: str
+    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., sha256: _Optional[str] = ..., cuda_ipc_handles_json: _Optional[str] = ...) -> None: ...
 
 class CommitPublishResponse(_message.Message):
     __slots__ = ("version", "engine_ids")
