@@ -783,9 +783,21 @@ class WeightSyncConfig(Section):
 
     server: ServerConfig = _server(50053, 9103)
     transports: list[TransportName] = Field(
-        default_factory=lambda: list[TransportName](["shm", "gloo", "snapshot"]),
-        description="Transports the relay offers engines, in order of preference. shm is used "
-        "only for engines on the service's host; snapshot is always available for catch-up.",
+        default_factory=lambda: list[TransportName](
+            ["cuda_ipc", "nccl", "shm", "gloo", "snapshot"]
+        ),
+        description="Transports the relay offers engines, in order of preference; each is used "
+        "only where it can work: cuda_ipc for an engine on the trainer's host and GPU (when the "
+        "trainer exported CUDA IPC handles), nccl when `device` is a GPU and the engine has "
+        "another one, shm for engines on the service's host; snapshot is always available for "
+        "catch-up.",
+    )
+    device: str = Field(
+        "cpu",
+        pattern=r"^(cpu|cuda(:\d+)?)$",
+        description="Device of the relay's NCCL broadcasts (\"cuda:0\"): each bucket is staged "
+        "there from the service's memory. cpu: the relay sends no NCCL (engines get the next "
+        "transport they offer).",
     )
     bucket_bytes: int = Field(
         256 * 1024 * 1024,
