@@ -194,9 +194,10 @@ class BroadcastSender:
     """Rank 0 of a group formed for one version: hosts the TCPStore and sends every bucket.
 
     Create it, hand `group` (with the engine's rank) to the engine, then call `send`, which
-    blocks until the peers joined and every bucket left (or raises on timeout / dead peer). With
-    `device="cuda:N"` (NCCL) each bucket is staged into one reused GPU buffer before its
-    broadcast; the stream orders the next staging copy after the previous broadcast."""
+    blocks until the peers joined and every bucket left (or raises on timeout / dead peer). When
+    the payload is not on `device` (host memory for an NCCL broadcast from `device="cuda:N"`, or
+    `stage=True`) each bucket is first copied into one reused staging buffer there; the stream
+    orders the next staging copy after the previous broadcast."""
 
     def __init__(
         self,
@@ -207,11 +208,12 @@ class BroadcastSender:
         group_name: str,
         timeout_s: float,
         device: str = "cpu",
+        stage: bool = False,
     ) -> None:
         if backend == "nccl" and torch.device(device).type != "cuda":
             raise ValueError(f"an NCCL broadcast needs a CUDA device, got {device!r}")
         self.backend, self.timeout_s, self.device = backend, timeout_s, device
-        self.world_size = world_size
+        self.world_size, self.stage = world_size, stage
         self.store = dist.TCPStore(
             "0.0.0.0", 0, world_size, True, _timeout(timeout_s), wait_for_workers=False
         )
@@ -234,7 +236,7 @@ class BroadcastSender:
             self.timeout_s,
         )
         staging: torch.Tensor | None = None
-        on_device = _same_device(flat.device, self.device)
+        on_device = _same_device(flat.device, self.device) and not self.stage
         try:
             for b in range(manifest.num_buckets):
                 bucket = manifest.bucket_view(flat, b)
