@@ -1,0 +1,514 @@
+"""`make bench`: run every CPU benchmark under benchmarks/ and write docs/benchmarks.md.
+
+Each benchmark runs as its own process with its own defaults (`python benchmarks/<name>.py`),
+one after the other; its last stdout line is its JSON result. The results are kept, one JSON
+line per benchmark with when and under what load it ran, in `docs/benchmarks.jsonl`, and the
+report `docs/benchmarks.md` is generated from that file: one table (figure, ours, baseline,
+ratio, goal, met?, machine, date) built by a small reader per benchmark (`ROWS`), then the GPU
+figures: those measured on a GPU machine (`--gpu-results`, JSON lines of the same benchmarks run
+there, the device named in each) and a list of those still unmeasured.
+
+    .venv/bin/python benchmarks/report.py                   # run everything, write the report
+    .venv/bin/python benchmarks/report.py --only vs_trl     # re-run one, keep the others' lines
+    .venv/bin/python benchmarks/report.py --no-run          # rewrite the report from the lines
+    .venv/bin/python benchmarks/report.py --note "box shared with other test runs"
+
+A benchmark that fails is recorded with its error (and the report says so); the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs" / "benchmarks.jsonl"
+GPU_RESULTS = REPO / "docs" / "benchmarks-gpu.jsonl"
+REPORT = REPO / "docs" / "benchmarks.md"
+
+# The CPU benchmarks `make bench` runs, in this order, with the arguments given here (none:
+# each script's own defaults). trainer_mfu reports itself skipped without a GPU.
+BENCHMARKS: dict[str, list[str]] = {
+    "gae": [],
+    "trainer_logprobs": [],
+    "rollout_engine": [],
+    "reward_throughput": [],
+    "buffer_throughput": [],
+    "weight_sync": [],
+    "vs_trl": [],
+    "trainer_mfu": [],
+}
+
+# Figures only a GPU can give, by benchmark: what stays unmeasured until a GPU run is merged.
+GPU_FIGURES: dict[str, str] = {
+    "trainer_mfu": "trainer MFU, tokens/s and peak memory (Qwen2-0.5B, 2,048 tokens, ZeRO-2, "
+    "bf16) against stock DeepSpeed ZeRO-2; goal 40% MFU",
+    "gae": "GAE on the GPU: goal 1,000x the sequential loop at T=32k and within 5x of the "
+    "memory-bandwidth bound",
+    "weight_sync": "CUDA IPC update into a torch engine against a device-to-device copy; goal 2x",
+    "rollout_engine": "torch engine tokens/s against model.generate on the GPU",
+    "trainer_logprobs": "chunked logprobs time and memory on the GPU",
+}
+
+
+@dataclass
+class Row:
+    """One line of the report's table."""
+
+    figure: str
+    ours: str
+    baseline: str
+    ratio: str
+    goal: str = "-"
+    met: str = "-"
+
+
+def _num(x: Any, digits: int = 1) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float) and abs(x) >= 100:
+        return f"{x:,.0f}"
+    return f"{x:,.{digits}f}" if isinstance(x, float) else f"{x:,}"
+
+
+def _yes(flag: Any) -> str:
+    return "n/a" if flag is None else ("yes" if flag else "**no**")
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+# ---------------------------------------------------------------------------- readers
+
+
+def rows_gae(r: dict[str, Any], gpu: bool = False) -> list[Row]:
+    part = r.get("gpu" if gpu else "cpu")
+    if not isinstance(part, dict):
+        return []
+    where = "GPU" if gpu else "CPU"
+    rows = []
+    for key, v in part.items():
+        if not key.startswith("T=") or not isinstance(v, dict):
+            continue
+        goal, met = ("H100: >= 1,000x at T=32k, <= 5x bound", "n/a (CPU)")
+        if gpu and key == "T=32768":
+            ok = v["speedup_vs_verl_loop"] >= 1000 and v["ours_over_bound"] <= 5
+            goal, met = ">= 1,000x and <= 5x bound", _yes(ok)
+        rows.append(
+            Row(
+                f"GAE B={r.get('batch', 64)} {key} ({where})",
+                f"{v['ours_ms']} ms ({v['ours_over_bound']}x the bandwidth bound)",
+                f"{v['verl_loop_ms']} ms (verl's sequential loop)",
+                f"{v['speedup_vs_verl_loop']}x faster",
+                goal,
+                met,
+            )
+        )
+    return rows
+
+
+def rows_trainer_logprobs(r: dict[str, Any]) -> list[Row]:
+    dims = f"{r['tokens']} tokens x {r['vocab']:,} vocabulary ({r.get('device', 'cpu')})"
+    return [
+        Row(
+            f"logprobs + entropy, fwd+bwd, peak memory, {dims}",
+            f"{_mib(r['chunked_peak_bytes'])} (chunked)",
+            f"{_mib(r['full_peak_bytes'])} (full logits)",
+            f"{r['memory_ratio_chunked_over_full']:.2f}x",
+        ),
+        Row(
+            f"logprobs + entropy, fwd+bwd, time, {dims}",
+            f"{r['chunked_seconds']:.2f} s (chunked)",
+            f"{r['full_seconds']:.2f} s (full logits)",
+            f"{r['time_ratio_chunked_over_full']:.2f}x",
+        ),
+    ]
+
+
+def rows_rollout_engine(r: dict[str, Any], gpu: bool = False) -> list[Row]:
+    out = []
+    for x in r.get("results", []):
+        if (x.get("device") == "cuda") != gpu:
+            continue
+        out.append(
+            Row(
+                f"torch rollout engine, batch {x['batch']} ({x['device']}, "
+                f"{r['model']['size']} model, {r['new_tokens']} new tokens)",
+                f"{_num(x['engine_tokens_per_s'])} tokens/s",
+                f"{_num(x['generate_tokens_per_s'])} tokens/s (model.generate)",
+                f"{x['ratio_engine_over_generate']:.2f}x",
+            )
+        )
+    return out
+
+
+def rows_reward_throughput(r: dict[str, Any]) -> list[Row]:
+    out = []
+    for name in ("gsm8k", "code"):
+        x = r.get(name)
+        if isinstance(x, dict):
+            out.append(
+                Row(
+                    f"reward service, {name} samples/s",
+                    f"{_num(x['service_samples_per_s'])}/s (gRPC service)",
+                    f"{_num(x['direct_samples_per_s'])}/s (direct calls)",
+                    f"{x['service_over_direct']:.2f}x",
+                )
+            )
+    return out
+
+
+def rows_buffer_throughput(r: dict[str, Any]) -> list[Row]:
+    goal = r.get("goal", {})
+    return [
+        Row(
+            "buffer: trajectories/s through one replica (2,048-token responses)",
+            f"{_num(r['service_traj_per_s'])} traj/s",
+            f"{_num(r['raw_redis_traj_per_s'])} traj/s (raw Redis streams)",
+            f"{r['ratio_service_to_raw']:.2f}x",
+            f">= {goal.get('traj_per_s', 2500):,} traj/s and >= {goal.get('ratio', 0.5)}x",
+            _yes(r.get("goal_met")),
+        )
+    ]
+
+
+def rows_weight_sync(r: dict[str, Any]) -> list[Row]:
+    raw = r.get("baseline_raw_gloo_broadcast_pair", {}).get("seconds")
+    gb = r.get("payload_gb", 1.0)
+    out = []
+    for transport, by_n in r.get("relay", {}).items():
+        x = by_n.get("4")
+        if not x:
+            continue
+        out.append(
+            Row(
+                f"weight sync {gb:.1f} GB to 4 engines over {transport}",
+                f"{x['seconds']:.2f} s",
+                f"{raw:.2f} s (raw gloo broadcast, 2 processes)" if raw else "n/a",
+                f"{x['ratio_vs_raw_pair']:.2f}x",
+                "<= 1.5x",
+                _yes(x["ratio_vs_raw_pair"] <= 1.5),
+            )
+        )
+    return out
+
+
+def rows_weight_sync_gpu(r: dict[str, Any]) -> list[Row]:
+    g = r.get("gpu")
+    if not isinstance(g, dict):
+        return []
+    return [
+        Row(
+            f"weight sync by CUDA IPC, {g['bytes'] / 1e9:.1f} GB",
+            f"{g['cuda_ipc_update_seconds']:.3f} s",
+            f"{g['d2d_copy_seconds']:.3f} s (device-to-device copy)",
+            f"{g['ratio_vs_d2d_copy']:.2f}x",
+            "<= 2x",
+            _yes(g.get("goal_2x_met")),
+        )
+    ]
+
+
+def rows_vs_trl(r: dict[str, Any]) -> list[Row]:
+    k, t = r["kuberl"], r["trl"]
+    samples = f"{t['samples']:,} RL samples"
+    reach = r.get("kuberl_seconds_to_trl_final_accuracy")
+    ratio = r.get("ratio_kuberl_time_to_trl_final_over_trl_wall")
+    acc = "greedy held-out accuracy"
+    return [
+        Row(
+            f"demo GRPO: time to TRL's final {acc} ({t['final_accuracy']:.3f})",
+            f"{reach:.0f} s" if reach is not None else "not reached",
+            f"{t['wall_seconds']:.0f} s (TRL GRPOTrainer)",
+            f"{ratio:.2f}x" if ratio is not None else "n/a",
+            "<= 0.7x",
+            _yes(r.get("goal_met")),
+        ),
+        Row(
+            f"demo GRPO: wall time for {samples}",
+            f"{k['wall_seconds']:.0f} s",
+            f"{t['wall_seconds']:.0f} s (TRL)",
+            f"{r['ratio_wall_kuberl_over_trl']:.2f}x",
+        ),
+        Row(
+            "demo GRPO: trained samples/s",
+            f"{k['samples_per_second']:.0f}/s",
+            f"{t['samples_per_second']:.0f}/s (TRL)",
+            f"{r['ratio_samples_per_second_kuberl_over_trl']:.2f}x",
+        ),
+        Row(
+            f"demo GRPO: final {acc} (mean of last 3 evals)",
+            f"{k['final_accuracy']:.3f}",
+            f"{t['final_accuracy']:.3f} (TRL)",
+            f"{k['final_accuracy'] - t['final_accuracy']:+.3f}",
+        ),
+        Row(
+            f"demo GRPO: {acc} at equal wall time ({r['equal_wall_time_seconds']:.0f} s)",
+            f"{k['accuracy_at_equal_wall_time']:.3f}",
+            f"{t['accuracy_at_equal_wall_time']:.3f} (TRL)",
+            f"{k['accuracy_at_equal_wall_time'] - t['accuracy_at_equal_wall_time']:+.3f}",
+        ),
+        Row(
+            "demo GRPO: CPU seconds, all processes",
+            f"{k['cpu_seconds']:.0f} s",
+            f"{t['cpu_seconds']:.0f} s (TRL)",
+            f"{r['ratio_cpu_seconds_kuberl_over_trl']:.2f}x",
+        ),
+    ]
+
+
+def rows_trainer_mfu(r: dict[str, Any]) -> list[Row]:
+    if r.get("skipped") or r.get("dry_run"):
+        return []
+    s, k = r.get("stock", {}), r.get("kuberl", {})
+    if "mfu" not in k:
+        return []
+    what = f"Qwen2-0.5B, {r['sequence_tokens']:,}-token sequences, ZeRO-2, bf16"
+    return [
+        Row(
+            f"trainer MFU ({what})",
+            f"{k['mfu']:.1%}",
+            f"{s.get('mfu', 0):.1%} (stock DeepSpeed ZeRO-2)",
+            f"{k['mfu'] / s['mfu']:.2f}x" if s.get("mfu") else "n/a",
+            ">= 40%",
+            _yes(r.get("goal_met")),
+        ),
+        Row(
+            "trainer tokens/s",
+            f"{_num(k['tokens_per_second'])}",
+            f"{_num(s.get('tokens_per_second'))} (stock)",
+            f"{r.get('ratio_tokens_per_second_kuberl_over_stock', 'n/a')}x",
+        ),
+        Row(
+            "trainer peak memory",
+            f"{k['peak_memory_gib']} GiB",
+            f"{s.get('peak_memory_gib')} GiB (stock)",
+            f"{k['peak_memory_gib'] / s['peak_memory_gib']:.2f}x"
+            if s.get("peak_memory_gib")
+            else "n/a",
+        ),
+    ]
+
+
+ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
+    "gae": rows_gae,
+    "trainer_logprobs": rows_trainer_logprobs,
+    "rollout_engine": rows_rollout_engine,
+    "reward_throughput": rows_reward_throughput,
+    "buffer_throughput": rows_buffer_throughput,
+    "weight_sync": rows_weight_sync,
+    "vs_trl": rows_vs_trl,
+    "trainer_mfu": rows_trainer_mfu,
+}
+GPU_ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
+    "gae": lambda r: rows_gae(r, gpu=True),
+    "rollout_engine": lambda r: rows_rollout_engine(r, gpu=True),
+    "weight_sync": rows_weight_sync_gpu,
+    "trainer_mfu": rows_trainer_mfu,
+    "trainer_logprobs": lambda r: rows_trainer_logprobs(r) if r.get("device") == "cuda" else [],
+}
+
+
+# ---------------------------------------------------------------------------- running
+
+
+def machine() -> str:
+    """This machine in a few words (the report's machine column)."""
+    try:
+        import torch
+
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    except ImportError:
+        gpu = "no GPU"
+    return f"{platform.node()}: {os.cpu_count()}-core {platform.machine()} CPU, {gpu}"
+
+
+def run_one(name: str, argv: list[str], timeout: float, log_dir: Path) -> dict[str, Any]:
+    """Run benchmarks/<name>.py; its last stdout line, with how and when it ran."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / f"{name}.py"), *argv]
+    started = time.time()
+    load = os.getloadavg()[0]
+    print(f"[bench] {name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    log = log_dir / f"{name}.log"
+    try:
+        proc = subprocess.run(
+            cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False
+        )
+        log.write_text(proc.stdout + "\n--- stderr\n" + proc.stderr)
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"exit {proc.returncode}: {proc.stderr.strip()[-1500:]}")
+        result: dict[str, Any] = json.loads(lines[-1])
+    except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
+        result = {"benchmark": name, "error": str(exc)[-1500:]}
+    result["_run"] = {
+        "command": f"python benchmarks/{name}.py {' '.join(argv)}".strip(),
+        "date": datetime.datetime.fromtimestamp(started, datetime.UTC).strftime(
+            "%Y-%m-%d %H:%M UTC"
+        ),
+        "seconds": round(time.time() - started, 1),
+        "load_start": round(load, 1),
+        "load_end": round(os.getloadavg()[0], 1),
+        "machine": machine(),
+    }
+    status = "failed" if "error" in result else "done"
+    print(f"[bench] {name}: {status} in {result['_run']['seconds']} s", file=sys.stderr)
+    return result
+
+
+def read_results(path: Path) -> dict[str, dict[str, Any]]:
+    """Benchmark name -> its result line (the last one in the file wins)."""
+    out: dict[str, dict[str, Any]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                out[str(r.get("benchmark") or r.get("_run", {}).get("name"))] = r
+    return out
+
+
+def write_results(path: Path, results: dict[str, dict[str, Any]]) -> None:
+    order = [n for n in BENCHMARKS if n in results] + [n for n in results if n not in BENCHMARKS]
+    path.write_text("".join(json.dumps(results[n], sort_keys=True) + "\n" for n in order))
+
+
+# ---------------------------------------------------------------------------- the report
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def table(rows: list[tuple[Row, str, str]]) -> list[str]:
+    lines = [
+        "| figure | ours | baseline | ratio | goal | met? | machine | date |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row, where, date in rows:
+        cells = [row.figure, row.ours, row.baseline, row.ratio, row.goal, row.met, where, date]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return lines
+
+
+def _where(r: dict[str, Any]) -> str:
+    run = r.get("_run", {})
+    load = ""
+    if "load_start" in run:
+        load = f", load {run['load_start']}-{run['load_end']}"
+    return f"{run.get('machine', 'unknown')}{load}"
+
+
+def render(
+    results: dict[str, dict[str, Any]], gpu_results: dict[str, dict[str, Any]], note: str
+) -> str:
+    """docs/benchmarks.md from the result lines."""
+    rows: list[tuple[Row, str, str]] = []
+    failed: list[str] = []
+    for name in [n for n in BENCHMARKS if n in results]:
+        r = results[name]
+        if "error" in r:
+            failed.append(f"- `{name}` failed: `{_cell(r['error'][-400:])}`")
+            continue
+        try:
+            made = ROWS[name](r)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+            failed.append(f"- `{name}`: its JSON line has a shape this report cannot read ({exc})")
+            continue
+        rows += [(row, _where(r), r.get("_run", {}).get("date", "")) for row in made]
+    gpu_rows: list[tuple[Row, str, str]] = []
+    for name, r in gpu_results.items():
+        reader = GPU_ROWS.get(name)
+        made = reader(r) if reader and "error" not in r else []
+        gpu_rows += [(row, _where(r), r.get("_run", {}).get("date", "")) for row in made]
+    measured_gpu = {name for name, r in gpu_results.items() if GPU_ROWS.get(name, lambda _: [])(r)}
+    unmeasured = [f"- `{n}`: {what}" for n, what in GPU_FIGURES.items() if n not in measured_gpu]
+
+    dates = sorted(r.get("_run", {}).get("date", "") for r in results.values())
+    out = [
+        "# Benchmarks",
+        "",
+        "Generated by `make bench` (`benchmarks/report.py`) from the JSON lines in "
+        "[benchmarks.jsonl](benchmarks.jsonl); do not edit by hand. Every benchmark measures "
+        "kuberl against a baseline in the same run on the same machine (`benchmarks/README.md`); "
+        "the ratio column is ours over the baseline unless it says otherwise.",
+        "",
+    ]
+    if dates:
+        out += [f"Last run: {dates[0]} to {dates[-1]}, on {machine()}."]
+    if note:
+        out += ["", f"**Conditions:** {note}"]
+    out += ["", "## CPU figures", "", *table(rows), ""]
+    if failed:
+        out += ["Benchmarks without figures in this run:", "", *failed, ""]
+    out += ["## GPU figures", ""]
+    if gpu_rows:
+        out += [
+            "Merged from runs on a GPU machine (`--gpu-results`), the device named in the "
+            "machine column:",
+            "",
+            *table(gpu_rows),
+            "",
+        ]
+    if unmeasured:
+        out += [
+            "**Unmeasured** (no GPU was available to the runs so far; each benchmark measures "
+            "these when CUDA is present and reports them skipped otherwise):",
+            "",
+            *unmeasured,
+            "",
+        ]
+    out += [
+        "## How each was run",
+        "",
+        *[
+            f"- `{results[n]['_run']['command']}`: {results[n]['_run']['seconds']} s"
+            for n in BENCHMARKS
+            if n in results and "_run" in results[n]
+        ],
+        "",
+    ]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), help="run just these")
+    parser.add_argument("--skip", nargs="+", default=[], choices=list(BENCHMARKS))
+    parser.add_argument("--no-run", action="store_true", help="only rewrite the report")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the JSON lines file")
+    parser.add_argument("--gpu-results", type=Path, default=GPU_RESULTS)
+    parser.add_argument("--out", type=Path, default=REPORT, help="the report")
+    parser.add_argument("--note", default="", help="conditions of the run, shown in the report")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="per benchmark, seconds")
+    parser.add_argument("--logs", type=Path, help="folder for each benchmark's output")
+    args = parser.parse_args(argv)
+
+    results = read_results(args.results)
+    if not args.no_run:
+        names = [n for n in (args.only or BENCHMARKS) if n not in args.skip]
+        logs = args.logs or Path(os.environ.get("TMPDIR", "/tmp")) / "kuberl-bench-logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            results[name] = run_one(name, BENCHMARKS[name], args.timeout, logs)
+            args.results.parent.mkdir(parents=True, exist_ok=True)
+            write_results(args.results, results)  # after each: a later failure keeps these
+    gpu = read_results(args.gpu_results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(render(results, gpu, args.note))
+    print(f"[bench] wrote {args.out}", file=sys.stderr)
+    return 1 if any("error" in results[n] for n in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
