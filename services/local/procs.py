@@ -19,6 +19,13 @@ container command line, `kuberl serve <service>`, plus environment overrides) an
   services drain in-flight calls on SIGTERM), SIGKILL after a grace period, and a final SIGKILL
   to any group member left over after its leader exited.
 
+A signal reaches the whole process *tree*, not only the process group: torchrun starts each
+worker in a session of its own, so a SIGKILL to torchrun's group left its workers running as
+orphans (found by `kuberl run --chaos`: three trainers trained one job at once). The supervisor
+therefore remembers every descendant it has seen (pid and start time, refreshed on every
+`check()`), signals them too, and sweeps the ones still alive when a process is stopped or has
+died, even after they were re-parented away from the tree.
+
 Nothing here knows about kuberl's services: the unit tests drive it with small dummy commands.
 """
 
@@ -103,6 +110,42 @@ def tail_lines(path: Path, lines: int = 30, max_bytes: int = 64 * 1024) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _process_table() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, start time in clock ticks) of every process (Linux /proc)."""
+    table = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        table[int(entry.name)] = (int(fields[1]), int(fields[19]))
+    return table
+
+
+def descendants(root: int, table: dict[int, tuple[int, int]] | None = None) -> dict[int, int]:
+    """Every descendant of root (not root itself): pid -> start time."""
+    table = _process_table() if table is None else table
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    out: dict[int, int] = {}
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        if pid not in out:
+            out[pid] = table[pid][1]
+            todo += children.get(pid, [])
+    return out
+
+
+def _alive(pid: int, start: int, table: dict[int, tuple[int, int]]) -> bool:
+    """The same process (pid and start time) still exists, not a zombie we could wait for."""
+    return pid in table and table[pid][1] == start
+
+
 class ManagedProcess:
     """A running (or finished) instance of a `ProcessSpec`, restartable in place."""
 
@@ -121,6 +164,7 @@ class ManagedProcess:
         self._exit_recorded = False
         self._log: IO[bytes] | None = None
         self._started_at = 0.0
+        self.tree: dict[int, int] = {}  # descendants seen (pid -> start time), kept until gone
 
     @property
     def name(self) -> str:
@@ -233,12 +277,28 @@ class ManagedProcess:
             self._log.flush()
         return ServiceFailed(self.name, reason, self.log_path, tail_lines(self.log_path))
 
+    def refresh_tree(self, table: dict[int, tuple[int, int]] | None = None) -> None:
+        """Remember the process's current descendants; forget the ones that are gone."""
+        table = _process_table() if table is None else table
+        if self.running() and self.proc is not None:
+            self.tree.update(descendants(self.proc.pid, table))
+        self.tree = {p: t for p, t in self.tree.items() if _alive(p, t, table)}
+
     def signal(self, sig: int) -> None:
-        """Send sig to the whole process group (the process and anything it started)."""
+        """Send sig to the process group; SIGKILL also to every descendant seen, wherever it
+        lives. A graceful signal goes through the group's processes only: torchrun forwards
+        SIGTERM to its workers itself, and a worker must not get it twice."""
         if self.proc is None:
             return
+        table = _process_table()
+        self.refresh_tree(table)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, sig)
+        if sig != signal.SIGKILL:
+            return
+        for pid in self.tree:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
 
     def stop(self, grace: float = 15.0) -> int | None:
         """SIGTERM, wait up to grace, then SIGKILL; always sweep the group; return the code."""
@@ -252,16 +312,20 @@ class ManagedProcess:
                 log.warning("process.kill", name=self.name, after_seconds=grace)
                 self.signal(signal.SIGKILL)
                 self.proc.wait()
-        # Children that outlived their leader (e.g. torchrun workers) are still in the group.
+        # Children that outlived their leader: in the group, or (torchrun workers) in the tree.
         self.signal(signal.SIGKILL)
         self._wait_group_gone()
         self.close_log()
         return self.record_exit()
 
     def group_alive(self) -> bool:
-        """True while any process of the group exists (zombies not yet reaped included)."""
+        """True while any process of the group or of the tree seen exists (zombies included)."""
         if self.proc is None:
             return False
+        if self.tree:
+            self.refresh_tree()
+            if self.tree:
+                return True
         try:
             os.killpg(self.proc.pid, 0)
         except ProcessLookupError:
@@ -328,6 +392,9 @@ class ProcessGroup:
         Raises ServiceFailed when a process exits past its restart limit.
         """
         finished = []
+        table = _process_table()
+        for proc in self.processes.values():
+            proc.refresh_tree(table)
         for proc in self.processes.values():
             if proc.finished:
                 continue
