@@ -261,7 +261,8 @@ return res
 """
 )
 
-# Drop groups (stale, filtered): they leave the stream; stale ones may re-queue their prompt.
+# Drop groups (stale, filtered): they leave the stream; stale ones may re-queue their prompt,
+# the others keep their `accepted` record with the value `dropped:<reason>`.
 # KEYS: group stream, accepted, train prompt stream, train lease map, state, payloads
 # ARGV: kind, count, then per group: id, prompt id, epoch, reason, requeue (0/1), payload field
 DROP = """
@@ -273,12 +274,16 @@ for i = 0, count - 1 do
   if redis.call('XDEL', KEYS[1], id) == 1 then
     redis.call('HDEL', KEYS[6], ARGV[b + 5])
     redis.call('HINCRBY', KEYS[5], 'c:' .. kind .. ':dropped:' .. reason, 1)
+    local key = pid .. '@' .. ep
     if ARGV[b + 4] == '1' then
-      local key = pid .. '@' .. ep
       redis.call('HDEL', KEYS[2], key)
       local nid = redis.call('XADD', KEYS[3], '*', 'p', pid, 'e', ep, 'rq', 1)
       redis.call('HSET', KEYS[4], key, nid)
       redis.call('HINCRBY', KEYS[5], 'c:' .. kind .. ':requeued', 1)
+    else
+      -- The idempotency record stays (no second group for this prompt and epoch) and says why
+      -- the group was never trained: the per-prompt ground truth of `kuberl run --chaos`.
+      redis.call('HSET', KEYS[2], key, 'dropped:' .. reason)
     end
   end
 end
