@@ -161,7 +161,9 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         self._loop = asyncio.get_running_loop()
         self.store = VersionStore(self._store_dir(), self.config.retain_versions)
         if pb.TRANSPORT_NCCL in self.offered and self.config.device.startswith("cuda"):
-            self.relay_gpu = gpu_uuid(self.config.device) or self.config.device
+            self.relay_gpu = gpu_uuid(self.config.device)
+            if not self.relay_gpu:
+                log.warning("weight_sync.no_cuda", device=self.config.device, nccl="off")
         self._reaper = asyncio.create_task(self._reap_forever())
         log.info(
             "weight_sync.ready",

@@ -1,6 +1,6 @@
 """CUDA IPC transport (colocated trainer and engine on one GPU): a trainer process exports its GPU
 buckets as JSON handles and an engine process copies them device to device, bit for bit.
-Needs a CUDA device; skipped cleanly without one."""
+Needs a CUDA device; skipped cleanly without one (not yet run on a GPU: none was lent)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
 from kuberl.common.weights import plan
-from kuberl.common.weights.transports import CudaIpcReceiver
+from kuberl.common.weights.transports import BufferPool, CudaIpcReceiver, split_cuda_ipc
 from tests.support import REPO
 
 pytestmark = [
@@ -45,14 +45,15 @@ def test_an_engine_on_the_same_gpu_receives_the_trainers_buckets_bit_identical()
     )  # fmt: skip
     try:
         assert trainer.stdout is not None
-        handles = trainer.stdout.readline()
+        # The export is one set per engine; this engine opens the only one.
+        handles = split_cuda_ipc(trainer.stdout.readline(), manifest)[0].to_json()
         instruction = pb.UpdateInstruction(
             version=1,
             transport=pb.TRANSPORT_CUDA_IPC,
             manifest=manifest.to_proto(),
             handles_json=handles,
         )
-        got_manifest, flat = CudaIpcReceiver().receive(instruction)
+        got_manifest, flat = CudaIpcReceiver("cuda").receive(instruction, BufferPool())
         views = got_manifest.views(flat)
     finally:
         assert trainer.stdin is not None

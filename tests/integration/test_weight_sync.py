@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -70,13 +71,17 @@ def _engine_main(args: argparse.Namespace) -> None:
 
     def load(tensors: dict[str, torch.Tensor], version: int) -> None:
         save_file(
-            {k: v.contiguous() for k, v in tensors.items()}, out / f"{args.name}-v{version}.st"
+            {k: v.cpu().contiguous() for k, v in tensors.items()},
+            out / f"{args.name}-v{version}.st",
         )
         line = {"version": version, "transport": holder["client"].current_transport}
         with (out / f"{args.name}.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
 
-    client = EngineClient(args.address, load=load, engine_id=args.name, transports=args.transports)
+    client = EngineClient(
+        args.address, load=load, engine_id=args.name, transports=args.transports,
+        device=args.device, gpu=args.gpu,
+    )  # fmt: skip
     holder["client"] = client
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -86,9 +91,28 @@ def _engine_main(args: argparse.Namespace) -> None:
 
 
 def _trainer_main(args: argparse.Namespace) -> None:
-    with WeightPublisher(args.address, transports=args.transports) as publisher:
-        result = publisher.publish(args.version, iter(make_tensors(args.seed, args.mb).items()))
-    print(json.dumps({"version": result.version, "transport": result.transport}))
+    tensors = {k: v.to(args.device) for k, v in make_tensors(args.seed, args.mb).items()}
+    with WeightPublisher(args.address, transports=args.transports, device=args.device) as pub:
+        result = pub.publish(args.version, iter(tensors.items()))
+        print(
+            json.dumps(
+                {
+                    "version": result.version,
+                    "transport": result.transport,
+                    "cuda_ipc_sets": result.cuda_ipc_sets,
+                }
+            ),
+            flush=True,
+        )
+        # CUDA IPC: the engines copy from this process's GPU memory, so stay until they did.
+        with sync_channel(args.address) as channel:
+            stub = pb_grpc.WeightSyncServiceStub(channel)
+            deadline = time.monotonic() + 60
+            while args.hold_until_loaded and time.monotonic() < deadline:
+                engines = stub.GetStatus(pb.GetStatusRequest(), timeout=5).engines
+                if engines and min(e.loaded_version for e in engines) >= args.version:
+                    break
+                time.sleep(0.1)
 
 
 # ---------------------------------------------------------------- fixtures and helpers
@@ -106,7 +130,9 @@ def _next_version(svc: ServiceProcess) -> int:
         return int(stub.GetVersion(pb.GetVersionRequest(), timeout=5).version) + 1
 
 
-def _service(tmp_path: Path, transports: list[str]) -> Iterator[ServiceProcess]:
+def _service(
+    tmp_path: Path, transports: list[str], device: str = "cpu"
+) -> Iterator[ServiceProcess]:
     shm_dir = f"/dev/shm/kuberl-test-{uuid.uuid4().hex[:8]}"
     config = tmp_path / "job.yaml"
     config.write_text(
@@ -116,6 +142,7 @@ def _service(tmp_path: Path, transports: list[str]) -> Iterator[ServiceProcess]:
                 "weight_sync": {
                     "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
                     "transports": transports,
+                    "device": device,
                     "bucket_bytes": MB,
                     "heartbeat_seconds": 0.5,
                     "missed_heartbeats": 3,
@@ -147,12 +174,17 @@ def _engine(svc: ServiceProcess, tmp_path: Path, name: str, *extra: str) -> subp
     return _start("engine", tmp_path, name, svc.address, str(tmp_path), name, *extra)
 
 
-def _publish(svc: ServiceProcess, tmp_path: Path, version: int, seed: int, mb: float = 4) -> dict:
+def _publish(
+    svc: ServiceProcess, tmp_path: Path, version: int, seed: int, mb: float = 4, *extra: str
+) -> dict:
     proc = _start(
-        "trainer", tmp_path, f"trainer-v{version}", svc.address, str(version), str(seed), str(mb)
-    )
-    assert proc.wait(60) == 0, (tmp_path / f"trainer-v{version}.log").read_text()
-    return json.loads((tmp_path / f"trainer-v{version}.log").read_text().strip().splitlines()[-1])
+        "trainer", tmp_path, f"trainer-v{version}", svc.address, str(version), str(seed), str(mb),
+        *extra,
+    )  # fmt: skip
+    code = proc.wait(90)
+    text = (tmp_path / f"trainer-v{version}.log").read_text()
+    assert code == 0, text
+    return json.loads(next(x for x in reversed(text.splitlines()) if x.startswith('{"version"')))
 
 
 def _status(svc: ServiceProcess) -> pb.GetStatusResponse:
@@ -379,6 +411,83 @@ def test_a_trainer_and_engine_on_the_services_host_move_weights_through_shared_m
         assert (sent["transport"], history, identical) == ("shm", [(3, "shm")], True)
 
 
+def _fake_cuda_ipc_export(gpu: str, bucket_sizes: list[int]) -> str:
+    """Well-formed CUDA IPC handles (JSON) pointing at nothing: this machine has no GPU, so the
+    engine's open fails, which is the path under test (routing, the wire form, the fallback)."""
+    bucket = {
+        "stride": [1], "offset": 0, "dtype": "uint8", "handle": "A" * 86 + "==",
+        "storage_offset": 0, "ref_handle": "L3RvcmNo", "ref_offset": 0, "event_handle": "",
+        "event_sync": False,
+    }  # fmt: skip
+    buckets = [{**bucket, "size": [n], "storage_bytes": n} for n in bucket_sizes]
+    return json.dumps({"gpu_uuid": gpu, "sets": [{"buckets": buckets}]})
+
+
+def _publish_with_cuda_ipc(stub, version: int, seed: int, gpu: str, handles_gpu: str):  # type: ignore[no-untyped-def]
+    """The trainer's side of a CUDA IPC publish, step by step: Publish offering cuda_ipc from
+    `gpu`, the bytes into shared memory, CommitPublish with handles said to be on `handles_gpu`."""
+    from kuberl.common.weights import ManifestBuilder
+    from kuberl.common.weights.transports import ShmWriter
+
+    answer = stub.Publish(
+        pb.PublishRequest(
+            version=version, transports=[pb.TRANSPORT_CUDA_IPC, pb.TRANSPORT_SHM],
+            trainer_host=socket.gethostname(), gpu_uuid=gpu,
+        ),
+        timeout=10,
+    )  # fmt: skip
+    builder = ManifestBuilder(answer.send.manifest.bucket_bytes)
+    writer = ShmWriter(json.loads(answer.send.handles_json)["path"])
+    for name, tensor in make_tensors(seed).items():
+        writer.write(builder.add(name, tensor.dtype, tensor.shape).flat_offset, tensor)
+    manifest = builder.build()
+    writer.close(manifest.total_bytes)
+    stub.CommitPublish(
+        pb.CommitPublishRequest(
+            version=version, manifest=manifest.to_proto(),
+            cuda_ipc_handles_json=_fake_cuda_ipc_export(handles_gpu, manifest.bucket_sizes),
+        ),
+        timeout=10,
+    )  # fmt: skip
+    return answer
+
+
+def test_cuda_ipc_handles_go_only_to_the_engine_on_the_trainers_gpu_which_falls_back_to_snapshot(
+    tmp_path: Path,
+) -> None:
+    for svc in _service(tmp_path, ["cuda_ipc", "shm", "snapshot"]):
+        offer = ["--transports", "cuda_ipc", "shm", "snapshot"]
+        engines = [
+            _engine(svc, tmp_path, "same-gpu", *offer, "--gpu", "GPU-trainer"),
+            _engine(svc, tmp_path, "other-gpu", *offer, "--gpu", "GPU-other"),
+        ]
+        try:
+            _wait(lambda: len(_status(svc).engines) == 2, "2 engines registered", svc)  # noqa: B023
+            failed = 'kuberl_weight_sync_engine_update_failures_total{transport="cuda_ipc"}'
+            with sync_channel(svc.address) as channel:
+                stub = pb_grpc.WeightSyncServiceStub(channel)
+                answer = _publish_with_cuda_ipc(stub, 7, 7, "GPU-trainer", "GPU-trainer")
+                _wait(lambda: len(_holding(svc, 7)) == 2, "both engines at v7", svc)  # noqa: B023
+                with pytest.raises(grpc.RpcError) as refused:  # handles of another GPU
+                    _publish_with_cuda_ipc(stub, 8, 8, "GPU-trainer", "GPU-other")
+                current = stub.GetVersion(pb.GetVersionRequest(), timeout=5).version
+            histories = {n: _history(tmp_path, n) for n in ("same-gpu", "other-gpu")}
+            identical = all(_bit_identical(tmp_path, n, 7, 7) for n in histories)
+            failures = _metric(svc, failed)
+            rejected = _metric(
+                svc, 'kuberl_weight_sync_rejected_total{reason="bad_cuda_ipc_handles"}'
+            )
+        finally:
+            _stop(*engines)
+        # The colocated engine was sent the handles; without CUDA it could not open them,
+        # reported the failure and was caught up by snapshot. The other one never saw them.
+        assert (answer.cuda_ipc_engines, failures, identical) == (1, 1.0, True)
+        assert histories == {"same-gpu": [(7, "snapshot")], "other-gpu": [(7, "shm")]}
+        assert (refused.value.code(), current, rejected) == (
+            grpc.StatusCode.INVALID_ARGUMENT, 7, 1.0,
+        )  # fmt: skip
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="role", required=True)
@@ -388,11 +497,15 @@ if __name__ == "__main__":
     e.add_argument("name")
     e.add_argument("--die-after-buckets", type=int, default=0)
     e.add_argument("--transports", nargs="+", default=["shm", "gloo", "snapshot"])
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--gpu", default=None, help="GPU UUID to register with (default: device's)")
     t = sub.add_parser("trainer")
     t.add_argument("address")
     t.add_argument("version", type=int)
     t.add_argument("seed", type=int)
     t.add_argument("mb", type=float)
     t.add_argument("--transports", nargs="+", default=["shm", "snapshot"])
+    t.add_argument("--device", default="cpu")
+    t.add_argument("--hold-until-loaded", action="store_true")
     ns = parser.parse_args()
     _engine_main(ns) if ns.role == "engine" else _trainer_main(ns)

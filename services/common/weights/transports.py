@@ -185,6 +185,13 @@ def broadcast(group: Any, tensor: torch.Tensor, timeout_s: float, backend: str =
     wait_work(group.broadcast([tensor], opts), group, backend, timeout_s)
 
 
+def _on_device(device: str) -> contextlib.AbstractContextManager[Any]:
+    """Make `device` this thread's current CUDA device (NCCL binds a communicator to it)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.device(torch.device(device))
+    return contextlib.nullcontext()
+
+
 def _synchronize(device: str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(torch.device(device))
@@ -228,15 +235,29 @@ class BroadcastSender:
     def send(
         self, manifest: Manifest, flat: torch.Tensor, on_bucket: Callable[[int], None] | None = None
     ) -> None:
-        group = new_group(
-            self.backend,
-            dist.PrefixStore(self.group.group_name, self.store),
-            0,
-            self.world_size,
-            self.timeout_s,
-        )
-        staging: torch.Tensor | None = None
         on_device = _same_device(flat.device, self.device) and not self.stage
+        with _on_device(self.device):
+            group = new_group(
+                self.backend,
+                dist.PrefixStore(self.group.group_name, self.store),
+                0,
+                self.world_size,
+                self.timeout_s,
+            )
+            try:
+                self._send(group, manifest, flat, on_device, on_bucket)
+            finally:
+                del group
+
+    def _send(
+        self,
+        group: Any,
+        manifest: Manifest,
+        flat: torch.Tensor,
+        on_device: bool,
+        on_bucket: Callable[[int], None] | None,
+    ) -> None:
+        staging: torch.Tensor | None = None
         try:
             for b in range(manifest.num_buckets):
                 bucket = manifest.bucket_view(flat, b)
@@ -251,7 +272,7 @@ class BroadcastSender:
                     on_bucket(b)
             _synchronize(self.device)
         finally:
-            del group, staging
+            del staging
 
     def close(self) -> None:
         del self.store
@@ -275,6 +296,18 @@ class BroadcastReceiver(Receiver):
             )
         device = self.device if g.backend == "nccl" else "cpu"
         timeout_s = instruction.deadline_seconds or 60.0
+        with _on_device(device):
+            return self._receive(instruction, manifest, device, timeout_s, allocate)
+
+    def _receive(
+        self,
+        instruction: pb.UpdateInstruction,
+        manifest: Manifest,
+        device: str,
+        timeout_s: float,
+        allocate: Allocator,
+    ) -> tuple[Manifest, torch.Tensor]:
+        g = instruction.group
         store = dist.TCPStore(
             g.master_address, g.master_port, g.world_size, False, _timeout(timeout_s)
         )
