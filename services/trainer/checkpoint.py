@@ -6,7 +6,8 @@ Layout under `trainer.checkpoint_dir`::
     step-000040/
       policy/step-000040/...     DeepSpeed's own files (model, optimizer, scheduler per rank)
       critic/step-000040/...     the same for the PPO critic, when there is one
-      cursor.json                step, policy version, epochs, sft step, eval round (rank 0)
+      cursor.json                step, policy version, epochs, sft step, eval round, ids of
+                                 the batches trained on (rank 0)
       rng-rank<r>.json           torch RNG state of each rank (base64)
       hf/                        HF safetensors export of the policy (rank 0, `export_hf`)
     latest                       the name of the last complete checkpoint, replaced atomically
@@ -33,6 +34,8 @@ from kuberl.common.logs import get_logger
 log = get_logger(__name__)
 
 LATEST = "latest"
+# Far more than the batches a buffer can have un-acknowledged at once (max_inflight_groups).
+TRAINED_BATCHES_KEPT = 1024
 
 
 @dataclass
@@ -45,6 +48,14 @@ class Cursor:
     sft_step: int = 0
     eval_round: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # Ids of the last batches this checkpoint's weights were trained on (newest last, at most
+    # TRAINED_BATCHES_KEPT): a re-delivered batch named here is acknowledged, not trained again.
+    trained_batches: list[str] = field(default_factory=list)
+
+    def note_trained(self, batch_id: str) -> None:
+        if batch_id:
+            self.trained_batches.append(batch_id)
+            del self.trained_batches[:-TRAINED_BATCHES_KEPT]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)

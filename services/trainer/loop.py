@@ -7,14 +7,24 @@ One RL step (every rank runs it; rank 0 alone talks to the buffer and weight-syn
        reference logprobs (KL) and critic values, each rank on its share, summed over ranks
     -> advantages (`kuberl.trainer.algorithms.compute_advantages`, the whole batch on every rank)
     -> ppo_epochs x mini_batches optimizer updates, each over token-budget micro-batches
-    -> Ack the batch -> policy version + 1 (buffer SetPolicyVersion)
-    -> publish the weights every `publish_every` steps (ZeRO-3 parameters gathered bucket by
-       bucket, streamed to weight-sync) -> checkpoint every `checkpoint_every` steps.
+    -> policy version + 1 -> checkpoint every `checkpoint_every` steps -> Ack the batch
+    -> buffer SetPolicyVersion -> publish the weights every `publish_every` steps (ZeRO-3
+       parameters gathered bucket by bucket, streamed to weight-sync).
 
-A batch acknowledged but not yet checkpointed is lost to the model if the trainer dies (the
-buffer will not re-deliver it); a batch not yet acknowledged is re-delivered to the restarted
-trainer. `sft` mode trains on a JSONL file (or the buffer's SFT stream) with the loss on the
-response; `eval` mode, and `eval_every` in rl mode, queue an eval round in the buffer
+What a crash costs: the restarted trainer resumes from its latest checkpoint. On a checkpoint
+step the checkpoint is written *before* the Ack and names the batch (`Cursor.trained_batches`),
+so a crash between the two makes the buffer re-deliver a batch the resumed trainer recognises and
+only acknowledges; a crash before the checkpoint re-delivers a batch the resumed weights never
+saw, and it is trained again. With `checkpoint_every: 1` every group is therefore in the final
+weights exactly once. Between checkpoints (`checkpoint_every` > 1) batches are acknowledged right
+after their step: a crash loses those steps' groups from the weights (up to
+`checkpoint_every - 1` steps), the price of not holding that many groups un-acknowledged in the
+buffer. With `KUBERL_TRAINED_JSONL` set, rank 0 appends one row per trained batch (the
+(prompt, epoch) of each group, its replica and policy versions) and one per start, so a run's
+accounting (`kuberl run --chaos`) can tell which steps the final weights descend from.
+
+`sft` mode trains on a JSONL file (or the buffer's SFT stream) with the loss on the response;
+`eval` mode, and `eval_every` in rl mode, queue an eval round in the buffer
 (StartEval), read the EVAL groups that rollout replicas put back and report accuracy per dataset.
 
 Rank 0 drives control flow: at each decision point it broadcasts one message (a batch, "stop",
@@ -71,6 +81,7 @@ from kuberl.trainer.sft import (
 log = get_logger(__name__)
 
 METRICS_JSONL_ENV = "KUBERL_METRICS_JSONL"
+TRAINED_JSONL_ENV = "KUBERL_TRAINED_JSONL"
 
 # Peak dense bf16 FLOP/s per GPU for MFU, by a substring of the device name.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
@@ -100,6 +111,10 @@ CHECKPOINT_SECONDS = prom.histogram("kuberl_trainer_checkpoint_seconds", "Checkp
 BATCHES = prom.counter("kuberl_trainer_batches_total", "Batches received", ["kind"])
 REJECTED = prom.counter(
     "kuberl_trainer_rejected_groups_total", "Groups the trainer could not train on", ["reason"]
+)
+ALREADY_TRAINED = prom.counter(
+    "kuberl_trainer_already_trained_batches_total",
+    "Re-delivered batches the checkpoint had already trained on: acknowledged, not trained",
 )
 
 
@@ -156,6 +171,7 @@ class Trainer:
         self.pad_id = 0
         self.tied = False
         self._metrics_file = os.environ.get(METRICS_JSONL_ENV)
+        self._trained_file = os.environ.get(TRAINED_JSONL_ENV)
         self._sft_iter: Iterator[tuple[int, list[Sample]]] | None = None
         self._checkpointed_step = -1
         self._sft_samples: list[Sample] = []
@@ -205,6 +221,14 @@ class Trainer:
         if self.dist.is_main:
             self._connect()
         self._resume()
+        self._write_trained(
+            {
+                "event": "start",
+                "step": self.cursor.step,
+                "policy_version": self.cursor.policy_version,
+                "checkpoint": self.status.last_checkpoint,
+            }
+        )
         self.status.ready = True
         log.info(
             "trainer.ready",
@@ -328,29 +352,74 @@ class Trainer:
         if msg == MSG_CHECKPOINT:
             self._checkpoint()
             return True
+        batch_id = batch.get("batch_id", "")
+        if batch_id and batch_id in self.cursor.trained_batches:
+            # Trained and checkpointed, then the Ack was lost (a crash in between): the weights
+            # already hold this batch, so it is only acknowledged.
+            ALREADY_TRAINED.inc()
+            log.warning("batch.already_trained", batch_id=batch_id)
+            self._write_trained({"event": "already_trained", "batch_id": batch_id})
+            self._ack(batch_id)
+            return True
         if not batch["samples"]:  # every group was unusable: acknowledge, count, go on
-            self._ack(batch.get("batch_id", ""))
+            self._write_trained(self._trained_row("rejected", batch))
+            self._ack(batch_id)
             return True
         started = time.perf_counter()
         metrics = self._sft_step(batch) if sft else self._rl_step(batch)
-        self._ack(batch.get("batch_id", ""))
         self.cursor.policy_version += 1
         if sft and self.tc.mode == "rl":
             self.cursor.sft_step += 1
         else:
             self.cursor.step += 1
+        self.cursor.note_trained(batch_id)
+        self._write_trained(self._trained_row("step", batch))
+        metrics.update(self._speed(batch["tokens"], time.perf_counter() - started))
+        warmup = sft and self.tc.mode == "rl"
+        every = self.tc.checkpoint_every
+        if every and not warmup and self.cursor.step % every == 0:
+            self._checkpoint()  # before the Ack: see the module docstring
+        self._ack(batch_id)
         self._set_buffer_version()
-        elapsed = time.perf_counter() - started
-        metrics.update(self._speed(batch["tokens"], elapsed))
         if self.cursor.policy_version % self.tc.publish_every == 0:
             self._publish()
         metrics["step_seconds"] = time.perf_counter() - started
         self._record(metrics, "sft" if sft else "rl")
-        warmup = sft and self.tc.mode == "rl"
-        every = self.tc.checkpoint_every
-        if every and not warmup and self.cursor.step % every == 0:
-            self._checkpoint()
         return True
+
+    def _trained_row(self, event: str, batch: dict[str, Any]) -> dict[str, Any]:
+        """The record of one batch: each group's (prompt, epoch), replica and versions."""
+        groups = []
+        for g in batch.get("groups", []):
+            meta = g.trajectories[0].metadata if g.trajectories else {}
+            groups.append(
+                {
+                    "key": f"{g.prompt_id}@{g.epoch}",
+                    "replica": meta.get("replica", ""),
+                    "version_start": min(
+                        (t.policy_version_start for t in g.trajectories), default=0
+                    ),
+                    "version_end": max((t.policy_version_end for t in g.trajectories), default=0),
+                    "finished": max((t.finished_unix for t in g.trajectories), default=0.0),
+                }
+            )
+        return {
+            "event": event,
+            "step": self.cursor.step,
+            "policy_version": self.cursor.policy_version,
+            "batch_id": batch.get("batch_id", ""),
+            "redelivered": bool(batch.get("redelivered")),
+            "groups": groups,
+            "rejected": batch.get("rejected_keys", []),
+        }
+
+    def _write_trained(self, row: dict[str, Any]) -> None:
+        if not self._trained_file or not self.dist.is_main:
+            return
+        with open(self._trained_file, "a") as f:
+            f.write(json.dumps({"time": time.time(), **row}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
     def _ack(self, batch_id: str) -> None:
         """Acknowledge a trained batch (rank 0). A batch that cannot be acknowledged is
@@ -368,7 +437,12 @@ class Trainer:
                 time.sleep(min(2**attempt, 10))
         log.error("buffer.ack_gave_up", batch_id=batch_id)
 
-    def _usable(self, groups: list[Group], same_size: bool = True) -> list[Group]:
+    def _usable(
+        self,
+        groups: list[Group],
+        same_size: bool = True,
+        rejected: list[dict[str, str]] | None = None,
+    ) -> list[Group]:
         """Groups the model can train on; the others are counted and left out. Token ids
         must be inside the vocabulary, prompts non-empty, arrays of one length and finite, and
         (RL, `same_size`) a batch's groups of one size; rejection sampling's SFT groups keep any
@@ -396,6 +470,8 @@ class Trainer:
             else:
                 REJECTED.labels(reason).inc()
                 log.warning("group.rejected", group_id=g.group_id, reason=reason)
+                if rejected is not None:
+                    rejected.append({"key": f"{g.prompt_id}@{g.epoch}", "reason": reason})
         return kept
 
     # ------------------------------------------------------------------ batches
@@ -419,10 +495,14 @@ class Trainer:
         from kuberl.api.buffer.v1 import buffer_pb2
 
         resp = buffer_pb2.GetBatchResponse.FromString(body)
-        groups = self._usable([Group.from_proto(g) for g in resp.groups], same_size=not sft)
+        rejected_keys: list[dict[str, str]] = []
+        groups = self._usable(
+            [Group.from_proto(g) for g in resp.groups], same_size=not sft, rejected=rejected_keys
+        )
         samples = samples_from_groups(groups)
         return MSG_BATCH, {
             "rejected": len(resp.groups) - len(groups),
+            "rejected_keys": rejected_keys,
             "batch_id": resp.batch_id,
             "groups": groups,
             "samples": samples,

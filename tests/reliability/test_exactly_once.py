@@ -1,0 +1,276 @@
+"""Exactly-once training across a trainer crash, and filtered prompts that keep their reason.
+
+**Trainer.** A trainer (`kuberl serve trainer`, checkpoint every step) trains batch 1 and writes
+its checkpoint, and then its Ack never reaches the buffer: the test sits between the two as a
+gRPC proxy that forwards every call but holds Acks, and SIGKILLs the trainer while the Ack is
+held (the crash window "optimizer step and checkpoint done, Ack not"). The buffer re-delivers
+batch 1 with its id after the ack timeout; the restarted trainer resumes from the checkpoint,
+which names batch 1 as trained, so it acknowledges it without training and trains batch 2 next.
+Every prompt is in the final weights exactly once, as the trainer's own record shows.
+
+**Buffer.** A group a filter drops for good keeps its idempotency record with the reason
+(`dropped:<reason>` in `accepted:<kind>`), which is what `kuberl run --chaos` reads to tell a
+filtered prompt from a lost one; a stale group's prompt is re-queued and has no record.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import redis
+import yaml
+
+from kuberl.api.common.v1 import trajectory_pb2 as tpb
+from kuberl.common.trajectory import Group, Trajectory
+from kuberl.local.accounting import read_rows, trained_lineage
+from tests.integration.buffer_support import Client, start_buffer, write_job
+from tests.support import ServiceProcess
+
+GROUP_SIZE = 4
+ACK_METHOD = "/kuberl.buffer.v1.BufferService/Ack"
+
+
+def _group(prompt: tpb.Prompt, seed: int) -> tpb.Group:
+    """A group of in-vocabulary tokens (the digits tokenizer) with mixed rewards."""
+    rng = np.random.default_rng(seed)
+    trajectories = [
+        Trajectory(
+            prompt_token_ids=rng.integers(10, 90, 4),
+            response_token_ids=rng.integers(10, 90, 5),
+            rollout_logprobs=np.log(rng.uniform(0.005, 0.02, 5)).astype(np.float32),
+            prompt_id=prompt.prompt_id,
+            epoch=prompt.epoch,
+            sample_index=i,
+            reward=float(i % 2),
+        )
+        for i in range(GROUP_SIZE)
+    ]
+    return Group(prompt.prompt_id, prompt.epoch, trajectories).to_proto()
+
+
+class AckHoldingProxy(grpc.GenericRpcHandler):
+    """Forwards every unary call to the buffer as raw bytes, except Ack, which it records and
+    never forwards (the caller waits until it gives up or dies)."""
+
+    def __init__(self, target: str) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.acks: list[bytes] = []
+        self.release = threading.Event()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        self.server.add_generic_rpc_handlers((self,))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        method = details.method
+
+        if method == ACK_METHOD:
+
+            def hold(request: bytes, context: grpc.ServicerContext) -> bytes:
+                self.acks.append(request)
+                self.release.wait(120)
+                context.abort(grpc.StatusCode.UNAVAILABLE, "Ack held by the test")
+                return b""
+
+            return grpc.unary_unary_rpc_method_handler(hold)
+        call = self.channel.unary_unary(method)
+
+        def forward(request: bytes, context: grpc.ServicerContext) -> bytes:
+            return call(request, timeout=context.time_remaining())
+
+        return grpc.unary_unary_rpc_method_handler(forward)
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.stop(0)
+        self.channel.close()
+
+
+def _trainer_job(tmp: Path, base: Path, model: Path, buffer: str, name: str) -> Path:
+    doc = yaml.safe_load(base.read_text())
+    doc["model"] = {"path": str(model)}
+    doc["endpoints"] = {"buffer": buffer}
+    doc["trainer"] = {
+        "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
+        "mode": "rl",
+        "total_steps": 2,
+        "groups_per_step": GROUP_SIZE,
+        "batch_wait_seconds": 1.0,
+        "checkpoint_every": 1,
+        "export_hf": False,
+        "checkpoint_dir": str(tmp / "ckpt"),
+        "publish_weights": False,
+        "linger_seconds": 0.2,
+        "max_staleness": -1,
+        "optimizer": {"lr": 1e-3},
+    }
+    path = tmp / name
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _wait(predicate: Any, timeout: float, what: str, proc: ServiceProcess) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.proc.poll() is not None:
+            raise AssertionError(f"{proc.name} exited while waiting for {what}:\n{proc.log()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout}s:\n{proc.log()}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def crash_between_checkpoint_and_ack(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from kuberl.common.modelbuild import build_model
+    from kuberl.common.redis_server import EmbeddedRedis
+
+    tmp = tmp_path_factory.mktemp("exactly-once")
+    model = build_model(tmp / "model", tokenizer="digits", seed=2)
+    record = tmp / "trained.jsonl"
+    env = {"KUBERL_TRAINED_JSONL": str(record)}
+    with EmbeddedRedis(tmp / "redis", die_with_parent=True) as redis_server:
+        base = write_job(
+            tmp,
+            redis_server.url,
+            prompts=8,
+            batch_ack_timeout_seconds=2,
+            job=f"eo{uuid.uuid4().hex[:8]}",
+        )
+        with start_buffer(base, tmp) as buffer, Client(buffer.address) as client:
+            prompts = list(client.lease(8).prompts)
+            for i, p in enumerate(prompts):  # one put each: batch 1 is the first four
+                client.put([_group(p, i)], [p.lease_id])
+            proxy = AckHoldingProxy(buffer.address)
+            try:
+                job1 = _trainer_job(tmp, base, model, f"127.0.0.1:{proxy.port}", "t1.yaml")
+                first = ServiceProcess.kuberl("trainer", job1, tmp, name="trainer-1", env=env)
+                try:
+                    _wait(lambda: proxy.acks, 240, "Ack of batch 1", first)
+                    latest = (tmp / "ckpt" / "latest").read_text().strip()
+                    os.killpg(first.proc.pid, signal.SIGKILL)
+                    first.proc.wait(30)
+                finally:
+                    first.stop()
+            finally:
+                proxy.close()
+            time.sleep(2.5)  # past batch 1's ack deadline: the buffer re-delivers it first
+            job2 = _trainer_job(tmp, base, model, buffer.address, "t2.yaml")
+            second = ServiceProcess.kuberl("trainer", job2, tmp, name="trainer-2", env=env)
+            try:
+                code = second.proc.wait(240)
+                log = second.log()
+            finally:
+                second.stop()
+            stats = client.stats()
+    return {
+        "latest": latest,
+        "code": code,
+        "log": log,
+        "rows": read_rows(record),
+        "counters": dict(stats.counters),
+        "prompts": sorted(f"{p.prompt_id}@{p.epoch}" for p in prompts),
+    }
+
+
+@pytest.mark.slow
+def test_the_killed_trainer_had_checkpointed_batch_1_before_its_ack(
+    crash_between_checkpoint_and_ack: dict[str, Any],
+) -> None:
+    run = crash_between_checkpoint_and_ack
+    steps = [r for r in run["rows"] if r["event"] == "step"]
+    assert (run["latest"], steps[0]["step"]) == ("step-000001", 1)
+
+
+@pytest.mark.slow
+def test_the_resumed_trainer_acknowledges_the_redelivered_batch_without_training_it(
+    crash_between_checkpoint_and_ack: dict[str, Any],
+) -> None:
+    run = crash_between_checkpoint_and_ack
+    assert run["code"] == 0, run["log"][-3000:]
+    events = [(r["event"], r.get("step"), r.get("batch_id")) for r in run["rows"]]
+    batch1 = events[1][2]
+    assert [(e, s) for e, s, _ in events] == [
+        ("start", 0),
+        ("step", 1),
+        ("start", 1),
+        ("already_trained", None),
+        ("step", 2),
+    ], events
+    assert events[3][2] == batch1 and events[4][2] != batch1
+
+
+@pytest.mark.slow
+def test_every_prompt_is_in_the_final_weights_exactly_once(
+    crash_between_checkpoint_and_ack: dict[str, Any],
+) -> None:
+    run = crash_between_checkpoint_and_ack
+    lineage = trained_lineage(run["rows"])
+    keys = [g["key"] for row in lineage["steps"].values() for g in row["groups"]]
+    assert sorted(keys) == run["prompts"]
+
+
+@pytest.mark.slow
+def test_the_buffer_saw_two_acknowledged_batches_of_eight_groups(
+    crash_between_checkpoint_and_ack: dict[str, Any],
+) -> None:
+    counters = crash_between_checkpoint_and_ack["counters"]
+    assert (counters["train:acked_batches"], counters["train:trained_groups"]) == (2, 8)
+
+
+def test_a_filtered_group_keeps_its_reason_and_a_stale_one_is_requeued(tmp_path: Path) -> None:
+    from kuberl.common.redis_server import EmbeddedRedis
+
+    job = f"dr{uuid.uuid4().hex[:8]}"
+    with EmbeddedRedis(tmp_path / "redis", die_with_parent=True) as redis_server:
+        config = write_job(
+            tmp_path,
+            redis_server.url,
+            prompts=2,
+            job=job,
+            filters=["tests.reliability.chaos_filter:every_seventh"],
+        )
+        with start_buffer(config, tmp_path) as buffer, Client(buffer.address) as client:
+            prompts = sorted(client.lease(2).prompts, key=lambda p: p.prompt_id)
+            # Row 0 is a multiple of 7: the filter drops it; row 1 is kept but too old.
+            client.put([_fresh(prompts[0], 5)], [prompts[0].lease_id])
+            client.put([_stale(prompts[1])], [prompts[1].lease_id])
+            batch = client.get(2, max_staleness=0, version=5)
+            r = redis.Redis.from_url(redis_server.url)
+            accepted = {k.decode(): v.decode() for k, v in r.hgetall(_key(job)).items()}
+            r.close()
+    assert (len(batch.groups), accepted) == (
+        0,
+        {
+            f"{prompts[0].prompt_id}@0": (
+                "dropped:filter:tests.reliability.chaos_filter:every_seventh"
+            )
+        },
+    )
+
+
+def _fresh(prompt: tpb.Prompt, version: int) -> tpb.Group:
+    group = _group(prompt, 0)
+    for t in group.trajectories:
+        t.policy_version_start = t.policy_version_end = version
+    return group
+
+
+def _stale(prompt: tpb.Prompt) -> tpb.Group:
+    group = _group(prompt, 1)
+    for t in group.trajectories:
+        t.policy_version_start = t.policy_version_end = 0
+    return group
+
+
+def _key(job: str) -> str:
+    return f"kuberl:{{{job}}}:accepted:train"
