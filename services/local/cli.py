@@ -28,6 +28,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             run_dir=Path(args.run_dir) if args.run_dir else None,
             plain=True if args.plain else None,
+            chaos=args.chaos,
+            chaos_seed=args.chaos_seed,
         )
     )
 
@@ -70,4 +72,12 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--log-level", default="warning", help="the supervisor's own log level (stderr)"
     )
+    run.add_argument(
+        "--chaos",
+        choices=("ci", "long"),
+        help="fault injection while the job trains: SIGKILL each service kind and Redis on a "
+        "seeded plan (ci: 2 kills per kind + Redis once; long: 6 per kind + Redis once), then "
+        "write <run>/chaos.json accounting for every prompt (docs/reliability.md)",
+    )
+    run.add_argument("--chaos-seed", type=int, help="seed of the fault plan (default: job.seed)")
     run.set_defaults(func=_cmd_run)

@@ -28,6 +28,10 @@ entrypoints (`kuberl serve <service>`, the trainer under torchrun):
    leased prompts), then weight-sync and reward, then the buffer, then Redis. A second Ctrl-C
    kills everything at once. The summary and plots are written in every case; the exit code is 0
    (done), 1 (a service failed: its last log lines are printed) or 130 (interrupted).
+7. **Chaos** (`--chaos <profile>`, `kuberl.local.chaos`): while the job trains, services and
+   Redis are SIGKILLed on a seeded plan and restarted by step 5; after the services stopped (and
+   before Redis does) `chaos.json` accounts for every prompt handed out
+   (`kuberl.local.accounting`). Restart limits are raised by the profile's kills per kind.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from kuberl.local.progress import MetricsTail, Progress, Snapshot, StatsPoller
 log = get_logger(__name__)
 
 METRICS_JSONL_ENV = "KUBERL_METRICS_JSONL"  # the trainer appends one JSON row per step here
+TRAINED_JSONL_ENV = "KUBERL_TRAINED_JSONL"  # ... and one row per trained batch (group keys) here
 TICK_SECONDS = 1.0
 # Config section of each non-rollout service (rollout replicas are named rollout-<i>).
 SECTIONS = {"buffer": "buffer", "reward": "reward", "weight-sync": "weight_sync"}
@@ -80,6 +85,8 @@ class RunOptions:
     max_restarts: int | None = None
     run_dir: Path | None = None
     plain: bool | None = None
+    chaos: str | None = None  # a profile of kuberl.local.chaos.PROFILES
+    chaos_seed: int | None = None  # default: job.seed
 
 
 def _abs(path: str, base: Path) -> str:
@@ -135,6 +142,10 @@ class Supervisor:
         self.model_path = ""
         self.warm_start_hf: str | None = None
         self.phase_seconds: dict[str, float] = {}
+        self.chaos: Any = None  # kuberl.local.chaos.ChaosMonkey with --chaos
+        self.chaos_report: dict[str, Any] | None = None
+        self.rl_rows_seen = 0  # RL steps completed as the trainer's rows tell (restarts included)
+        self.last_step = 0
 
     # ------------------------------------------------------------------ entry
 
@@ -189,6 +200,11 @@ class Supervisor:
             value = getattr(opts, key)
             if value is not None:
                 local[key] = value
+        if opts.chaos is not None:
+            from kuberl.local.chaos import PROFILES
+
+            # Every planned kill may hit one process (a rollout fault picks any replica).
+            local["max_restarts"] += PROFILES[opts.chaos].kills_per_kind + 1
         if opts.device == "cuda" and opts.rollout_replicas is None:
             local["rollout_replicas"] = 1  # one GPU: the trainer and one colocated engine
         doc = config.model_dump(mode="json")
@@ -409,6 +425,7 @@ class Supervisor:
         env = {
             **self._base_env(_thread_count(0.25)),
             METRICS_JSONL_ENV: str(self.run_dir / "metrics.jsonl"),
+            TRAINED_JSONL_ENV: str(self.run_dir / "trained.jsonl"),
         }
         spec = self._spec(
             "trainer",
@@ -493,6 +510,20 @@ class Supervisor:
     def _watch(self) -> None:
         assert self.group is not None and self.progress is not None and self.config is not None
         self.progress.set_phase("RL", self.config.trainer.total_steps)
+        if self.options.chaos is not None:
+            from kuberl.local.chaos import PROFILES, ChaosMonkey
+
+            seed = self.options.chaos_seed
+            self.chaos = ChaosMonkey(
+                PROFILES[self.options.chaos],
+                self.config.job.seed if seed is None else seed,
+                self.config.trainer.total_steps,
+                self.replica_names,
+            )
+            self.progress.message(
+                f"chaos: {len(self.chaos.faults)} faults planned (profile "
+                f"{self.options.chaos}, seed {self.chaos.seed})"
+            )
         tail = MetricsTail(self.run_dir / "metrics.jsonl")
         started = time.monotonic()
         with (self.run_dir / "timeline.jsonl").open("a") as timeline:
@@ -500,9 +531,16 @@ class Supervisor:
                 self._check_stop()
                 self._check_redis()
                 self.group.check()
-                self.progress.add_rows(tail.read())
+                rows = tail.read()
+                self.progress.add_rows(rows)
+                for row in rows:
+                    if row.get("kind") == "rl":
+                        self.rl_rows_seen += 1
+                        self.last_step = int(row.get("step") or 0)
                 if self.group["trainer"].finished:
                     break
+                if self.chaos is not None:
+                    self._chaos_tick()
                 self.progress.add_snapshot(self._snapshot())
                 timeline.write(json.dumps(self.progress.timeline[-1]) + "\n")
                 timeline.flush()
@@ -511,6 +549,80 @@ class Supervisor:
                 self._stop.wait(TICK_SECONDS)
         self.progress.add_rows(tail.read())
         self.phase_seconds["rl"] = time.monotonic() - started
+
+    def _chaos_tick(self) -> None:
+        """Note recoveries, then fire the next fault if it is due (see kuberl.local.chaos)."""
+        assert self.group is not None and self.chaos is not None and self.progress is not None
+        procs = self.group.processes
+        names = [*SECTIONS, *self.replica_names, "trainer"]
+        up = {n: procs[n].running() for n in names}
+        starts = {n: procs[n].starts for n in names}
+        if self.redis is not None:
+            up["redis"] = self.redis.running()
+            starts["redis"] = self.redis_restarts + 1
+        now = time.time()
+        self.chaos.check_recovery(starts, up, self.rl_rows_seen, now)
+        fault = self.chaos.due(self.last_step, now, all(up.values()))
+        if fault is None:
+            return
+        if fault.kind == "redis":
+            if self.redis is None:  # an external Redis is not ours to kill
+                fault.target = "redis (external: not killed)"
+                self.chaos.fired(fault, None, 0, self.last_step, now)
+                return
+            pid = self.redis.proc.pid if self.redis.proc else None
+            self.chaos.fired(fault, pid, starts["redis"], self.last_step, now)
+            self.redis.kill()  # the next tick's _check_redis restarts it (AOF replayed)
+        else:
+            proc = procs[fault.target]
+            self.chaos.fired(fault, proc.pid, proc.starts, self.last_step, now)
+            proc.signal(signal.SIGKILL)  # its whole process tree, as an evicted pod
+        self.progress.message(
+            f"chaos: fault {fault.index + 1}/{len(self.chaos.faults)}: SIGKILL {fault.target} "
+            f"at step {self.last_step}"
+        )
+
+    def _chaos_accounting(self, status: str) -> None:
+        """chaos.json: the fault record and every prompt's fate (Redis must still be up)."""
+        from kuberl.local import accounting
+
+        assert self.config is not None
+        record = self.chaos.record()
+        lineage = accounting.trained_lineage(accounting.read_rows(self.run_dir / "trained.jsonl"))
+        report: dict[str, Any] = {"status": status, **record}
+        try:
+            url = self.doc["redis"]["url"]
+            password = os.environ.get(self.config.redis.password_env) or None
+            buffer = accounting.read_buffer_state(url, self.config.job.name, password)
+            report.update(accounting.prompt_accounting(buffer, lineage))
+        except Exception as exc:  # still write what is known; the missing keys say it failed
+            log.exception("chaos.accounting_failed")
+            report["accounting_error"] = f"{type(exc).__name__}: {exc}"
+        timeline = self.progress.timeline if self.progress else []
+        versions = accounting.replica_versions(timeline, lineage, self.replica_names)
+        report["versions_monotonic"] = {n: v["monotonic"] for n, v in versions.items()}
+        report["replica_versions"] = versions
+        fired = [f for f in self.chaos.faults if f.fired_unix is not None]
+        recovered = [f.recovered_unix for f in fired if f.recovered_unix is not None]
+        eval_rows = [
+            r
+            for r in accounting.read_rows(self.run_dir / "metrics.jsonl")
+            if r.get("kind") == "eval"
+        ]
+        report.update(
+            accounting.eval_before_after(
+                eval_rows,
+                fired[0].fired_unix if fired else None,
+                max(recovered) if recovered and len(recovered) == len(fired) else None,
+            )
+        )
+        report["restarts"] = {
+            name: proc.restarts
+            for name, proc in (self.group.processes.items() if self.group else [])
+        }
+        report["restarts"]["redis"] = self.redis_restarts
+        (self.run_dir / "chaos.json").write_text(json.dumps(report, indent=2) + "\n")
+        self.chaos_report = report
 
     def _check_redis(self) -> None:
         """Restart the embedded Redis if it died (same port and folder: the AOF is replayed)."""
@@ -562,6 +674,12 @@ class Supervisor:
                 group.stop_all(grace=10)  # anything left
         finally:
             self.poller.close()
+            if self.chaos is not None:
+                try:
+                    self._check_redis()  # killed at the very end: bring it back to read it
+                    self._chaos_accounting(status)
+                except Exception:
+                    log.exception("chaos.report_failed")
             if self.redis is not None:
                 self.redis.stop()
             if self.shm_dir is not None:
@@ -668,6 +786,17 @@ class Supervisor:
             print(
                 f"kuberl run: {status} in {summary['wall_seconds']:.0f}s, "
                 f"{summary['steps']} RL steps{accuracy}; {self._rel(self.run_dir)}/summary.json",
+                file=self.out,
+                flush=True,
+            )
+        if self.chaos_report is not None:
+            c = self.chaos_report
+            print(
+                f"kuberl run: chaos: {sum(c['faults_injected'].values())} faults injected "
+                f"({', '.join(f'{k} {v}' for k, v in c['faults_injected'].items())}), "
+                f"{c['faults_survived']} survived; prompts lost {c.get('prompts_lost')}, groups "
+                f"trained twice {c.get('groups_trained_twice')}; "
+                f"{self._rel(self.run_dir)}/chaos.json",
                 file=self.out,
                 flush=True,
             )
