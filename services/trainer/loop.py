@@ -144,6 +144,11 @@ class Status:
 # other ranks never sit in one collective long enough for a NCCL/gloo timeout.
 MSG_BATCH, MSG_STOP, MSG_CHECKPOINT, MSG_EXHAUSTED = b"B", b"S", b"C", b"X"
 MSG_WAIT = b"W"
+# MSG_PUBLISH ("publish the current weights again") goes out while rank 0 waits for rollout after
+# a publish failed (weight-sync restarting): without it, replicas left on old weights produce only
+# groups too stale to train on, and the trainer, which publishes only after a step, waits forever.
+MSG_PUBLISH = b"P"
+PUBLISH_RETRY_SECONDS = 2.0
 
 
 class Trainer:
@@ -176,6 +181,7 @@ class Trainer:
         self._checkpointed_step = -1
         self._sft_samples: list[Sample] = []
         self.stopped = False
+        self._publish_failed_at: float | None = None  # rank 0: the last publish failed then
         self.vocab_size = 0
 
     # ------------------------------------------------------------------ setup
@@ -488,6 +494,9 @@ class Trainer:
             payload = self._fetch_batch(sft) if self.dist.is_main else None
             data = broadcast_bytes(payload, self.dist)
             tag, body = data[:1], data[1:]
+            if tag == MSG_PUBLISH:
+                self._publish()
+                continue
             if tag != MSG_WAIT:
                 break
         if tag != MSG_BATCH:
@@ -542,6 +551,9 @@ class Trainer:
         want = self.tc.groups_per_step
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
+            failed = self._publish_failed_at
+            if failed is not None and time.monotonic() - failed >= PUBLISH_RETRY_SECONDS:
+                return MSG_PUBLISH
             if self.stop_event.is_set():
                 return MSG_STOP
             if self.checkpoint_request.is_set():
@@ -836,12 +848,16 @@ class Trainer:
         try:
             self.publisher.publish(version, tensors())
             PUBLISH_SECONDS.observe(time.perf_counter() - started)
+            self._publish_failed_at = None
         except Exception as exc:
             from kuberl.common.weights import VersionConflict
 
-            reason = "version_conflict" if isinstance(exc, VersionConflict) else "error"
-            PUBLISH_FAILURES.labels(reason).inc()
+            conflict = isinstance(exc, VersionConflict)
+            PUBLISH_FAILURES.labels("version_conflict" if conflict else "error").inc()
             log.warning("weights.publish_failed", version=version, error=str(exc)[:300])
+            # A conflict means weight-sync already holds this version or a newer one; any
+            # other failure is retried while the trainer waits for batches (MSG_PUBLISH).
+            self._publish_failed_at = None if conflict else time.monotonic()
         finally:
             for _ in buckets:  # keep the other ranks' gathers matched
                 pass
