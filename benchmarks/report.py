@@ -35,17 +35,19 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs" / "benchmarks.jsonl"
 GPU_RESULTS = REPO / "docs" / "benchmarks-gpu.jsonl"
 REPORT = REPO / "docs" / "benchmarks.md"
+# Everything from this line on in the report is hand-written (analysis, profiles) and kept.
+NOTES_MARKER = "<!-- hand-written notes below: report.py keeps everything after this line -->"
 
 # The CPU benchmarks `make bench` runs, in this order, with the arguments given here (none:
 # each script's own defaults). trainer_mfu reports itself skipped without a GPU.
 BENCHMARKS: dict[str, list[str]] = {
+    "vs_trl": [],
     "gae": [],
     "trainer_logprobs": [],
     "rollout_engine": [],
     "reward_throughput": [],
     "buffer_throughput": [],
     "weight_sync": [],
-    "vs_trl": [],
     "trainer_mfu": [],
 }
 
@@ -481,6 +483,13 @@ def render(
     return "\n".join(out)
 
 
+def kept_notes(path: Path) -> str:
+    """The hand-written part of an existing report (from `NOTES_MARKER` on), or just the marker."""
+    old = path.read_text() if path.exists() else ""
+    at = old.find(NOTES_MARKER)
+    return old[at:] if at >= 0 else NOTES_MARKER + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), help="run just these")
@@ -505,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
             write_results(args.results, results)  # after each: a later failure keeps these
     gpu = read_results(args.gpu_results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render(results, gpu, args.note))
+    args.out.write_text(render(results, gpu, args.note) + "\n" + kept_notes(args.out))
     print(f"[bench] wrote {args.out}", file=sys.stderr)
     return 1 if any("error" in results[n] for n in results) else 0
 

@@ -209,6 +209,20 @@ def run_trl(spec: dict[str, Any], out: Path, threads: int, timeout: float) -> di
     return {**json.loads((out / "result.json").read_text()), "cpu_seconds": cpu}
 
 
+def verifier_reward(
+    prompts: list[str], completions: list[str], answer: list[str], **_: Any
+) -> list[float]:
+    """TRL's reward function: the demo's reward, kuberl's `gsm8k` verifier with weight 1.0, on
+    the same (prompt, decoded response, answer) the reward service would get."""
+    from kuberl.reward.sample import RewardSample
+    from kuberl.reward.verifiers import gsm8k
+
+    return [
+        gsm8k.score(RewardSample(prompt=p, response=c, answer=a)).score
+        for p, c, a in zip(prompts, completions, answer, strict=True)
+    ]
+
+
 def trl_child(spec_path: Path) -> None:
     """The TRL side (runs in its own process so its imports and start-up are on its clock)."""
     spec = json.loads(spec_path.read_text())
@@ -220,21 +234,9 @@ def trl_child(spec_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from kuberl.reward.sample import RewardSample
-    from kuberl.reward.verifiers import gsm8k
-
     out = Path(spec["out"])
     rows = read_jsonl(Path(spec["train_file"]))
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
-
-    def verifier_reward(
-        prompts: list[str], completions: list[str], answer: list[str], **_: Any
-    ) -> list[float]:
-        """The demo's reward: kuberl's gsm8k verifier (weight 1.0), sample by sample."""
-        return [
-            gsm8k.score(RewardSample(prompt=p, response=c, answer=a)).score
-            for p, c, a in zip(prompts, completions, answer, strict=True)
-        ]
 
     per_step = spec["group_size"] * spec["groups_per_step"]
     config = GRPOConfig(
@@ -406,57 +408,87 @@ def run_kuberl(
 # ---------------------------------------------------------------------------- 4. evaluation
 
 
+class Evaluator:
+    """Greedy accuracy on the held-out questions, scored by kuberl's gsm8k verifier.
+
+    The model is built once from `base` (the warm start: config and tokenizer) and each policy's
+    `model.safetensors` is loaded into it, so that evaluating a saved policy costs one batched
+    `generate` (all questions left-padded together, `new_tokens` new tokens, EOS stops)."""
+
+    def __init__(self, base: Path, eval_file: Path, new_tokens: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        self.tok = AutoTokenizer.from_pretrained(str(base))
+        self.model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+        self.rows = read_jsonl(eval_file)
+        self.new_tokens = new_tokens
+        prompts = [self.tok.encode(r["prompt"], add_special_tokens=False) for r in self.rows]
+        self.width = max(len(p) for p in prompts)
+        pad = self.tok.pad_token_id
+        self.pad = pad if pad is not None else self.tok.eos_token_id
+        left = [self.width - len(p) for p in prompts]
+        self.ids = torch.tensor([[self.pad] * n + p for n, p in zip(left, prompts, strict=True)])
+        self.mask = torch.tensor(
+            [[0] * n + [1] * len(p) for n, p in zip(left, prompts, strict=True)]
+        )  # [N, P]
+
+    def load(self, policy: Path) -> None:
+        """Load `policy`/model.safetensors (an HF export; a tied LM head may be absent)."""
+        from safetensors.torch import load_file
+
+        state = load_file(str(policy / "model.safetensors"))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        if unexpected or set(missing) - ({"lm_head.weight"} if tied else set()):
+            raise RuntimeError(f"{policy}: missing {missing}, unexpected {unexpected}")
+
+    def accuracy(self) -> float:
+        import torch
+
+        from kuberl.reward.sample import RewardSample
+        from kuberl.reward.verifiers import gsm8k
+
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=self.ids,
+                attention_mask=self.mask,
+                do_sample=False,
+                max_new_tokens=self.new_tokens,
+                eos_token_id=self.tok.eos_token_id,
+                pad_token_id=self.pad,
+            )
+        texts = self.tok.batch_decode(out[:, self.width :], skip_special_tokens=True)
+        scores = [
+            gsm8k.score(RewardSample(prompt=r["prompt"], response=t, answer=r["answer"])).score
+            for r, t in zip(self.rows, texts, strict=True)
+        ]
+        return sum(scores) / len(scores)
+
+    def curve(self, snapshots: list[dict[str, Any]], start: float) -> list[dict[str, Any]]:
+        """(step, seconds, accuracy) from step 0 (the warm start, at 0 s) to the last policy."""
+        points = [{"step": 0, "seconds": 0.0, "accuracy": start}]
+        for snap in snapshots:
+            self.load(Path(snap["path"]))
+            points.append(
+                {
+                    "step": snap["step"],
+                    "seconds": round(snap["seconds"], 2),
+                    "accuracy": self.accuracy(),
+                }
+            )
+        return points
+
+
 def greedy_accuracy(
     model_dir: Path, tokenizer_dir: Path, eval_file: Path, new_tokens: int
 ) -> float:
-    """Greedy accuracy of a policy on the held-out questions, scored by kuberl's gsm8k verifier."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from kuberl.reward.sample import RewardSample
-    from kuberl.reward.verifiers import gsm8k
-
-    hf_logging.disable_progress_bar()
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    rows = read_jsonl(eval_file)
-    prompts = [tok.encode(r["prompt"], add_special_tokens=False) for r in rows]
-    width = max(len(p) for p in prompts)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [N, P] left-padded
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [N, P]
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=False,
-            max_new_tokens=new_tokens,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=pad,
-        )
-    texts = tok.batch_decode(out[:, width:], skip_special_tokens=True)
-    scores = [
-        gsm8k.score(RewardSample(prompt=r["prompt"], response=t, answer=r["answer"])).score
-        for r, t in zip(rows, texts, strict=True)
-    ]
-    return sum(scores) / len(scores)
-
-
-def evaluate(
-    snapshots: list[dict[str, Any]], start_acc: float, tokenizer_dir: Path, settings: dict[str, Any]
-) -> list[dict[str, Any]]:
-    """(step, seconds, accuracy) from step 0 (the warm start, at 0 s) to the last snapshot."""
-    curve = [{"step": 0, "seconds": 0.0, "accuracy": start_acc}]
-    for snap in snapshots:
-        acc = greedy_accuracy(
-            Path(snap["path"]),
-            tokenizer_dir,
-            Path(settings["eval_file"]),
-            settings["max_new_tokens"],
-        )
-        curve.append({"step": snap["step"], "seconds": round(snap["seconds"], 2), "accuracy": acc})
-    return curve
+    """Greedy held-out accuracy of the policy in `model_dir` (config from `tokenizer_dir`)."""
+    ev = Evaluator(tokenizer_dir, eval_file, new_tokens)
+    ev.load(model_dir)
+    return ev.accuracy()
 
 
 def smoothed(curve: list[dict[str, Any]], window: int) -> list[float]:
@@ -519,6 +551,7 @@ def figures(
             "samples": res["samples"],
             "samples_per_second": round(res["samples"] / res["wall_seconds"], 1),
             "cpu_seconds": round(res["cpu_seconds"], 1),
+            "load_average_start_end": res.get("load"),
             "final_accuracy": round(sm[-1], 4),
             "final_accuracy_last_eval": curve[-1]["accuracy"],
             "accuracy_at_equal_wall_time": accuracy_at(curve, sm, equal),
@@ -554,6 +587,47 @@ def figures(
     }
 
 
+def _median(values: list[float | None]) -> float | None:
+    """Median with None as +infinity (a pair where kuberl never got there); None if that wins."""
+    ordered = sorted(float("inf") if v is None else v for v in values)
+    mid = len(ordered) // 2
+    m = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return None if m == float("inf") else round(m, 3)
+
+
+def summarize(pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The medians over the TRL/kuberl pairs (each pair's figures are in `pairs`)."""
+    side_keys = (
+        "wall_seconds",
+        "samples",
+        "samples_per_second",
+        "cpu_seconds",
+        "final_accuracy",
+        "accuracy_at_equal_wall_time",
+    )
+    ratio_keys = (
+        "ratio_kuberl_time_to_trl_final_over_trl_wall",
+        "ratio_wall_kuberl_over_trl",
+        "ratio_samples_per_second_kuberl_over_trl",
+        "ratio_cpu_seconds_kuberl_over_trl",
+        "kuberl_seconds_to_trl_final_accuracy",
+        "equal_wall_time_seconds",
+    )
+    out: dict[str, Any] = {
+        side: {k: _median([p[side][k] for p in pairs]) for k in side_keys}
+        for side in ("trl", "kuberl")
+    }
+    out.update({k: _median([p[k] for p in pairs]) for k in ratio_keys})
+    for side in ("trl", "kuberl"):
+        out[side]["samples"] = int(out[side]["samples"] or 0)
+    ratio = out["ratio_kuberl_time_to_trl_final_over_trl_wall"]
+    out["trl"]["version"] = pairs[0]["trl"]["version"]
+    out["pair_ratios"] = [p["ratio_kuberl_time_to_trl_final_over_trl_wall"] for p in pairs]
+    out["goal"] = f"kuberl reaches TRL's final accuracy in <= {GOAL_RATIO}x TRL's wall time"
+    out["goal_met"] = ratio is not None and ratio <= GOAL_RATIO
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few steps of everything")
@@ -564,6 +638,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of TRL")
     parser.add_argument(
         "--rollout-replicas", type=int, help="kuberl's rollout replicas (default: the job's)"
+    )
+    parser.add_argument(
+        "--repeat", type=int, help="TRL/kuberl pairs, order alternated (default 2; quick 1)"
     )
     parser.add_argument("--warm-start", type=Path, help="reuse this warm-start HF folder")
     parser.add_argument("--out", type=Path, help="work folder (default: a temporary one)")
@@ -581,6 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     rl_steps = args.rl_steps or (quick["rl_steps"] if args.quick else settings["rl_steps"])
     sft_steps = args.sft_steps or (quick["sft_steps"] if args.quick else settings["sft_steps"])
     every = args.eval_every or (quick["eval_every"] if args.quick else 10)
+    repeat = args.repeat or (1 if args.quick else 2)
     settings.update(rl_steps=rl_steps, sft_steps=sft_steps, eval_every=every)
     where = machine()
     started = time.time()
@@ -591,23 +669,43 @@ def main(argv: list[str] | None = None) -> int:
         model = args.warm_start or warm_start(doc, sft_steps, out / "warm-start", args.timeout)
         warm_seconds = time.time() - t
         print(f"warm start: {model} ({warm_seconds:.0f} s)", file=sys.stderr)
-        trl = run_trl(
-            {**settings, "model": str(model)}, out / "trl", args.trl_threads, args.timeout
-        )
-        print(f"trl: {trl['wall_seconds']:.1f} s for {trl['steps']} steps", file=sys.stderr)
-        kub = run_kuberl(
-            doc, model, rl_steps, every, out / "kuberl", args.timeout, args.rollout_replicas
-        )
-        print(f"kuberl: {kub['wall_seconds']:.1f} s for {kub['steps']} steps", file=sys.stderr)
-        start_acc = greedy_accuracy(
-            model, model, Path(settings["eval_file"]), settings["max_new_tokens"]
-        )
-        trl_curve = evaluate(trl["snapshots"], start_acc, model, settings)
-        kub_curve = evaluate(kub["snapshots"], start_acc, model, settings)
+        ev = Evaluator(model, Path(settings["eval_file"]), settings["max_new_tokens"])
+        start_acc = ev.accuracy()
+        pairs = []
+        for i in range(repeat):
+            # Alternate which side goes first, so a change in the machine's load hits both.
+            order = ("trl", "kuberl") if i % 2 == 0 else ("kuberl", "trl")
+            runs: dict[str, dict[str, Any]] = {}
+            for side in order:
+                load = os.getloadavg()[0]
+                if side == "trl":
+                    spec = {**settings, "model": str(model)}
+                    runs[side] = run_trl(spec, out / f"trl-{i}", args.trl_threads, args.timeout)
+                else:
+                    runs[side] = run_kuberl(
+                        doc,
+                        model,
+                        rl_steps,
+                        every,
+                        out / f"kuberl-{i}",
+                        args.timeout,
+                        args.rollout_replicas,
+                    )
+                runs[side]["load"] = [round(load, 1), round(os.getloadavg()[0], 1)]
+                print(
+                    f"pair {i + 1}/{repeat} {side}: {runs[side]['wall_seconds']:.1f} s "
+                    f"(load {runs[side]['load']})",
+                    file=sys.stderr,
+                )
+            trl_curve = ev.curve(runs["trl"]["snapshots"], start_acc)
+            kub_curve = ev.curve(runs["kuberl"]["snapshots"], start_acc)
+            pair = figures(runs["trl"], runs["kuberl"], trl_curve, kub_curve)
+            pair["order"] = list(order)
+            pairs.append(pair)
         result = {
             "benchmark": "vs_trl",
             "quick": args.quick,
-            **figures(trl, kub, trl_curve, kub_curve),
+            **summarize(pairs),
             "settings": {
                 k: settings[k]
                 for k in (
@@ -624,10 +722,12 @@ def main(argv: list[str] | None = None) -> int:
             "rollout_replicas": args.rollout_replicas
             or doc.get("job", {}).get("local", {}).get("rollout_replicas", 2),
             "eval": "greedy, 200 held-out questions, gsm8k verifier",
+            "start_accuracy": start_acc,
             "warm_start_seconds": round(warm_seconds, 1),
             "benchmark_seconds": round(time.time() - started, 1),
             "machine": where,
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "pairs": pairs,
         }
     finally:
         if args.out is None and not args.keep:

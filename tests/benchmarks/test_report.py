@@ -1,0 +1,244 @@
+"""benchmarks/report.py (`make bench`): every benchmark has a reader, result lines become the
+report's table, failures and unmeasured GPU figures are said, and a real benchmark run is
+recorded with its last JSON line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.benchmarks import load
+from tests.support import REPO
+
+report = load("report")
+RUN = {
+    "_run": {
+        "command": "python benchmarks/x.py",
+        "date": "2026-11-23 12:00 UTC",
+        "seconds": 1.0,
+        "load_start": 2.0,
+        "load_end": 3.0,
+        "machine": "box: 2-core x86_64 CPU, no GPU",
+    }
+}
+# One result line per benchmark, in the shapes the scripts print (trimmed to what is read).
+LINES: dict[str, dict[str, Any]] = {
+    "buffer_throughput": {
+        "service_traj_per_s": 812.4,
+        "raw_redis_traj_per_s": 1650.0,
+        "ratio_service_to_raw": 0.492,
+        "goal": {"traj_per_s": 2500, "ratio": 0.5},
+        "goal_met": False,
+    },
+    "gae": {
+        "batch": 64,
+        "cpu": {
+            "copy_bandwidth_gb_s": 5.0,
+            "T=32768": {
+                "ours_ms": 20.5,
+                "verl_loop_ms": 7300.0,
+                "speedup_vs_verl_loop": 356.1,
+                "ours_over_bound": 3.1,
+            },
+        },
+        "gpu": "skipped: no CUDA device",
+    },
+    "reward_throughput": {
+        "gsm8k": {
+            "direct_samples_per_s": 9000.0,
+            "service_samples_per_s": 4500.0,
+            "service_over_direct": 0.5,
+        },
+        "code": {
+            "direct_samples_per_s": 20.0,
+            "service_samples_per_s": 18.0,
+            "service_over_direct": 0.9,
+        },
+    },
+    "rollout_engine": {
+        "model": {"size": "small"},
+        "new_tokens": 64,
+        "results": [
+            {
+                "device": "cpu",
+                "batch": 8,
+                "engine_tokens_per_s": 900.0,
+                "generate_tokens_per_s": 600.0,
+                "ratio_engine_over_generate": 1.5,
+            }
+        ],
+    },
+    "trainer_logprobs": {
+        "tokens": 2048,
+        "vocab": 65536,
+        "device": "cpu",
+        "chunked_seconds": 2.0,
+        "full_seconds": 1.0,
+        "time_ratio_chunked_over_full": 2.0,
+        "chunked_peak_bytes": 64 * 2**20,
+        "full_peak_bytes": 1024 * 2**20,
+        "memory_ratio_chunked_over_full": 0.0625,
+    },
+    "weight_sync": {
+        "payload_gb": 1.0,
+        "baseline_raw_gloo_broadcast_pair": {"seconds": 1.0},
+        "relay": {"shm": {"4": {"seconds": 1.2, "ratio_vs_raw_pair": 1.2}}},
+        "gpu": "skipped",
+    },
+    "vs_trl": {
+        "trl": {
+            "wall_seconds": 90.0,
+            "samples": 25600,
+            "samples_per_second": 284.4,
+            "cpu_seconds": 95.0,
+            "final_accuracy": 0.9,
+            "accuracy_at_equal_wall_time": 0.9,
+        },
+        "kuberl": {
+            "wall_seconds": 140.0,
+            "samples": 25600,
+            "samples_per_second": 182.9,
+            "cpu_seconds": 200.0,
+            "final_accuracy": 0.88,
+            "accuracy_at_equal_wall_time": 0.87,
+        },
+        "equal_wall_time_seconds": 90.0,
+        "kuberl_seconds_to_trl_final_accuracy": None,
+        "ratio_kuberl_time_to_trl_final_over_trl_wall": None,
+        "ratio_wall_kuberl_over_trl": 1.556,
+        "ratio_samples_per_second_kuberl_over_trl": 0.643,
+        "ratio_cpu_seconds_kuberl_over_trl": 2.105,
+        "goal_met": False,
+    },
+    "trainer_mfu": {"skipped": True, "reason": "no CUDA device"},
+}
+MFU_ON_H100 = {
+    "benchmark": "trainer_mfu",
+    "stock": {"tokens_per_second": 60000.0, "mfu": 0.196, "peak_memory_gib": 50.0},
+    "kuberl": {"tokens_per_second": 90000.0, "mfu": 0.294, "peak_memory_gib": 20.0},
+    "sequence_tokens": 2048,
+    "ratio_tokens_per_second_kuberl_over_stock": 1.5,
+    "goal_met": False,
+    "_run": {**RUN["_run"], "machine": "gpu-box: 16-core x86_64 CPU, NVIDIA H100 80GB HBM3"},
+}
+
+
+def _results() -> dict[str, dict[str, Any]]:
+    return {name: {"benchmark": name, **line, **RUN} for name, line in LINES.items()}
+
+
+def test_every_benchmark_make_bench_runs_exists_and_has_a_reader() -> None:
+    missing = [n for n in report.BENCHMARKS if not (REPO / "benchmarks" / f"{n}.py").exists()]
+    assert (missing, set(report.ROWS)) == ([], set(report.BENCHMARKS))
+
+
+def test_every_benchmark_script_under_benchmarks_is_run_by_make_bench() -> None:
+    scripts = {p.stem for p in (REPO / "benchmarks").glob("*.py")} - {"report"}
+    assert scripts == set(report.BENCHMARKS)
+
+
+def test_result_lines_become_table_rows_with_goal_and_verdict() -> None:
+    text = report.render(_results(), {}, note="shared box")
+    expected = (
+        "| buffer: trajectories/s through one replica (2,048-token responses) | 812 traj/s "
+        "| 1,650 traj/s (raw Redis streams) | 0.49x | >= 2,500 traj/s and >= 0.5x | **no** "
+        "| box: 2-core x86_64 CPU, no GPU, load 2.0-3.0 | 2026-11-23 12:00 UTC |"
+    )
+    assert expected in text.splitlines()
+
+
+def test_the_trl_headline_row_says_not_reached_when_kuberl_never_got_there() -> None:
+    text = report.render(_results(), {}, note="")
+    row = next(line for line in text.splitlines() if "time to TRL's final" in line)
+    assert row.split(" | ")[1:6] == [
+        "not reached",
+        "90 s (TRL GRPOTrainer)",
+        "n/a",
+        "<= 0.7x",
+        "**no**",
+    ]
+
+
+def test_a_failed_benchmark_is_listed_with_its_error() -> None:
+    results = _results()
+    results["gae"] = {"benchmark": "gae", "error": "exit 1: boom", **RUN}
+    text = report.render(results, {}, note="")
+    assert ("- `gae` failed: `exit 1: boom`" in text, "GAE B=64" in text) == (True, False)
+
+
+def test_gpu_figures_are_listed_unmeasured_until_a_gpu_run_is_merged() -> None:
+    before = report.render(_results(), {}, note="")
+    after = report.render(_results(), {"trainer_mfu": MFU_ON_H100}, note="")
+    mfu_row = next(line for line in after.splitlines() if line.startswith("| trainer MFU"))
+    assert (
+        "- `trainer_mfu`:" in before,
+        "- `trainer_mfu`:" in after,
+        mfu_row.split(" | ")[1:6],
+        "NVIDIA H100" in mfu_row,
+    ) == (
+        True,
+        False,
+        ["29.4%", "19.6% (stock DeepSpeed ZeRO-2)", "1.50x", ">= 40%", "**no**"],
+        True,
+    )
+
+
+def test_a_benchmark_run_is_recorded_with_its_last_json_line(tmp_path: Path) -> None:
+    results, out = tmp_path / "results.jsonl", tmp_path / "report.md"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "report.py"),
+            "--only",
+            "trainer_mfu",
+            "--results",
+            str(results),
+            "--gpu-results",
+            str(tmp_path / "none.jsonl"),
+            "--out",
+            str(out),
+            "--logs",
+            str(tmp_path / "logs"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=240,
+    )
+    line = json.loads(results.read_text())
+    skipped = not torch.cuda.is_available()
+    assert (
+        proc.returncode,
+        line["benchmark"],
+        line.get("skipped", False),
+        line["_run"]["command"],
+        "## GPU figures" in out.read_text(),
+    ) == (0, "trainer_mfu", skipped, "python benchmarks/trainer_mfu.py", True)
+
+
+def test_regenerating_the_report_keeps_the_hand_written_notes(tmp_path: Path) -> None:
+    results, out = tmp_path / "results.jsonl", tmp_path / "report.md"
+    results.write_text(json.dumps(_results()["buffer_throughput"]) + "\n")
+    out.write_text(f"# old table\n\n{report.NOTES_MARKER}\n## Where the time goes\nprofile\n")
+    report.main(
+        [
+            "--no-run",
+            "--results",
+            str(results),
+            "--gpu-results",
+            str(tmp_path / "g"),
+            "--out",
+            str(out),
+        ]
+    )
+    text = out.read_text()
+    assert (
+        "# old table" in text,
+        "| buffer: trajectories/s" in text,
+        text.endswith(f"{report.NOTES_MARKER}\n## Where the time goes\nprofile\n"),
+    ) == (False, True, True)
