@@ -100,8 +100,10 @@ def rows_gae(r: dict[str, Any], gpu: bool = False) -> list[Row]:
         return []
     where = "GPU" if gpu else "CPU"
     rows = []
-    for key, v in part.items():
-        if not key.startswith("T=") or not isinstance(v, dict):
+    sizes = sorted((k for k in part if k.startswith("T=")), key=lambda k: int(k[2:]))
+    for key in sizes:
+        v = part[key]
+        if not isinstance(v, dict):
             continue
         goal, met = ("H100: >= 1,000x at T=32k, <= 5x bound", "n/a (CPU)")
         if gpu and key == "T=32768":
@@ -208,7 +210,7 @@ def rows_weight_sync(r: dict[str, Any]) -> list[Row]:
 
 def rows_weight_sync_gpu(r: dict[str, Any]) -> list[Row]:
     g = r.get("gpu")
-    if not isinstance(g, dict):
+    if not isinstance(g, dict) or "skipped" in g:
         return []
     return [
         Row(
@@ -429,11 +431,17 @@ def render(
             continue
         rows += [(row, _where(r), r.get("_run", {}).get("date", "")) for row in made]
     gpu_rows: list[tuple[Row, str, str]] = []
+    measured_gpu = set()
     for name, r in gpu_results.items():
         reader = GPU_ROWS.get(name)
-        made = reader(r) if reader and "error" not in r else []
+        try:
+            made = reader(r) if reader and "error" not in r else []
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+            failed.append(f"- `{name}` (GPU): a JSON line this report cannot read ({exc})")
+            made = []
+        if made:
+            measured_gpu.add(name)
         gpu_rows += [(row, _where(r), r.get("_run", {}).get("date", "")) for row in made]
-    measured_gpu = {name for name, r in gpu_results.items() if GPU_ROWS.get(name, lambda _: [])(r)}
     unmeasured = [f"- `{n}`: {what}" for n, what in GPU_FIGURES.items() if n not in measured_gpu]
 
     dates = sorted(r.get("_run", {}).get("date", "") for r in results.values())
