@@ -104,9 +104,9 @@ class VersionStore:
 
     def reserve(self, version: int) -> str:
         """A segment for `version`'s bytes (a free one if any, else a new file); its path."""
-        for segment in self.segments:
-            if segment.writing == version:
-                return segment.path
+        existing = self._writing(version)
+        if existing is not None:
+            return existing.path
         segment = next((s for s in self.segments if s.free), None)
         if segment is None:
             segment = Segment(str(self.directory / f"seg{next(self._names)}.bin"))
