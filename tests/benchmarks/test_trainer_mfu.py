@@ -61,6 +61,7 @@ def test_without_cuda_the_benchmark_prints_that_it_was_skipped() -> None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_dry_run_trains_both_variants_on_the_cpu_with_the_same_model() -> None:
     result = _run("--dry-run", timeout=380)
