@@ -51,6 +51,9 @@ BENCHMARKS: dict[str, list[str]] = {
     "trainer_mfu": [],
 }
 
+# Extra arguments when this machine has CUDA (the script measures its GPU part only if asked).
+GPU_ARGS: dict[str, list[str]] = {"weight_sync": ["--gpu"]}
+
 # Figures only a GPU can give, by benchmark: what stays unmeasured until a GPU run is merged.
 GPU_FIGURES: dict[str, str] = {
     "trainer_mfu": "trainer MFU, tokens/s and peak memory (Qwen2-0.5B, 2,048 tokens, ZeRO-2, "
@@ -516,8 +519,10 @@ def main(argv: list[str] | None = None) -> int:
         names = [n for n in (args.only or BENCHMARKS) if n not in args.skip]
         logs = args.logs or Path(os.environ.get("TMPDIR", "/tmp")) / "kuberl-bench-logs"
         logs.mkdir(parents=True, exist_ok=True)
+        cuda = "no GPU" not in machine()
         for name in names:
-            results[name] = run_one(name, BENCHMARKS[name], args.timeout, logs)
+            extra = GPU_ARGS.get(name, []) if cuda else []
+            results[name] = run_one(name, BENCHMARKS[name] + extra, args.timeout, logs)
             args.results.parent.mkdir(parents=True, exist_ok=True)
             write_results(args.results, results)  # after each: a later failure keeps these
     gpu = read_results(args.gpu_results)
