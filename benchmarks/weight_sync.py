@@ -2,14 +2,16 @@
 shapes of Qwen2.5-0.5B) from a trainer process to 1, 2 and 4 engine processes through the real
 weight-sync service, until every engine holds the new version.
 
-Transports: `gloo` (trainer -> relay by shared memory, relay -> engines by per-engine gloo
-broadcast groups) and `shm` (trainer -> relay -> engines all through shared memory, the fastest
-local path). Baseline, measured in the same run: one raw `torch.distributed.broadcast` (gloo) of
-the same bytes between two processes. Goal: 4 engines within 1.5x of the raw pair. With `--gpu`,
-a CUDA IPC update of the same tensors into a torch engine on the same GPU (another process,
-through the engine client's receiver) is compared to one device-to-device copy of the same bytes
-(goal 2x); without CUDA that part reports skipped. Prints one JSON object as its last line, with
-the load average at the start and the end (the test machine is shared).
+Transports: `gloo` (trainer -> relay by shared memory, relay -> engines by per-engine gloo broadcast
+groups), `shm` (the trainer writes the version once into the relay's shared memory; every engine
+maps it read-only and copies it into its own double buffer, in parallel) and `shm_in_place` (the
+same, but engines serve from the shared mapping itself: no copy, one copy of the weights in memory
+for all engines of the host). Baseline, measured in the same run: one raw
+`torch.distributed.broadcast` (gloo) of the same bytes between two processes. Goal: 4 engines within
+1.5x of the raw pair. With `--gpu`, a CUDA IPC update of the same tensors into a torch engine on the
+same GPU (another process, through the engine client's receiver) is compared to one device-to-device
+copy of the same bytes (goal 2x); without CUDA that part reports skipped. Prints one JSON object as
+its last line, with the load average at the start and the end (the test machine is shared).
 
     .venv/bin/python benchmarks/weight_sync.py [--gb 1.0] [--engines 1 2 4] [--repeat 2] [--gpu]
 """
@@ -70,7 +72,7 @@ def make_tensors(gb: float, version: int) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- child processes
 
 
-def _engine(address: str, name: str) -> None:
+def _engine(address: str, name: str, in_place: str = "0") -> None:
     from kuberl.common.weights import EngineClient
 
     held: dict[str, object] = {}
@@ -78,7 +80,7 @@ def _engine(address: str, name: str) -> None:
     def load(tensors: dict[str, torch.Tensor], version: int) -> None:
         held["weights"] = tensors  # the engine keeps the whole version (one buffer)
 
-    client = EngineClient(address, load=load, engine_id=name)
+    client = EngineClient(address, load=load, engine_id=name, shm_in_place=in_place == "1")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     client.start()
@@ -154,7 +156,7 @@ def relay_run(gb: float, transport: str, engines: int, repeat: int) -> dict[str,
                     "weight_sync": {
                         "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
                         # the trainer hands over by shared memory in both settings
-                        "transports": [transport, "shm", "snapshot"],
+                        "transports": [transport.removesuffix("_in_place"), "shm", "snapshot"],
                         "bucket_bytes": BUCKET_BYTES,
                         "retain_versions": 1,
                         "broadcast_timeout_seconds": 300,
@@ -168,7 +170,14 @@ def relay_run(gb: float, transport: str, engines: int, repeat: int) -> dict[str,
             svc.wait_serving()
             procs = [
                 subprocess.Popen(
-                    [sys.executable, __file__, "--engine", svc.address, f"e{i}"],
+                    [
+                        sys.executable,
+                        __file__,
+                        "--engine",
+                        svc.address,
+                        f"e{i}",
+                        str(int(transport == "shm_in_place")),
+                    ],
                     stdout=subprocess.DEVNULL,
                     stderr=(work / f"e{i}.log").open("wb"),
                 )
@@ -295,14 +304,20 @@ def main() -> None:
         "--gb", type=float, default=1.0, help="payload size in GB (1.0 ~ 0.5B bf16)"
     )
     parser.add_argument("--engines", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--transports", nargs="+", default=["gloo", "shm"])
+    parser.add_argument(
+        "--transports",
+        nargs="+",
+        default=["gloo", "shm", "shm_in_place"],
+        help="gloo, shm (engines copy into their own double buffer), shm_in_place (engines "
+        "serve from the shared read-only mapping, no copy)",
+    )
     parser.add_argument("--repeat", type=int, default=2, help="timed versions per setting (best)")
     parser.add_argument(
         "--gpu",
         action="store_true",
         help="also run the CUDA IPC part (reports skipped without CUDA)",
     )
-    parser.add_argument("--engine", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--engine", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--gpu-engine", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--raw-rank", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -54,6 +54,8 @@ class Engine:
     catch_up_below: int = 0
     wake: Any = field(default=None, repr=False)
     gpu_uuid: str = ""
+    #: Serves from the shared-memory file itself: the one it holds stays pinned.
+    shm_in_place: bool = False
     #: Shared-memory versions sent to it and not yet reported (their segments stay unreused).
     pins: list[Any] = field(default_factory=list, repr=False)
 
@@ -70,6 +72,7 @@ class Engine:
             last_transport=self.last_transport,  # type: ignore[arg-type]
             last_error=self.last_error,
             gpu_uuid=self.gpu_uuid,
+            shm_in_place=self.shm_in_place,
         )
 
 
@@ -107,6 +110,7 @@ class Registry:
             last_seen=now,
             registered_at=now,
             gpu_uuid=info.gpu_uuid,
+            shm_in_place=info.shm_in_place,
         )
         if previous is not None:
             engine.wake = previous.wake

@@ -655,15 +655,18 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         if assignment is not None and assignment.sender is not None:
             assignment.sender.close()
 
-    def _unpin(self, engine: Engine, up_to: int | None = None) -> None:
-        """Release the shared-memory versions the engine was sent (up to a version it reported)."""
+    def _unpin(self, engine: Engine, reported: int | None = None) -> None:
+        """Release the shared-memory versions the engine is done with: all (it left), else those
+        up to the version it reported, except, for an engine serving from the file in place,
+        the version it holds (released when it loads a later one)."""
         assert self.store is not None
         keep = []
         for stored in engine.pins:
-            if up_to is None or stored.version <= up_to:
-                self.store.unpin(stored)
-            else:
+            held = engine.shm_in_place and stored.version == engine.loaded_version
+            if reported is not None and (held or stored.version > reported):
                 keep.append(stored)
+            else:
+                self.store.unpin(stored)
         engine.pins = keep
 
     def _count_out(self, transport: str, nbytes: int, seconds: float) -> None:

@@ -8,6 +8,7 @@ test_weight_sync engine|trainer ...`), so what runs in them is visible next to t
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -67,20 +69,32 @@ def _engine_main(args: argparse.Namespace) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         transports.broadcast = dying_broadcast
-    holder: dict[str, EngineClient] = {}
+    holder: dict[str, Any] = {}
+
+    def digest(tensors: dict[str, torch.Tensor]) -> str:
+        h = hashlib.sha256()
+        for v in tensors.values():
+            h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
+        return h.hexdigest()
 
     def load(tensors: dict[str, torch.Tensor], version: int) -> None:
+        (out / f"{args.name}.loading-v{version}").touch()
         save_file(
             {k: v.cpu().contiguous() for k, v in tensors.items()},
             out / f"{args.name}-v{version}.st",
         )
         line = {"version": version, "transport": holder["client"].current_transport}
+        time.sleep(args.load_seconds)  # a slow engine: later versions are published meanwhile
+        if args.shm_in_place:  # the version held until now must not have changed under us
+            held = holder.get("held")
+            line["held_intact"] = held is None or digest(held[0]) == held[1]
+            holder["held"] = (tensors, digest(tensors))
         with (out / f"{args.name}.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
 
     client = EngineClient(
         args.address, load=load, engine_id=args.name, transports=args.transports,
-        device=args.device, gpu=args.gpu,
+        device=args.device, gpu=args.gpu, shm_in_place=args.shm_in_place,
     )  # fmt: skip
     holder["client"] = client
     stop = threading.Event()
@@ -131,7 +145,7 @@ def _next_version(svc: ServiceProcess) -> int:
 
 
 def _service(
-    tmp_path: Path, transports: list[str], device: str = "cpu"
+    tmp_path: Path, transports: list[str], device: str = "cpu", retain: int = 2
 ) -> Iterator[ServiceProcess]:
     shm_dir = f"/dev/shm/kuberl-test-{uuid.uuid4().hex[:8]}"
     config = tmp_path / "job.yaml"
@@ -143,6 +157,7 @@ def _service(
                     "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
                     "transports": transports,
                     "device": device,
+                    "retain_versions": retain,
                     "bucket_bytes": MB,
                     "heartbeat_seconds": 0.5,
                     "missed_heartbeats": 3,
@@ -411,6 +426,33 @@ def test_a_trainer_and_engine_on_the_services_host_move_weights_through_shared_m
         assert (sent["transport"], history, identical) == ("shm", [(3, "shm")], True)
 
 
+def test_an_engine_serving_from_shared_memory_in_place_keeps_its_version_unchanged_until_the_next(
+    tmp_path: Path,
+) -> None:
+    # The relay keeps one version. The engine takes 3 s to load v2 while still serving v1 from
+    # its file; v3 is published meanwhile and must not be written into v1's file.
+    for svc in _service(tmp_path, ["shm", "snapshot"], retain=1):
+        engine = _engine(svc, tmp_path, "inplace", "--shm-in-place", "--load-seconds", "3")
+        try:
+            _wait(lambda: len(_status(svc).engines) == 1, "engine registered", svc)  # noqa: B023
+            _publish(svc, tmp_path, version=1, seed=21)
+            _wait(lambda: "inplace" in _holding(svc, 1), "engine at v1", svc)  # noqa: B023
+            _publish(svc, tmp_path, version=2, seed=22)
+            loading = tmp_path / "inplace.loading-v2"
+            _wait(loading.exists, "the engine loading v2", svc)
+            _publish(svc, tmp_path, version=3, seed=23)
+            _wait(lambda: "inplace" in _holding(svc, 3), "engine at v3", svc)  # noqa: B023
+            lines = [json.loads(x) for x in (tmp_path / "inplace.jsonl").read_text().splitlines()]
+            identical = all(_bit_identical(tmp_path, "inplace", v, 20 + v) for v in (1, 2, 3))
+        finally:
+            _stop(engine)
+        # v3 reached the engine while it was busy with v2: by snapshot, into its own buffer.
+        assert [(x["version"], x["transport"], x["held_intact"]) for x in lines] == [
+            (1, "shm", True), (2, "shm", True), (3, "snapshot", True),
+        ]  # fmt: skip
+        assert identical
+
+
 def _fake_cuda_ipc_export(gpu: str, bucket_sizes: list[int]) -> str:
     """Well-formed CUDA IPC handles (JSON) pointing at nothing: this machine has no GPU, so the
     engine's open fails, which is the path under test (routing, the wire form, the fallback)."""
@@ -499,6 +541,8 @@ if __name__ == "__main__":
     e.add_argument("--transports", nargs="+", default=["shm", "gloo", "snapshot"])
     e.add_argument("--device", default="cpu")
     e.add_argument("--gpu", default=None, help="GPU UUID to register with (default: device's)")
+    e.add_argument("--shm-in-place", action="store_true")
+    e.add_argument("--load-seconds", type=float, default=0.0)
     t = sub.add_parser("trainer")
     t.add_argument("address")
     t.add_argument("version", type=int)

@@ -18,6 +18,13 @@ Trainer (after the optimizer step, rank 0 or whichever rank holds the gathered p
     # A version <= the latest published raises VersionConflict (FAILED_PRECONDITION).
     publisher.current_version()                                      # latest complete version
 
+    # Colocated engines (same host and GPU) can also get the version by CUDA IPC, device to
+    # device: offer it and name the GPU. When the service counts such engines, publish also packs
+    # the version into GPU buckets (one more copy in GPU memory, kept until the next publish)
+    # and commits one set of JSON handles per engine; the host copy still goes to the service.
+    publisher = WeightPublisher(address, transports=("cuda_ipc", "shm", "snapshot"),
+                                device="cuda:0")
+
 Rollout engine (torch engine: tensors arrive in this process)::
 
     from kuberl.common.weights import EngineClient
@@ -25,9 +32,15 @@ Rollout engine (torch engine: tensors arrive in this process)::
     def load(tensors: dict[str, torch.Tensor], version: int) -> None:
         model.load_state_dict(tensors, strict=False)   # swap everything at once; the dict holds
                                                        # the whole version, views of one buffer
+    # The buffer is one of two the client reuses (double buffering): the views stay valid until
+    # the version after next is received, so an engine may serve from them directly if it
+    # switches to each new dict when it is loaded; one that copies (as above) needs nothing.
     client = EngineClient(config.endpoints.weight_sync, load=load,
                           endpoint=my_rollout_grpc_address,   # for NotifyWeightsUpdate pushes
                           transports=("shm", "gloo", "snapshot"), device="cpu")
+    # on a GPU: transports=("cuda_ipc", "nccl", "shm", "gloo", "snapshot"), device="cuda:0";
+    # tensors then arrive on that GPU (cuda_ipc: from the trainer on the same GPU; nccl: from the
+    # relay's GPU, `weight_sync.device`)
     current = client.start()          # register + background heartbeat (long poll) + receiver
     client.wait_for_version(current, timeout=300)   # catch up before taking prompts
     client.version                    # the version loaded now: stamp it on every trajectory

@@ -64,9 +64,13 @@ class EngineClient:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         gpu: str | None = None,
+        shm_in_place: bool = False,
     ) -> None:
         """`gpu`: the UUID of the engine's GPU, which decides CUDA IPC eligibility (None: looked
-        up from `device`; "" on the CPU)."""
+        up from `device`; "" on the CPU). `shm_in_place`: over `shm`, `load` gets views of the
+        service's shared-memory file itself (read-only for the engine, no copy), valid until
+        the next `load`: for engines that copy into their own parameters anyway, or that serve
+        from the views and switch to each new dict at load."""
         if (load is None) == (apply is None):
             raise ValueError("give exactly one of load (tensors in this process) or apply")
         self.address = address
@@ -74,6 +78,7 @@ class EngineClient:
         self.endpoint = endpoint
         self.transports: list[Any] = [transport_value(t) for t in transports]
         self.device = device
+        self.shm_in_place = shm_in_place
         self.gpu_uuid = gpu_uuid(device) if gpu is None else gpu
         self.host = host or socket.gethostname()
         self.chunk_bytes = chunk_bytes
@@ -116,6 +121,7 @@ class EngineClient:
             host=self.host,
             loaded_version=self._version,
             gpu_uuid=self.gpu_uuid,
+            shm_in_place=self.shm_in_place,
         )
         answer = self._stub.RegisterEngine(pb.RegisterEngineRequest(engine=info), timeout=30)
         self.engine_id = answer.engine_id
@@ -245,6 +251,7 @@ class EngineClient:
                     receiver = self._receivers[instruction.transport] = make_receiver(
                         instruction.transport, device=self.device, address=self.address,
                         engine_id=self.engine_id, chunk_bytes=self.chunk_bytes,
+                        shm_in_place=self.shm_in_place,
                     )  # fmt: skip
                 with self._receive_lock:
                     manifest, flat = receiver.receive(instruction, self._buffers)

@@ -366,12 +366,18 @@ class _Mapping:
 class ShmReceiver(Receiver):
     """Copies a version out of the service's shared-memory file into the engine's buffer.
 
-    The file is mapped read-only once and the mapping kept while the file stays the same (the
-    service recycles a few files across versions), so after the first version a receive is one
-    parallel memory copy with no page faults on either side. The service does not reuse a file
-    while an engine's update from it is running, so the bytes cannot change under the copy."""
+    The file is mapped once and the mapping kept while the file stays the same (the service
+    recycles a few files across versions), so after the first version a receive is one parallel
+    memory copy with no page faults on either side. The service does not reuse a file while an
+    engine's update from it is running, so the bytes cannot change under the copy.
 
-    def __init__(self) -> None:
+    `in_place=True` skips the copy: the payload handed back is the mapping itself, shared by
+    every engine on the host (one copy of the weights in memory, whatever the engine count).
+    The service keeps that file unchanged until the engine has loaded a later version (it
+    registers with `shm_in_place`). The mapping is private: a stray write stays in the engine."""
+
+    def __init__(self, in_place: bool = False) -> None:
+        self.in_place = in_place
         self._maps: dict[str, _Mapping] = {}
 
     def _map(self, path: str, nbytes: int) -> torch.Tensor:
@@ -383,7 +389,8 @@ class ShmReceiver(Receiver):
         if cached is None or cached.key != key:
             self._maps.pop(path, None)
             with open(path, "rb") as f:
-                mapping = mmap.mmap(f.fileno(), st.st_size, access=mmap.ACCESS_READ)
+                access = mmap.ACCESS_COPY if self.in_place else mmap.ACCESS_READ
+                mapping = mmap.mmap(f.fileno(), st.st_size, access=access)
             with warnings.catch_warnings():
                 # Read-only memory: torch warns that writing would fail. Nothing writes to it.
                 warnings.simplefilter("ignore", UserWarning)
@@ -401,6 +408,8 @@ class ShmReceiver(Receiver):
                 f"shm handle must be {{'path': str}}, got {instruction.handles_json!r}"
             )
         src = self._map(handle["path"], manifest.total_bytes)
+        if self.in_place:
+            return manifest, src
         flat = allocate(manifest.total_bytes, "cpu")
         flat.copy_(src)
         return manifest, flat
@@ -747,6 +756,7 @@ def make_receiver(
     address: str = "",
     engine_id: str = "",
     chunk_bytes: int = 0,
+    shm_in_place: bool = False,
 ) -> Receiver:
     """The receiver for a transport name or `pb.Transport` value (`address`: the weight-sync
     service, for snapshots whose instruction names no other endpoint)."""
@@ -754,7 +764,7 @@ def make_receiver(
     if name in ("gloo", "nccl"):
         return BroadcastReceiver(device if name == "nccl" else "cpu")
     if name == "shm":
-        return ShmReceiver()
+        return ShmReceiver(in_place=shm_in_place)
     if name == "snapshot":
         return SnapshotReceiver(address, engine_id, chunk_bytes or DEFAULT_CHUNK_BYTES)
     if name == "cuda_ipc":
