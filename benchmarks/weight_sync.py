@@ -192,9 +192,10 @@ def relay_run(gb: float, transport: str, engines: int, repeat: int) -> dict[str,
 
                     while len(status().engines) < engines:
                         time.sleep(0.1)
-                    # version 1 warms the engines up (first allocation of their buffers)
+                    # versions 1 and 2 warm up: the first allocation of the relay's segments and
+                    # of both halves of each engine's double buffer (cold: see docs/weight-sync.md)
                     results = []
-                    for version in range(1, repeat + 2):
+                    for version in range(1, repeat + 3):
                         tensors = make_tensors(gb, version)
                         started = time.perf_counter()
                         sent = pub.publish(version, iter(tensors.items()))
@@ -203,7 +204,7 @@ def relay_run(gb: float, transport: str, engines: int, repeat: int) -> dict[str,
                             time.sleep(0.005)
                         total = time.perf_counter() - started
                         del tensors
-                        if version > 1:
+                        if version > 2:
                             results.append((total, returned, sent.total_bytes))
             finally:
                 for p in procs:
