@@ -350,8 +350,12 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             and request.gpu_uuid
         ):
             announced.trainer_host, announced.gpu_uuid = request.trainer_host, request.gpu_uuid
+            # Idle ones only: a busy engine is skipped at commit and its set would never be
+            # opened (the trainer's GPU memory behind it would stay allocated).
             ipc_engines = sum(
-                1 for e in self.registry.engines.values() if self._colocated(e, announced)
+                1
+                for e in self.registry.engines.values()
+                if e.assignment is None and self._colocated(e, announced)
             )
         self.announced[version] = announced
         send = pb.UpdateInstruction(version=version, transport=transport)

@@ -435,12 +435,13 @@ def test_an_engine_serving_from_shared_memory_in_place_keeps_its_version_unchang
         engine = _engine(svc, tmp_path, "inplace", "--shm-in-place", "--load-seconds", "3")
         try:
             _wait(lambda: len(_status(svc).engines) == 1, "engine registered", svc)  # noqa: B023
-            _publish(svc, tmp_path, version=1, seed=21)
-            _wait(lambda: "inplace" in _holding(svc, 1), "engine at v1", svc)  # noqa: B023
-            _publish(svc, tmp_path, version=2, seed=22)
-            loading = tmp_path / "inplace.loading-v2"
-            _wait(loading.exists, "the engine loading v2", svc)
-            _publish(svc, tmp_path, version=3, seed=23)
+            with WeightPublisher(svc.address) as pub:  # in this process: v3 lands in time
+                pub.publish(1, iter(make_tensors(21).items()))
+                _wait(lambda: "inplace" in _holding(svc, 1), "engine at v1", svc)  # noqa: B023
+                pub.publish(2, iter(make_tensors(22).items()))
+                loading = tmp_path / "inplace.loading-v2"
+                _wait(loading.exists, "the engine loading v2", svc)
+                pub.publish(3, iter(make_tensors(23).items()))
             _wait(lambda: "inplace" in _holding(svc, 3), "engine at v3", svc)  # noqa: B023
             lines = [json.loads(x) for x in (tmp_path / "inplace.jsonl").read_text().splitlines()]
             identical = all(_bit_identical(tmp_path, "inplace", v, 20 + v) for v in (1, 2, 3))

@@ -332,11 +332,13 @@ class ShmWriter:
     """Writes a version's payload into the shared-memory file the service named (trainer side).
 
     The service reuses its files across versions, so the pages are usually there already and a
-    write is a plain copy; `close(total_bytes)` sets the exact length (the service checks it)."""
+    write is a plain copy; `close(total_bytes)` sets the exact length (the service checks it).
+    The file must exist (the service made it): a write for a version the service gave up on
+    fails here rather than leaving a stray file behind."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        self._fd = os.open(path, os.O_WRONLY)
 
     def write(self, offset: int, tensor: torch.Tensor) -> None:
         data = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()
