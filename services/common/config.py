@@ -795,7 +795,7 @@ class WeightSyncConfig(Section):
     device: str = Field(
         "cpu",
         pattern=r"^(cpu|cuda(:\d+)?)$",
-        description="Device of the relay's NCCL broadcasts (\"cuda:0\"): each bucket is staged "
+        description='Device of the relay\'s NCCL broadcasts ("cuda:0"): each bucket is staged '
         "there from the service's memory. cpu: the relay sends no NCCL (engines get the next "
         "transport they offer).",
     )
