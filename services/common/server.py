@@ -63,13 +63,16 @@ class Service:
         """Release resources after in-flight calls have drained."""
 
 
-def grpc_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """Channel/server options shared by servers and clients: explicit size limits, keepalive,
-    and a reconnect backoff capped at 5 s."""
+KEEPALIVE_MS = 30_000
+
+
+def grpc_options(max_message_bytes: int, keepalive_ms: int = KEEPALIVE_MS) -> list[tuple[str, Any]]:
+    """Channel options shared by servers and clients: explicit size limits, keepalive pings
+    every `keepalive_ms` (idle connections too), and a reconnect backoff capped at 5 s."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_time_ms", keepalive_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         # Notice a healed partition or a restarted peer within seconds: gRPC's default reconnect
@@ -77,6 +80,18 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, Any]]:
         # tests/reliability/test_network_partition.py).
         ("grpc.initial_reconnect_backoff_ms", 1000),
         ("grpc.max_reconnect_backoff_ms", 5000),
+    ]
+
+
+def server_grpc_options(
+    max_message_bytes: int, keepalive_ms: int = KEEPALIVE_MS
+) -> list[tuple[str, Any]]:
+    """`grpc_options` plus what a server must allow for its clients' keepalive: by default a
+    server tolerates one ping per 5 minutes on an idle connection and answers more frequent ones
+    with GOAWAY `too_many_pings`, which dropped our idle clients' connections every ~90 s."""
+    return [
+        *grpc_options(max_message_bytes, keepalive_ms),
+        ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms // 2),
     ]
 
 
@@ -274,7 +289,7 @@ async def serve(
     transport.configure(tls)
     credentials = transport.server_credentials(tls) if tls.enabled else None
     server = grpc.aio.server(
-        options=grpc_options(config.max_message_bytes),
+        options=server_grpc_options(config.max_message_bytes),
         interceptors=[ErrorInterceptor(service.name)],
     )
     health_servicer = health.aio.HealthServicer()

@@ -37,6 +37,7 @@ entrypoints (`kuberl serve <service>`, the trainer under torchrun):
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -72,6 +73,14 @@ SECTIONS = {"buffer": "buffer", "reward": "reward", "weight-sync": "weight_sync"
 
 class Interrupted(Exception):
     """Ctrl-C or SIGTERM reached the supervisor."""
+
+
+def shm_folder_name(run_dir: Path) -> str:
+    """The run's folder under /dev/shm: named after the run folder and a digest of its full
+    path, since two runs whose folders share a name (`a/run`, `b/run`) must not share one (the
+    first to finish removed it under the other, whose trainer then could not publish)."""
+    digest = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:10]
+    return f"kuberl-{run_dir.name}-{digest}"
 
 
 @dataclass
@@ -229,7 +238,7 @@ class Supervisor:
         doc["weight_sync"]["snapshot_dir"] = str(self.run_dir / "weights")
         doc["weight_sync"]["advertise_host"] = "127.0.0.1"
         if Path("/dev/shm").is_dir():
-            self.shm_dir = Path("/dev/shm") / f"kuberl-{self.run_dir.name}"
+            self.shm_dir = Path("/dev/shm") / shm_folder_name(self.run_dir)
             doc["weight_sync"]["shm_dir"] = str(self.shm_dir)
         if local["device"] == "cuda":
             if doc["rollout"]["engine"]["kind"] == "torch":

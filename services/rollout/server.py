@@ -201,6 +201,9 @@ class RolloutService(Service):
             # On a GPU the trainer's buckets can be copied device to device (same GPU) or
             # broadcast over NCCL; every engine can take shared memory, gloo and snapshots.
             gpu = ("cuda_ipc", "nccl") if device.startswith("cuda") else ()
+            # The torch engine copies every tensor into its own parameters before `load`
+            # returns, so over shared memory it reads the service's file in place: one copy per
+            # version instead of two.
             self.weights = EngineClient(
                 config.endpoints.weight_sync,
                 load=self._load_tensors,
@@ -208,6 +211,7 @@ class RolloutService(Service):
                 endpoint=endpoint,
                 transports=(*gpu, "shm", "gloo", "snapshot"),
                 device=device,
+                shm_in_place=True,
             )
         else:
             self.weights = EngineClient(
