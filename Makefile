@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kuberl-setup
 EXTRAS := buffer,reward,rollout,trainer,weight-sync,local,dev
 
-.PHONY: setup test lint mypy format protos demo clean help
+.PHONY: setup test lint mypy format protos demo chaos bench clean help
 
 help:
 	@echo "make setup   - create .venv and install kuberl with every extra (idempotent)"
@@ -14,13 +14,17 @@ help:
 	@echo "make lint    - ruff (lint + format check) and mypy on services/"
 	@echo "make format  - apply ruff's formatting and fixes"
 	@echo "make protos  - regenerate the gRPC Python code from protos/"
+	@echo "make demo    - a real local RL job that learns (about 3-6 min on 2 CPU cores)"
+	@echo "make chaos   - the long fault-injection run (31 faults, 10+ min; docs/reliability.md)"
+	@echo "make bench   - every CPU benchmark, then docs/benchmarks.md (15-25 min)"
 
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml setup.py tests/helm/fetch-prometheus.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
 	$(PY) -m pip install --quiet torch==2.13.0
 	DS_BUILD_OPS=0 $(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	$(PY) -m pip install --quiet --no-deps sglang==0.5.23 msgspec==0.22.0
+	tests/helm/fetch-prometheus.sh $(VENV)/bin
 	@touch $(STAMP)
 
 setup: $(STAMP)
@@ -45,9 +49,10 @@ format: setup
 	$(VENV)/bin/ruff check --fix services tests benchmarks protos/generate.py
 	$(VENV)/bin/ruff format services tests benchmarks protos/generate.py
 
+# .venv/bin first on PATH: the dashboard tests find the prometheus and promtool fetched there.
 test: setup
 	@$(MAKE) --no-print-directory lint
-	$(PY) -m pytest -q -n 2
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -n 2
 
 protos: setup
 	$(PY) protos/generate.py
@@ -56,6 +61,15 @@ protos: setup
 # folder under runs/ with summary.json and plots. About 10-15 minutes on a 2-core CPU.
 demo: setup
 	$(PY) -m kuberl.cli run examples/demo.yaml
+
+# The long chaos run (docs/reliability.md): the demo job under 31 seeded faults, chaos.json in
+# its run folder.
+chaos: setup
+	$(PY) -m kuberl.cli run examples/chaos.yaml --chaos long --chaos-seed 0
+
+# Every CPU benchmark in its own process, then docs/benchmarks.md (benchmarks/report.py).
+bench: setup
+	$(PY) benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -47,8 +47,8 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
         PROMETHEUS is None,
-        reason="needs Debian's `prometheus` package (apt-get install prometheus) for a real "
-        "Prometheus server",
+        reason="needs Debian's `prometheus` on PATH for a real Prometheus server (make setup "
+        "fetches it into .venv/bin with tests/helm/fetch-prometheus.sh)",
     ),
 ]
 
