@@ -18,6 +18,11 @@ for everyone. Only control messages (heartbeat answers, reports) go through gRPC
 bytes never do. An engine that joins after a version's fan-out began, or whose update failed or
 timed out (`broadcast_timeout_seconds`), catches up by snapshot and takes broadcasts from the next
 version on. `GetStatus` and the metrics say who holds what.
+
+A restart does not lose the current version: each committed version is sealed on disk beside its
+segment (its SHA-256 and manifest, written off the event loop), and `start` takes back the newest
+version whose payload still checks out (`VersionStore(restore=True)`) before the service reports
+SERVING, so engines that register get it and `Publish` keeps refusing versions not above it.
 """
 
 from __future__ import annotations
@@ -145,6 +150,9 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
+        #: One seal at a time: a version committed while another is hashed waits, and is skipped
+        #: if a later one was committed meanwhile (only the newest matters after a restart).
+        self._seal_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -159,7 +167,19 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self.store = VersionStore(self._store_dir(), self.config.retain_versions)
+        # Hashing what a crashed predecessor left takes ~1 s per GB: in a thread, while health
+        # still says NOT_SERVING.
+        self.store = await asyncio.to_thread(
+            VersionStore, self._store_dir(), self.config.retain_versions, restore=True
+        )
+        restored = self.store.latest()
+        if restored is not None:
+            self.current = restored.version
+            self.metrics.version.set(restored.version)
+            log.info(
+                "weight_sync.restored", version=restored.version, path=restored.path,
+                bytes=restored.manifest.total_bytes, tensors=len(restored.manifest.entries),
+            )  # fmt: skip
         if pb.TRANSPORT_NCCL in self.offered and self.config.device.startswith("cuda"):
             self.relay_gpu = gpu_uuid(self.config.device)
             if not self.relay_gpu:
@@ -173,6 +193,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             advertise_host=self.advertise_host,
             device=self.config.device,
             nccl=bool(self.relay_gpu),
+            version=self.current,
         )
 
     async def stop(self) -> None:
@@ -432,7 +453,9 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         finally:
             if fd >= 0:
                 os.close(fd)
-        engine_ids = self._commit(version, manifest, uploaded=True, cuda_ipc_handles=handles)
+        engine_ids = self._commit(
+            version, manifest, uploaded=True, cuda_ipc_handles=handles, known_sha256=receiver.sha256
+        )
         return pb.UploadSnapshotResponse(
             version=version, bytes_received=receiver.received, engine_ids=engine_ids
         )
@@ -463,7 +486,10 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         uploaded: bool,
         sha256: str = "",
         cuda_ipc_handles: str = "",
+        known_sha256: str = "",
     ) -> list[str]:
+        """Adopt an announced version's bytes, fan it out, seal it; `sha256` is checked here,
+        `known_sha256` was checked already (an upload's stream digest)."""
         assert self.store is not None
         announced = self.announced.pop(version, None)
         if announced is None or version <= self.current:
@@ -496,6 +522,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             self.store.discard(version)
             raise
         stored.cuda_ipc_sets = ipc_sets
+        stored.sha256 = stored.sha256 or known_sha256
         stored.cuda_ipc_host, stored.cuda_ipc_gpu = announced.trainer_host, announced.gpu_uuid
         seconds = time.monotonic() - announced.started
         transport = transport_name(announced.transport)
@@ -506,12 +533,26 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         if seconds > 0:
             self.metrics.bandwidth.labels(transport, "in").set(manifest.total_bytes / seconds)
         engine_ids = self._fan_out(stored)
+        self.store.pin(stored)  # until sealed: its segment is not handed out meanwhile
+        self._spawn(self._seal(stored))
         log.info(
             "publish.committed", version=version, transport=transport,
             bytes=manifest.total_bytes, tensors=len(manifest.entries),
             buckets=manifest.num_buckets, seconds=round(seconds, 4), engines=len(engine_ids),
         )  # fmt: skip
         return engine_ids
+
+    async def _seal(self, stored: StoredVersion) -> None:
+        """Record `stored` for a restart (off the event loop); the trainer does not wait."""
+        assert self.store is not None
+        try:
+            async with self._seal_lock:
+                if stored.version == self.current:
+                    await asyncio.to_thread(self.store.seal, stored)
+        except OSError as exc:  # stopping (the folder is gone) or a full disk: not fatal
+            log.warning("store.seal_failed", version=stored.version, error=str(exc)[:300])
+        finally:
+            self.store.unpin(stored)
 
     # ------------------------------------------------------------------ relay
 

@@ -9,6 +9,14 @@ pages of a used one is a plain copy. A segment is reused only when it holds no r
 engine reports, a broadcast, a snapshot stream), so no reader ever sees a version change under
 it; when all are busy a new segment is made. A committed segment is memory-mapped once and the
 mapping kept while the file keeps its identity and size.
+
+Restarts: once a version is committed, `seal` writes a record beside its segment (`seg<N>.json`:
+version, manifest, SHA-256 of the payload; written to a temporary file and renamed, so it is
+whole or absent). A segment's record is deleted before the segment is handed out for a new write,
+so a record only ever vouches for bytes that were complete when it was written. A store opened
+with `restore=True` (the service's start after a crash) takes back the newest version whose
+payload still has its record's size and SHA-256, and deletes everything else; a truncated,
+rewritten or corrupt payload is skipped for the next older one, or for nothing.
 """
 
 from __future__ import annotations
@@ -18,16 +26,43 @@ import hashlib
 import itertools
 import mmap
 import os
+import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from google.protobuf import json_format
+from pydantic import BaseModel, Field, ValidationError
 
+from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
 from kuberl.common.logs import get_logger
 from kuberl.common.weights.manifest import Manifest
 
 log = get_logger(__name__)
+
+#: Bytes hashed per call: hashlib releases the GIL for each, the page cache streams them.
+_HASH_PIECE = 64 * 1024 * 1024
+
+
+def payload_sha256(flat: torch.Tensor) -> str:
+    """SHA-256 of a flat uint8 payload, the digest the trainer's upload carries."""
+    data = flat.numpy().data
+    sha = hashlib.sha256()
+    for at in range(0, len(data), _HASH_PIECE):
+        sha.update(data[at : at + _HASH_PIECE])
+    return sha.hexdigest()
+
+
+class SealRecord(BaseModel):
+    """What `seg<N>.json` says about the payload in `seg<N>.bin` (read back after a restart)."""
+
+    version: int = Field(gt=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    #: The manifest as protobuf JSON (`kuberl.weight_sync.v1.Manifest`).
+    manifest: dict[str, Any]
+    sealed_unix: float = 0.0
 
 
 class DigestMismatch(ValueError):
@@ -44,12 +79,20 @@ class Segment:
     writing: int = 0
     #: Engine updates, broadcasts and snapshot streams reading it now.
     readers: int = 0
+    #: False for a segment taken back after a restart: an engine of the previous run may still
+    #: serve from it in place, unknown to this one, so it is deleted once pruned, never rewritten.
+    recycle: bool = True
     _map_key: tuple[int, int, int] | None = None
     _flat: torch.Tensor | None = None
 
     @property
     def free(self) -> bool:
         return not (self.version or self.writing or self.readers)
+
+    @property
+    def record(self) -> Path:
+        """Where the seal record of the version in this segment is kept."""
+        return Path(self.path).with_suffix(".json")
 
     def mapped(self) -> torch.Tensor:
         """The whole file as a flat uint8 tensor over one mapping, kept while the file stays."""
@@ -82,21 +125,30 @@ class StoredVersion:
     cuda_ipc_sets: list[Any] = field(default_factory=list)
     cuda_ipc_host: str = ""
     cuda_ipc_gpu: str = ""
+    #: SHA-256 of the payload when known (checked at commit, or the upload's), else "".
+    sha256: str = ""
 
 
 class VersionStore:
-    """Committed versions in recycled segment files; the newest `retain` versions are kept."""
+    """Committed versions in recycled segment files; the newest `retain` versions are kept.
 
-    def __init__(self, directory: str | Path, retain: int = 2) -> None:
+    `restore=True` first takes back the newest sealed version a previous process of this job
+    left in `directory` (hashing its payload: about 1 s per GB on one core); without it, or
+    when none checks out, whatever was left is deleted."""
+
+    def __init__(self, directory: str | Path, retain: int = 2, *, restore: bool = False) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.retain = retain
         self.versions: dict[int, StoredVersion] = {}
         self.segments: list[Segment] = []
         self._names = itertools.count()
-        for pattern in ("v*.*", "seg*.bin"):  # left by a previous run of this job
+        restored = self._restore() if restore else None
+        keep = {restored.segment.path, str(restored.segment.record)} if restored else set()
+        for pattern in ("v*.*", "seg*"):  # left by a previous run of this job
             for stale in self.directory.glob(pattern):
-                stale.unlink(missing_ok=True)
+                if str(stale) not in keep:
+                    stale.unlink(missing_ok=True)
 
     @property
     def in_shared_memory(self) -> bool:
@@ -108,7 +160,10 @@ class VersionStore:
         if existing is not None:
             return existing.path
         segment = next((s for s in self.segments if s.free), None)
-        if segment is None:
+        if segment is not None:
+            # Before any byte changes: a record must never vouch for a half-rewritten segment.
+            segment.record.unlink(missing_ok=True)
+        else:
             segment = Segment(str(self.directory / f"seg{next(self._names)}.bin"))
             Path(segment.path).touch()
             self.segments.append(segment)
@@ -130,9 +185,7 @@ class VersionStore:
             return
         segment = self._writing(version)
         if segment is not None:
-            self.segments.remove(segment)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(segment.path)
+            self._delete(segment)
 
     def commit(
         self, version: int, manifest: Manifest, uploaded: bool, sha256: str = ""
@@ -156,10 +209,84 @@ class VersionStore:
             if digest != sha256:
                 raise DigestMismatch(f"version {version}: SHA-256 {digest} != {sha256}")
         segment.writing, segment.version = 0, version
-        stored = StoredVersion(version, manifest, segment.path, flat, segment)
+        stored = StoredVersion(version, manifest, segment.path, flat, segment, sha256=sha256)
         self.versions[version] = stored
         self._prune()
         return stored
+
+    def seal(self, stored: StoredVersion) -> None:
+        """Write the record that lets a restarted service take `stored` back (see the module
+        docs). Slow (hashes the payload unless its SHA-256 is known, syncs it to disk), so
+        it runs off the event loop, with `stored` pinned by the caller so its segment cannot
+        be handed out meanwhile. OSError if the folder is gone (the service stopped)."""
+        started = time.monotonic()
+        if not stored.sha256:
+            stored.sha256 = payload_sha256(stored.flat)
+        # On a disk folder, the bytes reach the disk before the record that vouches for them
+        # (a host crash otherwise leaves a record over lost pages; tmpfs makes this free).
+        with open(stored.path, "rb") as f:
+            os.fsync(f.fileno())
+        record = SealRecord(
+            version=stored.version,
+            sha256=stored.sha256,
+            manifest=json_format.MessageToDict(stored.manifest.to_proto()),
+            sealed_unix=time.time(),
+        )
+        final = stored.segment.record
+        partial = final.with_suffix(".json.tmp")
+        with open(partial, "w") as f:
+            f.write(record.model_dump_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, final)
+        log.info(
+            "store.sealed", version=stored.version, path=str(final),
+            seconds=round(time.monotonic() - started, 3),
+        )  # fmt: skip
+
+    def _restore(self) -> StoredVersion | None:
+        """The newest sealed version whose payload checks out, adopted as committed."""
+        records: list[tuple[int, Path, SealRecord]] = []
+        for path in self.directory.glob("seg*.json"):
+            try:
+                record = SealRecord.model_validate_json(path.read_bytes())
+            except (OSError, ValidationError) as exc:
+                log.warning("store.restore_skipped", path=str(path), reason=str(exc)[:300])
+                continue
+            records.append((record.version, path, record))
+        for version, path, record in sorted(records, key=lambda r: r[0], reverse=True):
+            segment = Segment(str(path.with_suffix(".bin")), version=version, recycle=False)
+            started = time.monotonic()
+            try:
+                proto = json_format.ParseDict(record.manifest, pb.Manifest())
+                manifest = Manifest.from_proto(proto)
+                size = os.stat(segment.path).st_size
+                if size != manifest.total_bytes:
+                    raise ValueError(
+                        f"payload has {size} bytes, its manifest says {manifest.total_bytes}"
+                    )
+                flat = segment.mapped()[: manifest.total_bytes]
+                digest = payload_sha256(flat)
+                if digest != record.sha256:
+                    raise ValueError(f"payload SHA-256 {digest} != {record.sha256} when sealed")
+            except (OSError, ValueError, json_format.ParseError) as exc:
+                log.warning(
+                    "store.restore_skipped", version=version, path=segment.path,
+                    reason=str(exc)[:300],
+                )  # fmt: skip
+                continue
+            stored = StoredVersion(version, manifest, segment.path, flat, segment, sha256=digest)
+            self.segments.append(segment)
+            self.versions[version] = stored
+            # New segments are named after it, never over it.
+            index = re.fullmatch(r"seg(\d+)\.bin", Path(segment.path).name)
+            self._names = itertools.count(int(index.group(1)) + 1 if index else 0)
+            log.info(
+                "store.restored", version=version, path=segment.path,
+                bytes=manifest.total_bytes, seconds=round(time.monotonic() - started, 3),
+            )  # fmt: skip
+            return stored
+        return None
 
     def pin(self, stored: StoredVersion) -> None:
         """Someone reads `stored`'s segment: it is not reused until `unpin`."""
@@ -173,6 +300,8 @@ class VersionStore:
             stored = self.versions.pop(version)
             if stored.segment.version == version:
                 stored.segment.version = 0  # reusable once its readers are done
+                if not stored.segment.recycle:
+                    self._delete(stored.segment)  # readers keep their mappings
             log.info("store.pruned", version=version, readers=stored.segment.readers)
 
     def latest(self) -> StoredVersion | None:
@@ -181,13 +310,18 @@ class VersionStore:
     def get(self, version: int) -> StoredVersion | None:
         return self.versions.get(version)
 
+    def _delete(self, segment: Segment) -> None:
+        self.segments.remove(segment)
+        for path in (Path(segment.path), segment.record):
+            path.unlink(missing_ok=True)
+
     def close(self) -> None:
+        """Delete every version: a graceful stop gives its memory back (only a crash leaves
+        versions for `restore`)."""
         self.versions.clear()
-        for segment in self.segments:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(segment.path)
-        self.segments.clear()
+        for segment in list(self.segments):
+            self._delete(segment)
         with contextlib.suppress(OSError):
-            for leftover in self.directory.glob("*.bin"):
+            for leftover in self.directory.glob("seg*"):
                 leftover.unlink(missing_ok=True)
             self.directory.rmdir()

@@ -11,6 +11,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -147,6 +148,13 @@ def _next_version(svc: ServiceProcess) -> int:
 def _service(
     tmp_path: Path, transports: list[str], device: str = "cpu", retain: int = 2
 ) -> Iterator[ServiceProcess]:
+    config = _job_file(tmp_path, transports, device, retain)
+    with ServiceProcess.kuberl("weight_sync", config, tmp_path) as proc:
+        proc.wait_serving()
+        yield proc
+
+
+def _job_file(tmp_path: Path, transports: list[str], device: str = "cpu", retain: int = 2) -> Path:
     shm_dir = f"/dev/shm/kuberl-test-{uuid.uuid4().hex[:8]}"
     config = tmp_path / "job.yaml"
     config.write_text(
@@ -169,9 +177,7 @@ def _service(
             }
         )
     )
-    with ServiceProcess.kuberl("weight_sync", config, tmp_path) as proc:
-        proc.wait_serving()
-        yield proc
+    return config
 
 
 def _start(role: str, tmp_path: Path, name: str, *args: str) -> subprocess.Popen[bytes]:
@@ -362,6 +368,48 @@ def test_versions_stay_monotonic_under_concurrent_publishes(
     accepted = [v for v, r in outcomes if r == "ok"]
     assert len(outcomes) == 24 and accepted
     assert seen == sorted(seen) and final == max(accepted)
+
+
+def test_a_service_sigkilled_and_restarted_keeps_its_version_and_hands_it_to_a_new_engine(
+    tmp_path: Path,
+) -> None:
+    config = _job_file(tmp_path, ["shm", "snapshot"])
+    shm_dir = json.loads(config.read_text())["weight_sync"]["shm_dir"]
+    first = ServiceProcess.kuberl("weight_sync", config, tmp_path, name="ws-first")
+    try:
+        first.wait_serving()
+        with WeightPublisher(first.address) as pub:  # shm: the service hashes it to seal it
+            pub.publish(7, iter(make_tensors(7).items()))
+        _wait(lambda: "event=store.sealed version=7" in first.log(), "v7 sealed", first)
+        first.signal(signal.SIGKILL)
+        first.proc.wait(15)
+    finally:
+        first.stop()
+    second = ServiceProcess.kuberl("weight_sync", config, tmp_path, name="ws-second")
+    engine = None
+    try:
+        second.wait_serving()
+        restored = _status(second).current_version
+        refused = []
+        with WeightPublisher(second.address) as pub:
+            for stale in (6, 7):
+                try:
+                    pub.publish(stale, iter(make_tensors(stale).items()))
+                except VersionConflict:
+                    refused.append(stale)
+            engine = _engine(second, tmp_path, "late")
+            _wait(lambda: "late" in _holding(second, 7), "engine at v7", second)
+            identical = _bit_identical(tmp_path, "late", 7, 7)
+            pub.publish(8, iter(make_tensors(8).items()))
+        _wait(lambda: "late" in _holding(second, 8), "engine at v8", second)
+        history = _history(tmp_path, "late")
+    finally:
+        if engine is not None:
+            _stop(engine)
+        second.stop()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+    assert (restored, refused, identical) == (7, [6, 7], True)
+    assert history == [(7, "snapshot"), (8, "shm")]
 
 
 def _upload(channel: grpc.Channel, version: int, chunks: list[pb.SnapshotChunk]) -> None:

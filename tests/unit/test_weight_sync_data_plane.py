@@ -139,6 +139,91 @@ def test_a_commit_with_the_wrong_digest_or_size_changes_nothing(tmp_path: Path) 
     store.close()
 
 
+def _sealed(store: VersionStore, version: int, fill: int) -> str:
+    path = _write(store, version, fill)
+    store.seal(store.commit(version, _manifest(), uploaded=False))
+    return path
+
+
+def test_a_reopened_store_takes_back_its_newest_sealed_version_bit_identical(
+    tmp_path: Path,
+) -> None:
+    store = VersionStore(tmp_path / "store", retain=2)
+    _sealed(store, 1, 1)
+    _sealed(store, 2, 2)  # the process dies here: nothing is closed
+    reopened = VersionStore(tmp_path / "store", retain=2, restore=True)
+    latest = reopened.latest()
+    assert latest is not None
+    assert (latest.version, bytes(latest.flat.numpy())) == (2, bytes([2]) * 4 * KB)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped_byte", "garbled_record"])
+def test_a_damaged_newest_version_is_skipped_for_the_older_complete_one(
+    tmp_path: Path, damage: str
+) -> None:
+    store = VersionStore(tmp_path / "store", retain=2)
+    _sealed(store, 1, 1)
+    newest = Path(_sealed(store, 2, 2))
+    if damage == "truncated":
+        os.truncate(newest, 4 * KB - 1)
+    elif damage == "flipped_byte":
+        with open(newest, "r+b") as f:
+            f.seek(1000)
+            f.write(b"\x03")
+    else:
+        newest.with_suffix(".json").write_text('{"version": 2, "sha2')
+    reopened = VersionStore(tmp_path / "store", retain=2, restore=True)
+    latest = reopened.latest()
+    assert (latest.version if latest else None, sorted(reopened.versions)) == (1, [1])
+
+
+def test_a_store_whose_only_version_is_corrupt_restores_nothing_and_deletes_it(
+    tmp_path: Path,
+) -> None:
+    store = VersionStore(tmp_path / "store", retain=1)
+    path = Path(_sealed(store, 1, 1))
+    os.truncate(path, 100)
+    reopened = VersionStore(tmp_path / "store", retain=1, restore=True)
+    assert (reopened.latest(), sorted(p.name for p in reopened.directory.iterdir())) == (None, [])
+
+
+def test_a_segment_being_rewritten_for_a_new_version_is_never_restored_as_its_old_one(
+    tmp_path: Path,
+) -> None:
+    store = VersionStore(tmp_path / "store", retain=1)
+    _sealed(store, 1, 1)
+    _sealed(store, 2, 2)  # v1 pruned: its segment is free
+    rewritten = Path(store.reserve(3))  # reuses v1's segment; the trainer dies halfway through
+    vouched = rewritten.with_suffix(".json").exists()
+    with open(rewritten, "r+b") as f:
+        f.write(bytes([3]) * KB)
+    reopened = VersionStore(tmp_path / "store", retain=1, restore=True)
+    latest = reopened.latest()
+    assert (vouched, latest.version if latest else None, rewritten.exists()) == (False, 2, False)
+
+
+def test_a_restored_segment_is_deleted_once_pruned_never_rewritten(tmp_path: Path) -> None:
+    # An engine of the previous run may serve from the restored file in place: never write it.
+    store = VersionStore(tmp_path / "store", retain=1)
+    restored_path = _sealed(store, 1, 1)
+    reopened = VersionStore(tmp_path / "store", retain=1, restore=True)
+    paths = [_write(reopened, 2, 2)]
+    reopened.commit(2, _manifest(), uploaded=False)  # v1 pruned
+    paths.append(_write(reopened, 3, 3))  # a new segment, named after the restored one
+    assert (os.path.exists(restored_path), [Path(p).name for p in paths]) == (
+        False,
+        ["seg1.bin", "seg2.bin"],
+    )
+    reopened.close()
+
+
+def test_a_store_opened_without_restore_deletes_what_a_previous_run_left(tmp_path: Path) -> None:
+    store = VersionStore(tmp_path / "store", retain=1)
+    _sealed(store, 1, 1)
+    reopened = VersionStore(tmp_path / "store", retain=1)
+    assert (reopened.latest(), sorted(p.name for p in reopened.directory.iterdir())) == (None, [])
+
+
 # ---------------------------------------------------------------- broadcast (gloo here)
 
 
