@@ -239,6 +239,9 @@ class Supervisor:
         doc["weight_sync"]["advertise_host"] = "127.0.0.1"
         if Path("/dev/shm").is_dir():
             self.shm_dir = Path("/dev/shm") / shm_folder_name(self.run_dir)
+            # A run folder given again (--run-dir) after a run that was killed still has that
+            # run's versions here, which weight-sync would restore as this job's current version.
+            shutil.rmtree(self.shm_dir, ignore_errors=True)
             doc["weight_sync"]["shm_dir"] = str(self.shm_dir)
         if local["device"] == "cuda":
             if doc["rollout"]["engine"]["kind"] == "torch":

@@ -201,9 +201,9 @@ class RolloutService(Service):
             # On a GPU the trainer's buckets can be copied device to device (same GPU) or
             # broadcast over NCCL; every engine can take shared memory, gloo and snapshots.
             gpu = ("cuda_ipc", "nccl") if device.startswith("cuda") else ()
-            # The torch engine copies every tensor into its own parameters before `load`
-            # returns, so over shared memory it reads the service's file in place: one copy per
-            # version instead of two.
+            # The torch engine serves from the tensors it is given until the next load, so over
+            # shared memory it reads the service's file in place: no copy on the engine's side,
+            # one copy of the weights per host.
             self.weights = EngineClient(
                 config.endpoints.weight_sync,
                 load=self._load_tensors,
@@ -250,7 +250,8 @@ class RolloutService(Service):
     def _load_tensors(self, tensors: dict[str, Any], version: int) -> None:
         engine = self.engine
         assert engine is not None
-        self._in_loop(version, lambda: engine.load_weights(tensors, version))
+        # EngineClient's tensors stay valid until the next load: the engine serves from them.
+        self._in_loop(version, lambda: engine.load_weights(tensors, version, borrow=True))
 
     def _apply_instruction(self, instruction: Any) -> None:
         from kuberl.api.weight_sync.v1 import weight_sync_pb2 as wpb

@@ -338,3 +338,52 @@ def test_weights_from_a_safetensors_folder_replace_the_model(tmp_path: Path, tok
     expected = _generate(reference, prompt, params)[0][0]
     asyncio.run(engine.close())
     assert (out.token_ids, out.version_start) == (expected.token_ids, 3)
+
+
+def _lent_copy(model) -> dict[str, torch.Tensor]:
+    """A version as EngineClient lends it: every tensor a view of one flat buffer."""
+    state = model.state_dict()
+    flat = torch.cat([t.reshape(-1) for t in state.values()])
+    out, offset = {}, 0
+    for name, t in state.items():
+        out[name] = flat[offset : offset + t.numel()].view(t.shape)
+        offset += t.numel()
+    return out
+
+
+def test_a_borrowed_load_serves_from_the_lent_tensors_without_copying(tokenizer) -> None:
+    engine = TorchEngine(build_model(tokenizer, seed=0), tokenizer)
+    lent = _lent_copy(build_model(tokenizer, seed=1))
+    asyncio.run(engine.load_weights(lent, 1, borrow=True))
+    params = engine.model.state_dict()
+    assert all(params[k].data_ptr() == lent[k].data_ptr() for k in lent)
+
+
+def test_a_borrowed_load_generates_like_a_copied_one(tokenizer) -> None:
+    prompt = _ids(tokenizer, PROMPTS)
+    params = SamplingParams(temperature=0, max_new_tokens=8)
+    borrowed = TorchEngine(build_model(tokenizer, seed=0), tokenizer)
+    asyncio.run(borrowed.load_weights(_lent_copy(build_model(tokenizer, seed=1)), 1, borrow=True))
+    copied = TorchEngine(build_model(tokenizer, seed=0), tokenizer)
+    asyncio.run(copied.load_weights(build_model(tokenizer, seed=1).state_dict(), 1))
+    out_b, out_c = _generate(borrowed, prompt, params), _generate(copied, prompt, params)
+    assert [c[0].token_ids for c in out_b] == [c[0].token_ids for c in out_c]
+
+
+def test_a_copied_load_after_a_borrowed_one_leaves_the_lenders_memory_alone(tokenizer) -> None:
+    # The lender reuses its buffer for a later version: a copy must not land in it.
+    engine = TorchEngine(build_model(tokenizer, seed=0), tokenizer)
+    lent = _lent_copy(build_model(tokenizer, seed=1))
+    kept = {k: v.clone() for k, v in lent.items()}
+    asyncio.run(engine.load_weights(lent, 1, borrow=True))
+    asyncio.run(engine.load_weights(build_model(tokenizer, seed=2).state_dict(), 2))
+    assert all(torch.equal(lent[k], kept[k]) for k in lent)
+
+
+def test_a_borrowed_load_of_another_dtype_is_copied(tokenizer) -> None:
+    engine = TorchEngine(build_model(tokenizer, seed=0), tokenizer)
+    lent = {k: v.to(torch.bfloat16) for k, v in _lent_copy(build_model(tokenizer, seed=1)).items()}
+    asyncio.run(engine.load_weights(lent, 1, borrow=True))
+    params = engine.model.state_dict()
+    assert all(params[k].dtype == torch.float32 for k in lent)
+    assert all(torch.equal(params[k], lent[k].float()) for k in lent)

@@ -185,9 +185,13 @@ class Engine(abc.ABC):
 
     # -- weight updates ------------------------------------------------------------------------
 
-    async def load_weights(self, named_tensors: NamedTensors, version: int) -> int:
+    async def load_weights(
+        self, named_tensors: NamedTensors, version: int, *, borrow: bool = False
+    ) -> int:
         """Load tensors held by this process (names as in the HF state dict); returns how many
-        were loaded. Only engines living in this process support it."""
+        were loaded. Only engines living in this process support it. `borrow`: the tensors stay
+        valid and unchanged until the next load (the weight-sync `EngineClient`'s contract), so
+        the engine may serve from them instead of copying them."""
         raise NotImplementedError(f"the {self.kind} engine cannot load in-process tensors")
 
     @abc.abstractmethod

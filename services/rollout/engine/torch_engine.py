@@ -18,9 +18,12 @@ completion's `version_end` records); `pause("abort")` ends every row with finish
 
 Weights arrive in this process: `kuberl.common.weights.EngineClient` receives a version over its
 transport (shared memory, a gloo / NCCL broadcast group, CUDA IPC, a snapshot stream) and calls
-`load_weights(named_tensors, version)`; `update_weights_from_disk` reads a safetensors folder.
-The engine therefore does not join broadcast groups itself (`init_weights_update_group` is the
-SGLang server's way, see `kuberl.rollout.engine.sglang`).
+`load_weights(named_tensors, version, borrow=True)`: the client's tensors stay valid until the
+next load (its double buffer, or the service's shared-memory file in place), so parameters whose
+dtype and device match are pointed at them (`load_state`): a load costs no copy on the engine's
+side. `update_weights_from_disk` reads a safetensors folder. The engine therefore does not join
+broadcast groups itself (`init_weights_update_group` is the SGLang server's way, see
+`kuberl.rollout.engine.sglang`).
 """
 
 from __future__ import annotations
@@ -94,6 +97,34 @@ def sample_tokens(
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 
 
+def load_state(
+    state: Mapping[str, torch.Tensor],
+    items: Sequence[tuple[str, torch.Tensor]],
+    *,
+    borrow: bool,
+    borrowed: bool,
+) -> bool:
+    """Put `items` into the model tensors `state` (a `state_dict(keep_vars=True)`); returns
+    whether any of them now points at memory lent by the caller.
+
+    `borrow`: the caller's tensors stay valid until the next load, so a tensor of the target's
+    dtype and device is taken as is (the parameter is pointed at it; no copy). Others are
+    copied. `borrowed`: whether the previous load lent memory; a copy then goes into fresh
+    storage rather than into the parameter's current storage, which belongs to the lender and
+    is about to be reused for a later version."""
+    lent = False
+    for name, tensor in items:
+        target = state[name]
+        if borrow and tensor.dtype == target.dtype and tensor.device == target.device:
+            target.data = tensor
+            lent = True
+        elif borrowed:
+            target.data = tensor.to(device=target.device, dtype=target.dtype, copy=True)
+        else:
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+    return lent
+
+
 @dataclass(eq=False)
 class _Request:
     rid: str
@@ -151,6 +182,8 @@ class TorchEngine(Engine):
             else (min(self.eos_token_ids) if self.eos_token_ids else 0)
         )
         self._version = version
+        #: Whether parameters point at tensors lent by the last `load_weights(borrow=True)`.
+        self._borrowed = False
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._cv = threading.Condition()
         self._queue: deque[_Row] = deque()
@@ -304,10 +337,12 @@ class TorchEngine(Engine):
 
     # -- weights ---------------------------------------------------------------------------------
 
-    async def load_weights(self, named_tensors: NamedTensors, version: int) -> int:
-        return await asyncio.to_thread(self._load_sync, named_tensors, version)
+    async def load_weights(
+        self, named_tensors: NamedTensors, version: int, *, borrow: bool = False
+    ) -> int:
+        return await asyncio.to_thread(self._load_sync, named_tensors, version, borrow)
 
-    def _load_sync(self, named_tensors: NamedTensors, version: int) -> int:
+    def _load_sync(self, named_tensors: NamedTensors, version: int, borrow: bool = False) -> int:
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         if version < self._version:
             raise EngineRejected(
@@ -329,14 +364,13 @@ class TorchEngine(Engine):
             raise EngineRejected(f"cannot load version {version}: " + "; ".join(parts))
         started = time.perf_counter()
         with self._step_lock, torch.no_grad():
-            for name, tensor in items:
-                target = state[name]
-                target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            self._borrowed = load_state(state, items, borrow=borrow, borrowed=self._borrowed)
             self._version = version
         log.info(
             "engine.weights_loaded",
             version=version,
             tensors=len(items),
+            borrowed=self._borrowed,
             seconds=round(time.perf_counter() - started, 4),
         )
         return len(items)
