@@ -190,3 +190,17 @@ def test_sigint_stops_every_process_of_the_run(tmp_path: Path) -> None:
         "interrupted",
         [],
     ), output[-3000:]
+
+
+@pytest.mark.slow
+def test_a_service_that_keeps_failing_ends_the_run_with_its_last_log_lines(tmp_path: Path) -> None:
+    job = _short_job(tmp_path, warm_start=False)
+    doc = yaml.safe_load(job.read_text())
+    doc["job"]["local"]["max_restarts"] = 1
+    doc["reward"]["custom"] = {"boom": {"function": "tests.e2e.no_such_module:score"}}
+    doc["reward"]["verifiers"] = {"boom": 1.0}
+    job.write_text(yaml.safe_dump(doc))
+    proc = _kuberl_run(job, tmp_path / "run")
+    out, _ = proc.communicate(timeout=300)
+    tail = out[out.find("the job cannot go on") :]
+    assert (proc.returncode, "reward" in out, "no_such_module" in tail) == (1, True, True), out
