@@ -325,8 +325,8 @@ class FrozenModel:
     """A frozen policy (the KL reference): forward only, never stepped.
 
     With ZeRO-3 it is partitioned like the policy (DeepSpeed inference engine with ZeRO-3, as
-    OpenRLHF does); otherwise it is a plain module on the device (or on the CPU with
-    `offload`), which is cheapest for small models.
+    OpenRLHF does); otherwise it is a plain module on the trainer's device, which is cheapest
+    for small models. It is never offloaded to the CPU (no ZeRO `offload_param`).
     """
 
     def __init__(

@@ -257,7 +257,9 @@ class Trainer:
         if self.tc.publish_weights and self.tc.mode != "eval":
             from kuberl.common.weights import WeightPublisher
 
-            self.publisher = WeightPublisher(self.config.endpoints.weight_sync)
+            self.publisher = WeightPublisher(
+                self.config.endpoints.weight_sync, **publisher_options(self.dist.device)
+            )
 
     @property
     def checkpoint_root(self) -> Path:
@@ -978,6 +980,18 @@ class Trainer:
         }
         with open(self._metrics_file, "a") as f:
             f.write(json.dumps(clean) + "\n")
+
+
+def publisher_options(device: torch.device) -> dict[str, Any]:
+    """How rank 0 offers its weights to weight-sync (`WeightPublisher` keyword arguments).
+
+    On a GPU, CUDA IPC comes first: an engine on the same host and GPU (`kuberl run --device
+    cuda`) then copies each version device to device from the trainer's GPU buckets, while the
+    host copy still goes to the service (shared memory, else a gRPC upload) for every other
+    engine. On the CPU there is nothing to share by CUDA IPC: shared memory or the upload."""
+    if device.type == "cuda":
+        return {"transports": ("cuda_ipc", "shm", "snapshot"), "device": str(device)}
+    return {"transports": ("shm", "snapshot"), "device": "cpu"}
 
 
 # Metrics that policy_loss_and_metrics aggregates with `global_count` (shares of the total).
