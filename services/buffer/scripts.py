@@ -26,12 +26,27 @@ local function num(v, default)
   if v then return tonumber(v) end
   return default
 end
+-- stream ids 'ms-seq': a before b
+local function id_before(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
+  return am < bm or (am == bm and as < bs)
+end
 """
 
 # Lease up to n prompts: first re-deliver leases idle for longer than the lease timeout
 # (XAUTOCLAIM), then new entries, as far as backpressure allows.
+# One XAUTOCLAIM looks at no more than COUNT*10 pending entries (every Redis that has it: 6.2,
+# the embedded one, and 7.x), and the pending list is in entry-id order, not expiry order: a
+# lease re-delivered earlier (an old id, a fresh deadline) sits in front of later ones.
+# So the script carries XAUTOCLAIM's cursor: it goes on from where the last call stopped
+# (`<kind>:claim_cursor` in state), wraps around once, and stops when it has n prompts, has
+# seen the whole pending list, or has spent the scan budget (ARGV[7] entries; the next call
+# goes on from there, so no expired lease waits forever behind live ones).
 # KEYS: prompt stream, state, prompt data, accepted, lease map, train groups, sft groups
-# ARGV: n, consumer, lease timeout ms, max in flight (-1: none), kind, requeue (0/1)
+# ARGV: n, consumer, lease timeout ms, max in flight (-1: none), kind, requeue (0/1),
+#       scan budget (pending entries)
 # Returns {"busy", inflight} or {"ok", exhausted, need_fill, policy_version,
 #          id, prompt id, epoch, deliveries, payload, ...}
 LEASE = (
@@ -46,22 +61,40 @@ local function done(id)
   redis.call('XDEL', stream, id)
 end
 -- 1. expired leases (a dead or slow rollout replica) go to this consumer.
-local claimed = redis.call('XAUTOCLAIM', stream, 'rollout', consumer, ARGV[3], '0-0', 'COUNT', n)
-local reclaimed = 0
-for _, e in ipairs(claimed[2]) do
-  if e and e[2] then
-    local f = fieldmap(e[2])
-    if redis.call('HEXISTS', accepted, f.p .. '@' .. f.e) == 1 then
-      done(e[1])
-    else
-      local pend = redis.call('XPENDING', stream, 'rollout', e[1], e[1], 1)
-      local deliveries = 1
-      if pend[1] then deliveries = pend[1][4] end
-      table.insert(out, {e[1], f.p, f.e, deliveries, redis.call('HGET', data, f.p) or ''})
-      reclaimed = reclaimed + 1
+local cursor_field = kind .. ':claim_cursor'
+local start = redis.call('HGET', state, cursor_field) or '0-0'
+local cursor, budget, reclaimed = start, tonumber(ARGV[7]), 0
+-- lap 1 runs from start to the end of the pending list, lap 2 from its head up to start.
+local lap = 1
+if start == '0-0' then lap = 2 end
+while #out < n and budget > 0 do
+  local want = n - #out
+  local claimed = redis.call('XAUTOCLAIM', stream, 'rollout', consumer, ARGV[3], cursor,
+                             'COUNT', want)
+  budget = budget - want * 10
+  for _, e in ipairs(claimed[2]) do
+    if e and e[2] then
+      local f = fieldmap(e[2])
+      if redis.call('HEXISTS', accepted, f.p .. '@' .. f.e) == 1 then
+        done(e[1])
+      else
+        local pend = redis.call('XPENDING', stream, 'rollout', e[1], e[1], 1)
+        local deliveries = 1
+        if pend[1] then deliveries = pend[1][4] end
+        table.insert(out, {e[1], f.p, f.e, deliveries, redis.call('HGET', data, f.p) or ''})
+        reclaimed = reclaimed + 1
+      end
     end
   end
+  cursor = claimed[1]
+  if cursor == '0-0' then
+    if lap == 2 then break end
+    lap = 2
+  elseif lap == 2 and start ~= '0-0' and not id_before(cursor, start) then
+    break
+  end
 end
+if cursor ~= start then redis.call('HSET', state, cursor_field, cursor) end
 -- 2. backpressure: leased prompts plus accepted-but-untrained groups stay <= limit.
 local room = n - #out
 if limit >= 0 then

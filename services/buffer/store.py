@@ -10,7 +10,8 @@ train prompts), each key prefixed by `kuberl:{<job>}:`:
 
 - `state` (hash): policy_version, seed, `<kind>:epochs` (epochs to queue), `<kind>:filled`
   (last epoch queued), `<kind>:epoch` / `<kind>:cursor` (epoch being handed out, prompts of it
-  handed out so far), and the job's counters `c:<kind>:<name>`.
+  handed out so far), `<kind>:claim_cursor` (where the next scan for expired leases goes on),
+  and the job's counters `c:<kind>:<name>`.
 - `datasets` (hash): dataset name -> JSON {path, kind, num_prompts, num_epochs}.
 - `prompt_data` (hash): prompt id (`<dataset>:<row>`) -> JSON {t: text, a: answer, m: metadata}.
 - `prompts:<kind>` (stream, consumer group `rollout`): one entry per prompt and epoch, queued one
@@ -186,6 +187,11 @@ def now_ms() -> int:
 
 class BufferStore:
     """One job's buffer state in Redis. All methods are safe to call from several replicas."""
+
+    # Pending leases one LeasePrompts may look at for expired ones (XAUTOCLAIM's COUNT*10 per
+    # call, see LEASE). Bounds the time the script holds Redis when many prompts are leased; a
+    # scan cut short goes on from there at the next call.
+    claim_scan_budget = 10_000
 
     def __init__(
         self,
@@ -443,7 +449,17 @@ class BufferStore:
         for _ in range(8):
             want = n - len(result.prompts)
             res = await self._script(
-                "LEASE", keys, [want, consumer, self.lease_timeout_ms, limit, kind, requeue]
+                "LEASE",
+                keys,
+                [
+                    want,
+                    consumer,
+                    self.lease_timeout_ms,
+                    limit,
+                    kind,
+                    requeue,
+                    self.claim_scan_budget,
+                ],
             )
             if res[0] == b"busy":
                 if not result.prompts:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -134,6 +135,11 @@ async def get(
 
 async def ack(svc: BufferService, batch_id: str) -> bpb.AckResponse:
     return await svc.Ack(bpb.AckRequest(batch_id=batch_id), None)  # type: ignore[arg-type]
+
+
+async def release(svc: BufferService, prompts: Any, consumer: str) -> int:
+    req = bpb.ReleasePromptsRequest(lease_ids=[p.lease_id for p in prompts], consumer=consumer)
+    return (await svc.ReleasePrompts(req, None)).released  # type: ignore[arg-type]
 
 
 async def stats(svc: BufferService) -> bpb.GetStatsResponse:
@@ -477,6 +483,67 @@ def test_released_prompts_go_to_the_next_client_at_once(redis_url: str, tmp_path
 
     ignored, mine, theirs = run(scenario())
     assert (ignored, theirs) == (0, mine)
+
+
+# One XAUTOCLAIM looks at no more than COUNT*10 pending entries in every Redis that has it (6.2,
+# the embedded 6.2.14, and 7.x), so these tests fail on either with a LEASE that makes one
+# XAUTOCLAIM from 0-0 (checked on 6.2.14 and 7.0.15). They check the behaviour, not the version.
+
+
+def test_an_expired_lease_behind_many_live_ones_is_redelivered_at_once(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """30 live leases (re-delivered ones, so their entry ids are older) sit in front of an
+    expired one in the pending list; a LeasePrompts of 1 (XAUTOCLAIM COUNT 1 scans 10) must
+    still find it at once, not hand out a new prompt instead."""
+    timeout = 2.0
+
+    async def scenario() -> tuple[str, list[tuple[str, int]], int]:
+        async with buffer(redis_url, tmp_path, prompts=50, lease_timeout_seconds=timeout) as svc:
+            await lease(svc, 30, "crowd")
+            crowd_at = time.monotonic()
+            await asyncio.sleep(timeout / 2)
+            dead = (await lease(svc, 1, "dead")).prompts[0]
+            dead_at = time.monotonic()
+            # The crowd's leases have expired, the dead one's not yet: "keeper" takes back the
+            # 30 (and 10 new prompts), so its scan runs to the tail and leaves the cursor at 0-0.
+            await asyncio.sleep(crowd_at + timeout + 0.05 - time.monotonic())
+            keeper = (await lease(svc, 40, "keeper")).prompts
+            await asyncio.sleep(dead_at + timeout + 0.05 - time.monotonic())
+            after = (await lease(svc, 1, "next")).prompts
+            taken_back = sum(p.delivery_count == 2 for p in keeper)
+            return dead.prompt_id, [(p.prompt_id, p.delivery_count) for p in after], taken_back
+
+    dead, after, taken_back = run(scenario())
+    assert (after, taken_back) == ([(dead, 2)], 30)
+
+
+def test_a_scan_for_expired_leases_cut_short_goes_on_where_it_stopped(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """With a scan budget of 10 pending entries per LeasePrompts, a lease released behind 30
+    live ones comes back on the 4th call (each call goes on from the last one's cursor); one
+    released in front of the carried cursor comes back at once (the scan wraps around)."""
+
+    async def scenario() -> tuple[list[tuple[str, int]], list[tuple[str, int]], str, str]:
+        async with buffer(redis_url, tmp_path, prompts=50) as svc:
+            crowd = (await lease(svc, 30, "crowd")).prompts
+            gone = (await lease(svc, 1, "gone")).prompts
+            await release(svc, gone, "gone")
+            svc.db.claim_scan_budget = 10
+            calls = [(await lease(svc, 1, "next")).prompts[0] for _ in range(4)]
+            svc.db.claim_scan_budget = 10_000
+            await release(svc, crowd[:1], "crowd")
+            wrapped = (await lease(svc, 1, "next")).prompts
+            return (
+                [(p.prompt_id, p.delivery_count) for p in calls],
+                [(p.prompt_id, p.delivery_count) for p in wrapped],
+                gone[0].prompt_id,
+                crowd[0].prompt_id,
+            )
+
+    calls, wrapped, gone, front = run(scenario())
+    assert ([d for _, d in calls[:3]], calls[3], wrapped) == ([1, 1, 1], (gone, 2), [(front, 2)])
 
 
 # -- policy version, exhausted, eval, sft ---------------------------------------------------------
