@@ -75,7 +75,9 @@ def _server_pid(host: str, port: int, password: str | None, timeout: float = 0.5
     """The process id of the Redis server answering on host:port, once it is done loading.
 
     Asking for the pid (INFO server) rather than PING makes sure the answer comes from the
-    server we started, not from another one that already holds the port.
+    server we started, not from another one that already holds the port. INFO is answered while
+    Redis is still replaying its AOF (every other command gets -LOADING), so `loading:0` of INFO
+    persistence is what says it is ready.
     """
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
@@ -84,18 +86,21 @@ def _server_pid(host: str, port: int, password: str | None, timeout: float = 0.5
                 pw = password.encode()
                 payload += b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw)
             payload += b"*2\r\n$4\r\nINFO\r\n$6\r\nserver\r\n"
+            payload += b"*2\r\n$4\r\nINFO\r\n$11\r\npersistence\r\n"
             sock.sendall(payload)
-            reply = b""
-            while b"process_id:" not in reply or not reply.endswith(b"\r\n\r\n"):
-                if reply.count(b"\r\n-") or reply.startswith(b"-"):
-                    return None  # -LOADING (AOF replay in progress) or an AUTH error
-                chunk = sock.recv(65536)
-                if not chunk:
-                    return None
-                reply += chunk
-            line = reply.split(b"process_id:", 1)[1].split(b"\r\n", 1)[0]
-            return int(line)
-    except (OSError, ValueError):
+            info = b""
+            with sock.makefile("rb") as replies:
+                if password and not replies.readline().startswith(b"+"):
+                    return None  # wrong password
+                for _ in range(2):
+                    head = replies.readline()
+                    if not head.startswith(b"$"):
+                        return None
+                    info += replies.read(int(head[1:]) + 2)
+            if b"\r\nloading:0\r\n" not in info:
+                return None
+            return int(info.split(b"process_id:", 1)[1].split(b"\r\n", 1)[0])
+    except (OSError, ValueError, IndexError):
         return None
 
 
@@ -244,7 +249,8 @@ class EmbeddedRedis:
         self.proc = None
 
     def kill(self) -> None:
-        """SIGKILL the server, as a crash would: up to ~1 s of writes may be lost (everysec)."""
+        """SIGKILL the server, as a crash would. The AOF is written before Redis replies, so only
+        writes held back behind a slow background fsync (everysec, at most ~2 s) can be lost."""
         if self.proc is None:
             return
         if self.proc.poll() is None:

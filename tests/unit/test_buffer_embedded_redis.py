@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from kuberl.common.redis_server import EmbeddedRedis, RedisServerError
+from kuberl.common.redis_server import EmbeddedRedis, RedisServerError, find_redis_server
 
 
 def test_start_returns_a_url_that_answers_and_keeps_its_port_across_restarts(
@@ -51,3 +51,21 @@ def test_a_taken_fixed_port_fails_with_the_server_log(tmp_path: Path) -> None:
         clash = EmbeddedRedis(tmp_path / "b", port=first.port, die_with_parent=True)
         with pytest.raises(RedisServerError, match="Address already in use"):
             clash.start()
+
+
+def test_start_returns_only_once_the_aof_is_replayed(tmp_path: Path) -> None:
+    # Redis answers INFO while it replays the AOF and -LOADING to everything else; a real
+    # redis-server with key-load-delay (a test setting of Redis: microseconds per command
+    # replayed) makes the replay of 4,000 SETs take about a second.
+    real = find_redis_server()
+    slow = tmp_path / "slow-redis-server"
+    slow.write_text(f'#!/bin/sh\nexec "{real}" "$@" --key-load-delay 250\n')
+    slow.chmod(0o755)
+    with EmbeddedRedis(tmp_path / "r", executable=str(slow), die_with_parent=True) as server:
+        pipe = redis.Redis.from_url(server.url).pipeline(transaction=False)
+        for i in range(4000):
+            pipe.set(f"k{i}", i)
+        pipe.execute()
+        server.restart()
+        size = redis.Redis.from_url(server.url).dbsize()
+    assert size == 4000
