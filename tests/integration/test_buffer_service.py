@@ -237,6 +237,33 @@ def test_stats_cli_prints_the_job_state_as_a_table(shared: tuple[ServiceProcess,
     assert (rows["prompts_total"], rows["epoch"], rows["exhausted"]) == ("32", "0", "False")
 
 
+def test_stats_cli_with_redis_reads_the_job_state_when_no_buffer_is_running(
+    redis_url: str, tmp_path: Path
+) -> None:
+    config = write_job(tmp_path, redis_url, prompts=5)
+    with start_buffer(config, tmp_path) as proc, Client(proc.address) as client:
+        client.complete(client.lease(3).prompts)
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "kuberl.cli", "buffer", "stats"),
+            *("--config", str(config), "--redis", "--json"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        check=True,
+    ).stdout
+    stats = json.loads(out)
+    assert (
+        stats["prompts_total"],
+        stats["cursor"],
+        stats["groups_pending"],
+        stats["counters"]["train:accepted"],
+        stats["exhausted"],
+    ) == (5, 3, 3, 3, False)
+
+
 def test_stale_groups_are_dropped_counted_and_their_prompts_requeued(
     redis_url: str, tmp_path: Path
 ) -> None:

@@ -223,6 +223,36 @@ def test_the_cli_scores_jsonl_from_stdin_one_line_per_input(tmp_path: Path) -> N
     assert out[1]["details"] == "gsm8k: read 7 (answer); gold 72"
 
 
+def test_the_cli_scores_with_the_custom_verifiers_and_settings_of_a_job_file(
+    tmp_path: Path,
+) -> None:
+    config = reward_job(
+        tmp_path,
+        custom={"exact": {"function": f"{PLUGINS}:exact_match"}},
+        format_pattern=r"^OK\b",
+    )
+    lines = [
+        {"id": "a", "response": "OK 72", "answer": "OK 72"},
+        {"id": "b", "response": "72", "answer": "OK 72"},
+    ]
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "kuberl.cli", "reward", "score", "--config", str(config)),
+            *("-v", "exact", "-v", "format=0.5"),
+        ],
+        input="".join(json.dumps(line) + "\n" for line in lines),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    out = [json.loads(line) for line in done.stdout.splitlines()]
+    assert (done.returncode, [(o["id"], o["reward"], o["breakdown"]) for o in out]) == (
+        0,
+        [("a", 1.5, {"exact": 1.0, "format": 1.0}), ("b", 0.0, {"exact": 0.0, "format": 0.0})],
+    ), done.stderr
+
+
 def test_the_cli_refuses_an_unknown_verifier_before_reading_input() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "kuberl.cli", "reward", "score", "--verifier", "nope"],
