@@ -401,6 +401,16 @@ def run_tests(job: dict[str, Any], ctx: dict[str, Any], started: float) -> list[
     solution = os.path.join(ctx["harness"], "solution.py")
     deadline_all = started + job["deadline_seconds"]
     results: list[dict] = []
+    # Every assert test is written before any program runs: the harness shares the run's tmpfs
+    # with the programs, and one that fills it must not leave the later tests unwritable (the
+    # whole run would fail). A program could read them all, but it can read its own test anyway.
+    paths: dict[int, str] = {}
+    for i, test in enumerate(job["tests"]):
+        if "assert" in test:
+            paths[i] = os.path.join(ctx["harness"], f"test_{i}.py")
+            with open(paths[i], "w") as f:
+                f.write(test["assert"])
+            os.chmod(paths[i], 0o444)
     for i, test in enumerate(job["tests"]):
         now = time.monotonic()
         if now >= deadline_all:
@@ -408,10 +418,7 @@ def run_tests(job: dict[str, Any], ctx: dict[str, Any], started: float) -> list[
             continue
         deadline = min(now + job["limits"]["wall_seconds"], deadline_all)
         if "assert" in test:
-            path = os.path.join(ctx["harness"], f"test_{i}.py")
-            with open(path, "w") as f:
-                f.write(test["assert"])
-            os.chmod(path, 0o444)
+            path = paths[i]
             read, write = os.pipe()
             argv = [*python, os.path.join(ctx["harness"], "runner.py"), str(write), solution, path]
             try:

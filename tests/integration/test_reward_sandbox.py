@@ -1,8 +1,8 @@
 """Attacks on the code sandbox through the real reward service (`kuberl serve reward` in a
-subprocess): an infinite loop, fork bombs, a memory bomb, writing outside its folder, reading the
-service's environment, opening network sockets, a huge stdout, killing its parent. Each is
-contained (nothing of it survives, nothing outside changes) and reported in the score, and the
-service keeps answering.
+subprocess): an infinite loop, fork bombs, a memory bomb, a 100 MB file, 10,000 open files,
+filling its private /tmp, writing outside its folder, reading the service's environment,
+opening network sockets, a huge stdout, killing its parent. Each is contained (nothing of it
+survives, nothing outside changes) and reported in the score, and the service keeps answering.
 
 Several attacks print a word that only a contained run can print, and their test expects it
 (stdin/stdout tests are judged outside the program): a reward of 1.0 there means "contained".
@@ -43,12 +43,15 @@ class Sandboxed:
     def __init__(self, proc: ServiceProcess, stub: reward_pb2_grpc.RewardServiceStub) -> None:
         self.proc, self.stub = proc, stub
 
-    def run(self, program: str, expected: str = "", stdin: str = "") -> reward_pb2.SampleScore:
-        """Score `program` with the code verifier on one stdin/stdout test."""
+    def run(
+        self, program: str, expected: str = "", stdin: str = "", tests: list | None = None
+    ) -> reward_pb2.SampleScore:
+        """Score `program` with the code verifier on one stdin/stdout test (or on `tests`)."""
+        tests = tests if tests is not None else [{"input": stdin, "output": expected}]
         sample = reward_pb2.Sample(
             sample_id="attack",
             response=f"```python\n{program}\n```",
-            metadata_json=json.dumps({"tests": [{"input": stdin, "output": expected}]}),
+            metadata_json=json.dumps({"tests": tests}),
             verifiers=["code"],
         )
         request = reward_pb2.ScoreRequest(samples=[sample])
@@ -158,6 +161,77 @@ def test_a_memory_bomb_hits_the_address_space_limit(sandbox: Sandboxed) -> None:
         1.0,
         True,
     )
+    assert sandbox.still_answers()
+
+
+def test_a_100_mb_file_is_cut_off_at_the_file_size_limit(sandbox: Sandboxed) -> None:
+    # RLIMIT_FSIZE (max_file_bytes, 8 MiB by default): Python ignores SIGXFSZ, so the write that
+    # would pass the limit fails with EFBIG and the program ends with that error.
+    program = (
+        "with open('big.bin', 'wb') as f:\n"
+        "    for _ in range(120):\n"
+        "        f.write(b'x' * 2**20)\n"
+        "        f.flush()\n"
+    )
+    score = sandbox.run(program, expected="")
+    assert (score.reward, score.breakdown["code/runtime_error"], score.error) == (0.0, 1.0, "")
+    assert "File too large" in score.details, score.details
+    assert sandbox.processes() == []
+    assert sandbox.still_answers()
+
+
+def test_opening_10k_files_stops_at_the_open_files_limit(sandbox: Sandboxed) -> None:
+    # RLIMIT_NOFILE (max_open_files, 64 by default).
+    program = "files = [open(f'f{i}', 'w') for i in range(10_000)]\nprint(len(files))"
+    score = sandbox.run(program, expected="10000")
+    assert (score.reward, score.breakdown["code/runtime_error"], score.error) == (0.0, 1.0, "")
+    assert "Too many open files" in score.details, score.details
+    assert sandbox.processes() == []
+    assert sandbox.still_answers()
+
+
+@pytest.mark.skipif(not ROOT, reason="the private /tmp needs a mount namespace (root)")
+def test_filling_its_private_tmp_fails_inside_and_fills_nothing_outside(
+    sandbox: Sandboxed,
+) -> None:
+    # /tmp of a run is a tmpfs of tmpfs_bytes (64 MiB by default); files of 4 MiB stay below
+    # the file size limit, so the tmpfs filling up is what stops the program (ENOSPC).
+    prefix = f"kuberl-fill-{uuid.uuid4().hex}-"
+    program = (
+        "n = 0\n"
+        "while True:\n"
+        f"    with open(f'/tmp/{prefix}{{n}}', 'wb') as f:\n"
+        "        f.write(b'x' * 4 * 2**20)\n"
+        "    n += 1\n"
+    )
+    score = sandbox.run(program, expected="")
+    outside = [p for p in os.listdir("/tmp") if p.startswith(prefix)]
+    assert (score.reward, score.breakdown["code/runtime_error"], outside) == (0.0, 1.0, [])
+    assert "No space left on device" in score.details, score.details
+    assert sandbox.processes() == []
+    assert sandbox.still_answers()
+
+
+@pytest.mark.skipif(not ROOT, reason="the private /tmp needs a mount namespace (root)")
+def test_a_program_that_fills_its_tmp_still_gets_every_test_judged(sandbox: Sandboxed) -> None:
+    # The harness keeps its files (the assert tests) on the same tmpfs: a program that fills it
+    # in its first test must not leave the later tests unrunnable.
+    program = (
+        "import errno\n"
+        "try:\n"
+        "    n = 0\n"
+        "    while True:\n"
+        "        with open(f'/tmp/fill-{n}', 'wb') as f:\n"
+        "            f.write(b'x' * 4 * 2**20)\n"
+        "        n += 1\n"
+        "except OSError as exc:\n"
+        "    full = exc.errno == errno.ENOSPC\n"
+        "def add(a, b):\n"
+        "    return a + b\n"
+    )
+    tests = [{"assert": "assert full"}, {"assert": "assert add(1, 2) == 3"}]
+    score = sandbox.run(program, tests=tests)
+    assert (score.reward, score.details, score.error) == (1.0, "code: 2/2 passed", "")
     assert sandbox.still_answers()
 
 
