@@ -34,8 +34,8 @@ import yaml
 from kuberl.api.reward.v1 import reward_pb2, reward_pb2_grpc
 from kuberl.common.channels import sync_channel, wait_serving
 from kuberl.common.config import SandboxConfig
+from kuberl.common.sandbox import Sandbox
 from kuberl.reward.sample import RewardSample
-from kuberl.reward.sandbox import Sandbox
 from kuberl.reward.verifiers import code, gsm8k
 
 GSM8K_TEST = Path("/work/shared/data/gsm8k/test.jsonl")
@@ -73,7 +73,7 @@ def direct_gsm8k(samples: list[RewardSample]) -> tuple[float, float]:
 
 
 async def _direct_code(samples: list[RewardSample], sandbox: SandboxConfig) -> float:
-    box = Sandbox(sandbox)
+    box = Sandbox(sandbox, setting="reward.sandbox")
 
     async def one(sample: RewardSample) -> float:
         run = await box.run(

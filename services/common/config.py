@@ -316,7 +316,9 @@ class VerifierSpec(Section):
 
 
 class SandboxConfig(Section):
-    """Limits of the `code` verifier's sandbox (`kuberl.reward.sandbox`), per test program."""
+    """Limits and isolation of a code sandbox (`kuberl.common.sandbox`), per program: the reward
+    service's `code` verifier (`reward.sandbox`) and the rollout `python` tool
+    (`rollout.multi_turn.sandbox`) each have one."""
 
     cpu_seconds: int = Field(5, ge=1, description="RLIMIT_CPU of each test program.")
     memory_bytes: int = Field(
@@ -325,29 +327,36 @@ class SandboxConfig(Section):
     max_processes: int = Field(
         16,
         ge=1,
-        description="RLIMIT_NPROC: processes (and threads) a test program may have at once.",
+        description="RLIMIT_NPROC: processes (and threads) a program may have at once.",
     )
     max_file_bytes: int = Field(
         8 * 1024 * 1024, ge=1024, description="RLIMIT_FSIZE: largest file a program may write."
     )
     max_open_files: int = Field(64, ge=8, description="RLIMIT_NOFILE.")
     wall_seconds: float = Field(
-        10.0, gt=0, description="Wall-clock limit of one test program; its processes are killed."
+        10.0,
+        gt=0,
+        description="Wall-clock limit of one program (one test; for the python tool, at most "
+        "multi_turn.tool_timeout_seconds); its processes are killed.",
     )
     max_output_bytes: int = Field(
         1024 * 1024,
         ge=1024,
-        description="Stdout kept per test program; a program writing more is killed and fails.",
+        description="Stdout kept per program; a program writing more is killed and fails.",
     )
     max_concurrent: int = Field(
-        2, ge=1, description="Sandboxed runs (samples) executing at the same time."
+        2,
+        ge=1,
+        description="Sandboxed runs (reward samples, python tool calls) executing at the same "
+        "time; more wait for a free slot.",
     )
     uid_base: int = Field(
         61000,
         ge=1000,
         description="When the service runs as root, each concurrent run executes as its own "
-        "uid/gid, the first max_concurrent ids from uid_base up that no other reward service on "
-        "the host holds (claimed with lock files): these ids must belong to nobody else.",
+        "uid/gid, the first max_concurrent ids from uid_base up that no other sandbox (reward or "
+        "rollout service) on the host holds (claimed with lock files): these ids must belong to "
+        "nobody else.",
     )
     tmpfs_bytes: int = Field(
         64 * 1024 * 1024,
@@ -540,6 +549,12 @@ class MultiTurnConfig(Section):
     )
     max_total_tokens: int = Field(
         0, ge=0, description="Response budget over all turns (0 = sampling.max_new_tokens)."
+    )
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig,
+        description="Where the `python` tool runs model-written code: a separate process per "
+        "call with its own network namespace, private /tmp and dedicated uid where the host "
+        "allows it (see docs/rollout.md); unused unless `tools` lists python.",
     )
 
 

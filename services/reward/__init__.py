@@ -3,6 +3,6 @@
 `server.py` is the gRPC `RewardService` (Score, ListVerifiers) that `kuberl serve reward` runs;
 `scorer.py` combines verifiers per job and per sample, with timeouts and fallbacks; `pool.py`
 runs CPU-bound verifiers in worker processes (`worker.py`) that are killed and replaced when they
-hang; `sandbox.py` runs generated code under resource limits; `verifiers/` holds the built-in
-verifiers; `cli.py` adds `kuberl reward score`. See docs/reward.md.
+hang; generated code runs in the shared sandbox (`kuberl.common.sandbox`); `verifiers/` holds
+the built-in verifiers; `cli.py` adds `kuberl reward score`. See docs/reward.md.
 """

@@ -28,9 +28,9 @@ from kuberl.common import metrics
 from kuberl.common.config import BUILTIN_VERIFIERS, JobConfig
 from kuberl.common.errors import InvalidArgument
 from kuberl.common.logs import get_logger
+from kuberl.common.sandbox import BACKSTOP_SECONDS, Sandbox, SandboxError
 from kuberl.reward.pool import WorkerPool
 from kuberl.reward.sample import RewardSample
-from kuberl.reward.sandbox import BACKSTOP_SECONDS, Sandbox
 from kuberl.reward.verifiers import BUILTINS, Backend, Verdict, VerifierFailure, as_verdict
 from kuberl.reward.verifiers import code as code_verifier
 from kuberl.reward.verifiers import custom as custom_verifier
@@ -104,7 +104,7 @@ class Scorer:
         self.job = job
         self.config = job.reward
         self.pool = WorkerPool(self.config.workers, job.model_dump_json(), self.timeout)
-        self.sandbox = Sandbox(self.config.sandbox)
+        self.sandbox = Sandbox(self.config.sandbox, setting="reward.sandbox")
         self.reward_model = (
             RewardModel(self.config.reward_model) if self.config.reward_model else None
         )
@@ -278,7 +278,10 @@ class Scorer:
         program = code_verifier.extract_code(sample.response)
         if not program.strip():
             return Verdict(0.0, {"passed": 0.0, "total": float(len(tests))}, "no code found")
-        run = await self.sandbox.run(program, tests, self.timeout)
+        try:
+            run = await self.sandbox.run(program, tests, self.timeout)
+        except SandboxError as exc:
+            raise VerifierFailure(exc.reason, exc.message) from None
         for result in run.results:
             _sandbox_tests.labels(result["status"]).inc()
         return code_verifier.verdict(run.results)

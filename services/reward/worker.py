@@ -110,7 +110,7 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
 
 
 def main() -> None:
-    from kuberl.reward.sandbox import protect_process
+    from kuberl.common.sandbox import protect_process
 
     setup_logging("reward-worker")
     protect_process()

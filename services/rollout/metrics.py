@@ -80,3 +80,9 @@ TOOL_CALLS = metrics.counter(
     "Tool calls of multi-turn rollouts by tool and outcome (ok, error, timeout, bad_call)",
     ["tool", "outcome"],
 )
+TOOL_SANDBOX_ISOLATED = metrics.gauge(
+    "kuberl_rollout_tool_sandbox_isolated",
+    "1 where the python tool's sandbox has this isolation (network, files, uid), else 0; set "
+    "when the tool is first used or the replica starts with it",
+    ["aspect"],
+)

@@ -31,12 +31,7 @@ from kuberl.rollout.tools import (
 
 def tool_registry(ctx: RolloutContext) -> ToolRegistry:
     if ctx.tools is None:
-        mt = ctx.config.rollout.multi_turn
-        ctx.tools = ToolRegistry(
-            mt.tools,
-            timeout_seconds=mt.tool_timeout_seconds,
-            max_output_chars=mt.max_tool_output_chars,
-        )
+        ctx.tools = ToolRegistry.from_config(ctx.config.rollout.multi_turn)
     tools: ToolRegistry = ctx.tools
     return tools
 

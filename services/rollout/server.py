@@ -3,9 +3,10 @@
 `start()` resolves the job's model (`kuberl.common.modelbuild.resolve_model`: `model.path`, or a
 locally built one), builds the engine (`rollout.engine`), waits for the buffer and the reward
 service, registers with weight-sync and catches up to its current version (so a replica joining
-mid-job never generates with stale initial weights), then starts `RolloutWorker.run`. Health says
-SERVING only after all of that. `stop()` (after SIGTERM) drains: no new leases, in-flight prompts
-finish within `rollout.drain_seconds` or are released to the buffer.
+mid-job never generates with stale initial weights), probes the `python` tool's sandbox when
+the job uses it, then starts `RolloutWorker.run`. Health says SERVING only after all of that.
+`stop()` (after SIGTERM) drains: no new leases, in-flight prompts finish within
+`rollout.drain_seconds` or are released to the buffer.
 
 The `RolloutService` RPCs: `GetStatus`; `Pause` / `Resume`; `Drain` (drain, answer, then exit
 as on SIGTERM); `NotifyWeightsUpdate` (weight-sync's push of an update instruction, queued in
@@ -172,6 +173,8 @@ class RolloutService(Service):
             reward=reward_pb2_grpc.RewardServiceStub(reward_channel),
             replica_id=self.replica_id,
         )
+        if self.worker.ctx.tools is not None:  # the python tool's sandbox, probed before serving
+            await self.worker.ctx.tools.start()
         self._run = asyncio.create_task(self.worker.run())
         log.info("replica.started", replica=self.replica_id, version=self.engine.version)
 

@@ -9,39 +9,42 @@ tool, an exception, a timeout — becomes a short error text for the model rathe
 Built-in tools:
 - `calculator`: arithmetic on numbers with + - * / // % ** and parentheses, evaluated from the
   Python AST (no `eval`), with limits on exponent and result size.
-- `python`: runs a snippet in a fresh `python -I` subprocess in an empty temporary directory with
-  a scrubbed environment and rlimits (CPU seconds, address space, file size, open files,
-  processes) in its own process group, killed whole at the timeout; stdout and the last line of
-  stderr come back truncated. It bounds resources only: it does not hide the file system or the
-  network, so run rollout in a locked-down container when models execute untrusted code.
-Custom tools are `module:function` taking the `arguments` dict and returning a string.
+- `python` (`PythonTool`): runs a snippet in the sandbox the reward service's `code` verifier
+  uses (`kuberl.common.sandbox`, configured by `rollout.multi_turn.sandbox`): a separate process
+  per call with its own network namespace, private /tmp and dedicated uid where the host allows
+  them, rlimits and a scrubbed environment, everything it started killed at the timeout; stdout
+  and the last line of stderr come back truncated.
+Custom tools are `module:function` taking the `arguments` dict and returning a string (or an
+`async def` doing so, cancelled at the timeout).
 """
 
 from __future__ import annotations
 
 import ast
 import asyncio
+import inspect
 import json
 import math
 import operator
-import os
 import re
-import signal
-import subprocess
-import sys
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kuberl.common.config import MultiTurnConfig, SandboxConfig
+from kuberl.common.logs import get_logger
 from kuberl.common.plugins import load_plugin
+from kuberl.common.sandbox import Sandbox, SandboxError
 from kuberl.rollout import metrics as m
+
+log = get_logger(__name__)
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 _CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 
 ToolFn = Callable[[dict[str, Any]], str]
+AsyncToolFn = Callable[[dict[str, Any]], Awaitable[str]]
 
 
 @dataclass
@@ -143,93 +146,187 @@ def calculator_tool(arguments: dict[str, Any]) -> str:
 
 # -- python sandbox ----------------------------------------------------------------------------
 
-
-@dataclass
-class PythonLimits:
-    cpu_seconds: int = 5
-    memory_bytes: int = 512 * 1024 * 1024
-    file_bytes: int = 1024 * 1024
-    open_files: int = 32
-    processes: int = 16
+# Seconds the sandbox launcher gets beyond the program's wall clock to set up its namespaces and
+# report back.
+LAUNCH_SECONDS = 2.0
 
 
-# Runs first in the child interpreter: sets the limits, then executes the snippet (argv[1]).
-# Limits are set here rather than in a preexec_fn, which is unsafe in a threaded parent.
-_LAUNCHER = """
-import resource, sys
-for name, value in {limits!r}:
-    resource.setrlimit(getattr(resource, name), (value, value))
-source = sys.argv.pop(1)
-exec(compile(source, "<tool>", "exec"), {{"__name__": "__main__"}})
-"""
+class ToolTimeout(Exception):
+    """A tool ran out of time; `text` is what the model is shown (partial output included)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+
+class PythonTool:
+    """The `python` tool: runs a snippet in `kuberl.common.sandbox` and answers its stdout (and
+    the last line of stderr when it fails), truncated to `max_chars`.
+
+    Each call is a fresh `python -I -S` in its own sandbox run: a new network namespace, a
+    private /tmp holding its empty working directory, a dedicated uid, rlimits and a scrubbed
+    environment where the host allows them (the fallbacks are the reward sandbox's, see
+    docs/reward.md). The program gets `timeout` seconds of wall clock once a sandbox slot is
+    free; then everything it started is killed and the call raises `ToolTimeout`.
+    """
+
+    def __init__(
+        self,
+        config: SandboxConfig,
+        *,
+        timeout: float,
+        max_chars: int = 4096,
+        setting: str = "rollout.multi_turn.sandbox",
+    ) -> None:
+        self.config = config
+        self.timeout = min(timeout, config.wall_seconds)
+        self.max_chars = max_chars
+        self.sandbox = Sandbox(config, setting=setting)
+        self._started = False
+        self._starting = asyncio.Lock()
+
+    async def start(self) -> dict[str, str]:
+        """Probe the sandbox once: log and export its isolation; with `require_isolation`,
+        RuntimeError unless it has its own network namespace and a dedicated uid."""
+        async with self._starting:
+            if not self._started:
+                await self._probe()
+                self._started = True
+        return self.sandbox.isolation
+
+    async def _probe(self) -> None:
+        isolation = await self.sandbox.probe()
+        for aspect, good in (("network", "namespace"), ("files", "private"), ("uid", "dedicated")):
+            m.TOOL_SANDBOX_ISOLATED.labels(aspect).set(float(isolation.get(aspect) == good))
+        if self.sandbox.fully_isolated:
+            log.info("tool.python.isolation", **isolation)
+        elif self.config.require_isolation:
+            raise RuntimeError(
+                f"{self.sandbox.setting}.require_isolation is set but the python tool's sandbox "
+                f"only gets {isolation} here (needs root and network namespaces)"
+            )
+        else:
+            log.warning("tool.python.weak_isolation", **isolation)
+
+    async def __call__(self, arguments: dict[str, Any]) -> str:
+        code = arguments.get("code", arguments.get("input"))
+        if not isinstance(code, str):
+            raise ValueError('python needs {"code": "<python source>"}')
+        await self.start()
+        try:
+            out = await self.sandbox.execute(
+                code, timeout=self.timeout + LAUNCH_SECONDS, wall_seconds=self.timeout
+            )
+        except SandboxError as exc:
+            if exc.reason == "timeout":
+                raise ToolTimeout(f"TimeoutError: killed after {self.timeout:g}s") from None
+            raise RuntimeError(exc.message) from None
+        text = out.stdout.strip()
+        if out.status == "timeout":
+            tail = f"TimeoutError: killed after {self.timeout:g}s"
+            if out.detail.startswith("used its"):
+                tail = f"TimeoutError: {out.detail}"
+            raise ToolTimeout(_truncate(f"{text}\n{tail}" if text else tail, self.max_chars))
+        if out.status == "output_limit":
+            text += f"\nerror: output cut off ({out.detail})"
+        elif out.returncode != 0:
+            err = out.stderr.strip().splitlines()
+            last = err[-1] if err else f"exited with {out.returncode}"
+            text = f"{text}\n{last}" if text else last
+        return _truncate(text, self.max_chars)
+
+    def close(self) -> None:
+        self.sandbox.close()
 
 
 def run_python(
-    code: str, *, timeout: float = 5.0, limits: PythonLimits | None = None, max_chars: int = 4096
+    code: str,
+    *,
+    timeout: float = 5.0,
+    config: SandboxConfig | None = None,
+    max_chars: int = 4096,
 ) -> str:
-    """Run code in a fresh isolated interpreter; its stdout (+ stderr on failure), truncated."""
-    limits = limits or PythonLimits(cpu_seconds=max(1, math.ceil(timeout)))
-    rlimits = [
-        ("RLIMIT_CPU", limits.cpu_seconds),
-        ("RLIMIT_AS", limits.memory_bytes),
-        ("RLIMIT_FSIZE", limits.file_bytes),
-        ("RLIMIT_NOFILE", limits.open_files),
-        ("RLIMIT_NPROC", limits.processes),
-    ]
-    launcher = _LAUNCHER.format(limits=rlimits)
-    with tempfile.TemporaryDirectory(prefix="kuberl-tool-") as cwd:
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", launcher, code],
-            cwd=cwd,
-            env={"PATH": "/usr/bin:/bin", "HOME": cwd, "LANG": "C.UTF-8"},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # its own process group, killed whole on timeout
-        )
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, _ = proc.communicate()
-            out = stdout.decode(errors="replace")
-            return _truncate(out + f"\nTimeoutError: killed after {timeout:g}s", max_chars)
-    out = stdout.decode(errors="replace").strip()
-    if proc.returncode != 0:
-        err = stderr.decode(errors="replace").strip().splitlines()
-        out = (out + "\n" if out else "") + (err[-1] if err else f"exited with {proc.returncode}")
-    return _truncate(out, max_chars)
-
-
-def python_tool(arguments: dict[str, Any]) -> str:
-    code = arguments.get("code", arguments.get("input"))
-    if not isinstance(code, str):
-        raise ValueError('python needs {"code": "<python source>"}')
-    return run_python(code)
+    """Run code once in a fresh sandbox and return what the `python` tool would answer (a
+    timeout included); for scripts and tests, the rollout keeps one `PythonTool`."""
+    tool = PythonTool(
+        config or SandboxConfig(cpu_seconds=max(1, math.ceil(timeout)), max_concurrent=1),
+        timeout=timeout,
+        max_chars=max_chars,
+    )
+    try:
+        return asyncio.run(tool({"code": code}))
+    except ToolTimeout as exc:
+        return exc.text
+    finally:
+        tool.close()
 
 
 def _truncate(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 15] + "\n...[truncated]"
 
 
-BUILTIN_TOOLS: dict[str, ToolFn] = {"calculator": calculator_tool, "python": python_tool}
+BUILTIN_TOOLS: dict[str, ToolFn] = {"calculator": calculator_tool}
 
 
 class ToolRegistry:
-    """The tools of a job (`rollout.multi_turn.tools`), run with a timeout and output limit."""
+    """The tools of a job (`rollout.multi_turn.tools`), run with a timeout and output limit.
+
+    Plain functions run in a thread (at the timeout the registry stops waiting, but a thread
+    cannot be killed); `async def` tools are cancelled at the timeout; the `python` tool keeps
+    its own wall clock, counted once its sandbox slot is free.
+    """
 
     def __init__(
-        self, specs: Sequence[str], *, timeout_seconds: float = 5.0, max_output_chars: int = 1024
+        self,
+        specs: Sequence[str],
+        *,
+        timeout_seconds: float = 5.0,
+        max_output_chars: int = 1024,
+        sandbox: SandboxConfig | None = None,
     ) -> None:
-        self.tools: dict[str, ToolFn] = {}
+        self.tools: dict[str, ToolFn | AsyncToolFn] = {}
+        self.python: PythonTool | None = None
         for spec in specs:
-            if spec in BUILTIN_TOOLS:
+            if spec == "python":
+                self.python = PythonTool(
+                    sandbox or SandboxConfig(),
+                    timeout=timeout_seconds,
+                    max_chars=max_output_chars,
+                )
+                self.tools[spec] = self.python
+            elif spec in BUILTIN_TOOLS:
                 self.tools[spec] = BUILTIN_TOOLS[spec]
             else:
                 fn = load_plugin(spec, kind="tool", params=["arguments"])
                 self.tools[spec.rpartition(":")[2]] = fn
         self.timeout_seconds = timeout_seconds
         self.max_output_chars = max_output_chars
+
+    @classmethod
+    def from_config(cls, config: MultiTurnConfig) -> ToolRegistry:
+        return cls(
+            config.tools,
+            timeout_seconds=config.tool_timeout_seconds,
+            max_output_chars=config.max_tool_output_chars,
+            sandbox=config.sandbox,
+        )
+
+    async def start(self) -> None:
+        """Probe the python tool's sandbox (when the job uses it) before the first call."""
+        if self.python is not None:
+            await self.python.start()
+
+    def close(self) -> None:
+        if self.python is not None:
+            self.python.close()
+
+    async def _call(self, name: str, arguments: dict[str, Any]) -> Any:
+        fn = self.tools[name]
+        if fn is self.python:
+            return await self.python(arguments)
+        if inspect.iscoroutinefunction(fn):
+            return await asyncio.wait_for(fn(arguments), self.timeout_seconds)
+        return await asyncio.wait_for(asyncio.to_thread(fn, arguments), self.timeout_seconds)
 
     async def run(self, call: ToolCall) -> tuple[str, str]:
         """(output text for the model, outcome: ok / error / timeout / bad_call)."""
@@ -240,11 +337,9 @@ class ToolRegistry:
             text = f"error: unknown tool {call.name!r}; available: {', '.join(sorted(self.tools))}"
         else:
             try:
-                result = await asyncio.wait_for(
-                    asyncio.to_thread(self.tools[call.name], call.arguments),
-                    self.timeout_seconds,
-                )
-                outcome, text = "ok", str(result)
+                outcome, text = "ok", str(await self._call(call.name, call.arguments))
+            except ToolTimeout as exc:
+                outcome, text = "timeout", exc.text
             except TimeoutError:
                 outcome, text = "timeout", f"error: {call.name} timed out"
             except Exception as exc:  # the tool's own failure is the model's feedback

@@ -136,12 +136,7 @@ class RolloutWorker:
         if self.rc.multi_turn.enabled and not self.rc.rollout_function:
             from kuberl.rollout.tools import ToolRegistry
 
-            mt = self.rc.multi_turn
-            tools = ToolRegistry(
-                mt.tools,
-                timeout_seconds=mt.tool_timeout_seconds,
-                max_output_chars=mt.max_tool_output_chars,
-            )
+            tools = ToolRegistry.from_config(self.rc.multi_turn)
         self.ctx = RolloutContext(
             engine=engine,
             tokenizer=tokenizer,

@@ -27,7 +27,7 @@ import pytest
 
 from kuberl.api.reward.v1 import reward_pb2, reward_pb2_grpc
 from kuberl.common.channels import sync_channel
-from kuberl.reward.sandbox import LAUNCHER, default_python
+from kuberl.common.sandbox import LAUNCHER, default_python
 from tests.integration.test_reward_service import reward_job
 from tests.support import REPO, ServiceProcess
 

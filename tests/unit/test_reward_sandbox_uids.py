@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kuberl.reward import sandbox
-from kuberl.reward.sandbox import claim_uids
+from kuberl.common import sandbox
+from kuberl.common.sandbox import claim_uids
 
 
 def test_two_claimants_get_disjoint_uids_in_order(tmp_path: Path) -> None:
@@ -25,7 +25,7 @@ def test_uids_of_a_killed_holder_are_free_again(tmp_path: Path) -> None:
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path; "
-            "from kuberl.reward.sandbox import claim_uids; "
+            "from kuberl.common.sandbox import claim_uids; "
             f"claim_uids(61000, 2, Path({str(tmp_path)!r})); print('held', flush=True); "
             "time.sleep(60)",
         ],

@@ -6,7 +6,7 @@ A verifier turns one `RewardSample` into a score. Pure-Python verifiers are plai
 - `pool`: CPU-bound, run in the service's worker processes (a hang is cut off by killing the
   worker): gsm8k, math, format, regex, and custom synchronous functions;
 - `inline`: arithmetic on the sample, computed in the service itself: length;
-- `sandbox`: code execution in `kuberl.reward.sandbox`: code;
+- `sandbox`: code execution in `kuberl.common.sandbox`: code;
 - `model`: the batched reward model: rm;
 - `async`: custom `async def` functions, awaited on the service's event loop.
 """

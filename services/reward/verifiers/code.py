@@ -2,7 +2,7 @@ r"""The `code` verifier: which of the sample's tests the response's program pass
 
 The program is the last fenced code block of the response labelled `python`, `py`, `python3`
 or not labelled at all (```` ```python ... ``` ````); a response without a fence is taken whole.
-It runs in `kuberl.reward.sandbox` (Python 3 standard library; see there for the isolation) and
+It runs in `kuberl.common.sandbox` (Python 3 standard library; see there for the isolation) and
 the reward is the fraction of tests passed. A program that loops, exhausts memory, forks without
 end, writes too much or crashes simply fails the test concerned; only a sandbox that cannot run
 at all is a verifier error.

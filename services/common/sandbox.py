@@ -1,24 +1,27 @@
-"""Running untrusted code for the `code` verifier, from the reward service's event loop.
+"""Running untrusted Python in a separate, isolated process, from a service's event loop.
 
-`Sandbox.run` starts `sandbox_launcher.py` (see its docstring for the isolation: namespaces,
-dedicated uid, rlimits, process-tree cleanup) as a separate process in its own session with a
-scrubbed environment, sends it the program and its tests, and reads back one result per test.
-At most `max_concurrent` runs execute at once; each holds a slot, which owns one dedicated uid
-when the service runs as root, so runs never share a uid. The uids are claimed with lock files
-(`claim_uids`), so two reward services on one host (local mode, tests, a node without PID
-namespaces per pod) never hand the same uid to their programs either. The launcher enforces
-the per-test wall clock and the run's deadline itself; if it still overruns (it should not),
-the service kills its process group and every process of the run's uid, and the sample fails
-with a timeout.
+Two services use it: the reward service's `code` verifier (`Sandbox.run`: a program against its
+tests, `reward.sandbox`) and the rollout service's `python` tool (`Sandbox.execute`: a snippet
+run once, its raw output back, `rollout.multi_turn.sandbox`). Each run starts
+`sandbox_launcher.py` (see its docstring for the isolation: namespaces, dedicated uid, rlimits,
+process-tree cleanup) as a separate process in its own session with a scrubbed environment,
+sends it the job and reads back one JSON report. At most `max_concurrent` runs execute at once;
+each holds a slot, which owns one dedicated uid when the service runs as root, so runs never
+share a uid. The uids are claimed with lock files (`claim_uids`), so two sandboxes on one host
+(reward and rollout services side by side in local mode, tests, a node without PID namespaces per
+pod) never hand the same uid to their programs either. The launcher enforces the per-program
+wall clock and the run's deadline itself; if it still overruns (it should not), the service kills
+its process group and every process of the run's uid, and the run fails with a timeout
+(`SandboxError`).
 
 `Sandbox.probe` runs one trivial program at start-up and reports which isolation the host
-allows; with `require_isolation` a host without network namespaces or root refuses to start.
+allows; the caller decides whether that is enough (`require_isolation`).
 
 Fallback where the kernel refuses namespaces (or without root): the code keeps the pod's
-network (deny egress with a NetworkPolicy on the reward pods), runs as the service's uid (so it
-could read the files the service can read, and NPROC counts the service's processes too), and
-its processes are still limited and killed after every test. The service and its workers then
-make themselves non-dumpable, so code of the same uid cannot read their /proc environ or memory.
+network (deny egress with a NetworkPolicy), runs as the service's uid (so it could read the files
+the service can read, and NPROC counts the service's processes too), and its processes are still
+limited and killed after every program. Creating a `Sandbox` then makes the service process
+non-dumpable, so code of the same uid cannot read its /proc environ or memory.
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ from typing import Any
 
 from kuberl.common.config import SandboxConfig
 from kuberl.common.logs import get_logger
-from kuberl.reward.verifiers import VerifierFailure
 
 log = get_logger(__name__)
 
@@ -52,11 +54,36 @@ BACKSTOP_SECONDS = 3.0
 PR_SET_DUMPABLE = 4
 
 
+class SandboxError(Exception):
+    """A run produced no report: `reason` is `timeout` (the launcher overran its deadline and
+    was killed) or `sandbox` (the launcher itself failed); the message says what happened."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
 @dataclass
 class SandboxRun:
     """Per-test results (`status`, `detail`) of one run and the isolation it had."""
 
     results: list[dict[str, str]]
+    isolation: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+@dataclass
+class SandboxOutput:
+    """What one `execute` produced. `status`: `exited` (see `returncode`), `timeout` (wall
+    clock or CPU time, `detail` says which) or `output_limit` (stdout passed
+    `max_output_bytes`; what came before is kept)."""
+
+    status: str
+    returncode: int
+    stdout: str
+    stderr: str  # the last 4 KiB
+    detail: str = ""
     isolation: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -99,7 +126,12 @@ UID_LOCK_DIR = Path(tempfile.gettempdir()) / "kuberl-sandbox-uids"
 UID_SEARCH_SPAN = 4096
 
 
-def claim_uids(base: int, count: int, lock_dir: Path = UID_LOCK_DIR) -> tuple[list[int], list[int]]:
+def claim_uids(
+    base: int,
+    count: int,
+    lock_dir: Path = UID_LOCK_DIR,
+    setting: str = "reward.sandbox.uid_base or rollout.multi_turn.sandbox.uid_base",
+) -> tuple[list[int], list[int]]:
     """Claim `count` uids from `base` upwards that no other live process on this host holds.
 
     Each uid is held by an exclusive flock on `lock_dir/<uid>.lock` (released by the kernel when
@@ -123,16 +155,22 @@ def claim_uids(base: int, count: int, lock_dir: Path = UID_LOCK_DIR) -> tuple[li
     for fd in fds:
         os.close(fd)
     raise RuntimeError(
-        f"no {count} free sandbox uids in [{base}, {base + UID_SEARCH_SPAN}): other reward "
-        f"services on this host hold them (see {lock_dir}); set reward.sandbox.uid_base"
+        f"no {count} free sandbox uids in [{base}, {base + UID_SEARCH_SPAN}): other sandboxes "
+        f"(reward or rollout services) on this host hold them (see {lock_dir}); set {setting}"
     )
 
 
 class Sandbox:
-    """Runs programs against tests with the job's `reward.sandbox` limits."""
+    """Runs untrusted programs with one `SandboxConfig`'s limits.
 
-    def __init__(self, config: SandboxConfig) -> None:
+    `setting` is where that configuration lives in the job file (`reward.sandbox`,
+    `rollout.multi_turn.sandbox`); error messages name it. As root, the slots' uids are claimed
+    here and held until `close()` (or the process exits).
+    """
+
+    def __init__(self, config: SandboxConfig, *, setting: str) -> None:
         self.config = config
+        self.setting = setting
         self.root = os.geteuid() == 0
         protect_process()
         self.python = config.python or default_python(self.root)
@@ -143,20 +181,28 @@ class Sandbox:
         self._uids: list[int] = []
         self._uid_locks: list[int] = []
         if self.root:
-            self._uids, self._uid_locks = claim_uids(config.uid_base, config.max_concurrent)
+            self._uids, self._uid_locks = claim_uids(
+                config.uid_base, config.max_concurrent, setting=f"{setting}.uid_base"
+            )
 
     @property
     def uids(self) -> list[int]:
         """The uids this sandbox's slots run programs as (empty without root)."""
         return list(self._uids)
 
+    def close(self) -> None:
+        """Release the claimed uids (no run may be in progress)."""
+        for fd in self._uid_locks:
+            os.close(fd)
+        self._uid_locks = []
+
     def _uid(self, slot: int) -> int | None:
         return self._uids[slot] if self.root else None
 
     def _job(
         self,
+        mode: str,
         code: str,
-        tests: list[dict[str, str]],
         deadline: float,
         slot: int,
         workdir: str,
@@ -164,12 +210,11 @@ class Sandbox:
     ) -> dict[str, Any]:
         c = self.config
         return {
-            "mode": "run",
+            "mode": mode,
             "uid": self._uid(slot),
             "python": self.python,
             "no_site": c.python is None,
             "code": code,
-            "tests": tests,
             "workdir": workdir,
             "deadline_seconds": deadline,
             "limits": {
@@ -207,7 +252,7 @@ class Sandbox:
             raise
         if proc.returncode != 0:
             tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
-            raise VerifierFailure(
+            raise SandboxError(
                 "sandbox", f"sandbox launcher failed (exit {proc.returncode}): {tail[0][:300]}"
             )
         return dict(json.loads(out))
@@ -225,6 +270,28 @@ class Sandbox:
         )
         await reaper.communicate(json.dumps({"mode": "reap", "uid": uid}).encode())
 
+    async def _session(
+        self, mode: str, code: str, timeout: float, wall_seconds: float | None, **extra: Any
+    ) -> tuple[dict[str, Any], float]:
+        """One launcher run in a free slot: its report and the seconds it took (from the slot)."""
+        slot = await self._slots.get()
+        started = time.monotonic()
+        workdir = tempfile.mkdtemp(prefix="kuberl-sandbox-")
+        try:
+            # The launcher stops starting programs at the deadline; the backstop is only for a
+            # launcher that does not come back.
+            deadline = max(timeout - 0.5, 0.1)
+            job = self._job(mode, code, deadline, slot, workdir, wall_seconds) | extra
+            try:
+                report = await self._launch(job, deadline + BACKSTOP_SECONDS)
+            except TimeoutError:
+                message = f"sandbox did not finish within {timeout:g}s"
+                raise SandboxError("timeout", message) from None
+            return report, time.monotonic() - started
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+            self._slots.put_nowait(slot)
+
     async def run(
         self,
         code: str,
@@ -232,33 +299,37 @@ class Sandbox:
         timeout: float,
         wall_seconds: float | None = None,
     ) -> SandboxRun:
-        """Run `code` against `tests` within `timeout` seconds (VerifierFailure otherwise)."""
-        slot = await self._slots.get()
-        started = time.monotonic()
-        workdir = tempfile.mkdtemp(prefix="kuberl-sandbox-")
-        try:
-            # The launcher stops starting tests at the deadline; the backstop is only for a
-            # launcher that does not come back.
-            deadline = max(timeout - 0.5, 0.1)
-            job = self._job(code, tests, deadline, slot, workdir, wall_seconds)
-            try:
-                report = await self._launch(job, deadline + BACKSTOP_SECONDS)
-            except TimeoutError:
-                raise VerifierFailure(
-                    "timeout", f"sandbox did not finish within {timeout:g}s"
-                ) from None
-            return SandboxRun(report["results"], report["isolation"], time.monotonic() - started)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-            self._slots.put_nowait(slot)
+        """Run `code` against `tests` within `timeout` seconds (SandboxError otherwise)."""
+        report, seconds = await self._session("run", code, timeout, wall_seconds, tests=tests)
+        return SandboxRun(report["results"], report["isolation"], seconds)
+
+    async def execute(
+        self, code: str, timeout: float, wall_seconds: float | None = None
+    ) -> SandboxOutput:
+        """Run `code` once as a script (no stdin) and return what it wrote.
+
+        The program gets `wall_seconds` (default: the config's) of wall clock; the whole run,
+        launcher included, `timeout` seconds from when a slot is free (SandboxError otherwise).
+        """
+        report, seconds = await self._session("exec", code, timeout, wall_seconds)
+        out = report["output"]
+        return SandboxOutput(
+            status=out["status"],
+            returncode=out["returncode"],
+            stdout=out["stdout"],
+            stderr=out["stderr"],
+            detail=out["detail"],
+            isolation=report["isolation"],
+            seconds=seconds,
+        )
 
     async def probe(self) -> dict[str, str]:
         """Run `print(1)` once; return (and remember) the isolation this host gives."""
         # Generous limits: a loaded machine must not make a healthy sandbox look broken.
-        hint = "set reward.sandbox.python to an interpreter the sandbox user can execute"
+        hint = f"set {self.setting}.python to an interpreter the sandbox user can execute"
         try:
             run = await self.run("print(1)", [{"input": "", "output": "1"}], 60.0, 30.0)
-        except VerifierFailure as exc:
+        except SandboxError as exc:
             raise RuntimeError(
                 f"the code sandbox cannot run {self.python}: {exc}; {hint}"
             ) from None

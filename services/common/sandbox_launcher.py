@@ -1,10 +1,13 @@
-"""The sandbox's launcher: isolates one code run, executes its tests, reports what happened.
+"""The sandbox's launcher: isolates one code run, executes it, reports what happened.
 
-`kuberl.reward.sandbox` starts this file as `python -I -S sandbox_launcher.py` (standard library
+`kuberl.common.sandbox` starts this file as `python -I -S sandbox_launcher.py` (standard library
 only, nothing from the service's environment) in a new session, sends one JSON job on stdin and
-reads one JSON report from stdout. The launcher itself stays trusted: it never runs the untrusted
-code in its own process, and is not dumpable (other users cannot read its memory or open its
-file descriptors through /proc).
+reads one JSON report from stdout. Modes: `run` executes a program against its tests (one
+program per test, a result per test: the reward service's `code` verifier); `exec` runs a snippet
+once and reports its raw stdout, stderr tail and exit status (the rollout service's `python`
+tool); `reap` kills every process of a uid. The launcher itself stays trusted: it never runs the
+untrusted code in its own process, and is not dumpable (other users cannot read its memory or
+open its file descriptors through /proc).
 
 Isolation, strongest available first (reported back in `isolation`):
 
@@ -25,8 +28,8 @@ Isolation, strongest available first (reported back in `isolation`):
 
 Tests run one program each (a fresh interpreter per test), so one test cannot corrupt another's
 result. Without root (no dedicated uid), NPROC is set to the uid's current process count plus
-`max_processes`, and the code can read files its uid can read: use root in the reward container
-or keep `require_isolation` on.
+`max_processes`, and the code can read files its uid can read: use root in the service's
+container or keep `require_isolation` on.
 """
 
 from __future__ import annotations
@@ -344,12 +347,18 @@ def _error_line(err: bytes) -> str:
     return lines[-1][:200] if lines else ""
 
 
+def _cpu_killed(run: dict, cpu_seconds: int) -> bool:
+    """Whether RLIMIT_CPU ended the program (SIGXCPU at the soft limit, SIGKILL at the hard)."""
+    code = run["returncode"]
+    return code == -signal.SIGXCPU or (
+        code == -signal.SIGKILL and run["cpu_seconds"] >= cpu_seconds - 0.05
+    )
+
+
 def classify(run: dict, expected: str | None, reported_ok: bool, cpu_seconds: int) -> dict:
     """The outcome of one test from what its program did."""
     status, code, err = run["status"], run["returncode"], run["err"]
-    cpu_killed = code == -signal.SIGXCPU or (
-        code == -signal.SIGKILL and run["cpu_seconds"] >= cpu_seconds - 0.05
-    )
+    cpu_killed = _cpu_killed(run, cpu_seconds)
     if status == "timeout":
         return {"status": "timeout", "detail": "still running at the wall-clock limit"}
     if cpu_killed and not status:
@@ -396,8 +405,34 @@ def _prepare(job: dict[str, Any], base: str, shared_tasks: int) -> dict[str, Any
     return {"uid": uid, "harness": harness, "workdir": work, "env": env, "nproc": nproc}
 
 
+def _python(job: dict[str, Any]) -> list[str]:
+    return [job["python"], "-I", *(["-S"] if job.get("no_site", True) else [])]
+
+
+def execute(job: dict[str, Any], ctx: dict[str, Any], started: float) -> dict[str, Any]:
+    """Mode `exec`: run the code once as a script, no stdin; what it wrote and how it ended."""
+    lim = job["limits"]
+    deadline = min(time.monotonic() + lim["wall_seconds"], started + job["deadline_seconds"])
+    solution = os.path.join(ctx["harness"], "solution.py")
+    run = Program([*_python(job), solution], job, ctx).run(None, deadline)
+    status, detail = run["status"] or "exited", ""
+    if status == "timeout":
+        detail = f"still running after {lim['wall_seconds']:g}s of wall clock"
+    elif status == "exited" and _cpu_killed(run, lim["cpu_seconds"]):
+        status, detail = "timeout", f"used its {lim['cpu_seconds']}s of CPU time"
+    elif status == "output_limit":
+        detail = f"wrote more than {lim['max_output_bytes']} bytes"
+    return {
+        "status": status,
+        "returncode": run["returncode"],
+        "stdout": run["stdout"][: lim["max_output_bytes"]].decode("utf-8", "replace"),
+        "stderr": run["err"].decode("utf-8", "replace"),
+        "detail": detail,
+    }
+
+
 def run_tests(job: dict[str, Any], ctx: dict[str, Any], started: float) -> list[dict]:
-    python = [job["python"], "-I", *(["-S"] if job.get("no_site", True) else [])]
+    python = _python(job)
     solution = os.path.join(ctx["harness"], "solution.py")
     deadline_all = started + job["deadline_seconds"]
     results: list[dict] = []
@@ -448,6 +483,10 @@ def main() -> None:
     _prctl(PR_SET_DUMPABLE, 0)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     ctx = _prepare(job, base, shared_tasks)
+    if job["mode"] == "exec":
+        output = execute(job, ctx, started)
+        sys.stdout.write(json.dumps({"isolation": isolation, "output": output}))
+        return
     results = run_tests(job, ctx, started)
     sys.stdout.write(json.dumps({"isolation": isolation, "results": results}))
 
