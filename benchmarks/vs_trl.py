@@ -231,8 +231,10 @@ def trl_child(spec_path: Path) -> None:
 
     torch.set_num_threads(int(spec["threads"]))
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+
+    from kuberl.common.modelbuild import load_tokenizer
 
     out = Path(spec["out"])
     rows = read_jsonl(Path(spec["train_file"]))
@@ -276,7 +278,7 @@ def trl_child(spec_path: Path) -> None:
         disable_tqdm=True,
     )
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    tokenizer = load_tokenizer(spec["model"])  # the tokenizer kuberl's services use
     every = int(spec["eval_every"])
     snapshots: list[dict[str, Any]] = []
     clock = {"excluded": 0.0, "train_begin": 0.0, "train_end": 0.0}
@@ -417,11 +419,13 @@ class Evaluator:
 
     def __init__(self, base: Path, eval_file: Path, new_tokens: int) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
+        from kuberl.common.modelbuild import load_tokenizer
+
         hf_logging.disable_progress_bar()
-        self.tok = AutoTokenizer.from_pretrained(str(base))
+        self.tok = load_tokenizer(base)  # the tokenizer kuberl's services use
         self.model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
         self.rows = read_jsonl(eval_file)
         self.new_tokens = new_tokens

@@ -7,7 +7,9 @@ English text, one token per character), `bpe` is a byte-level BPE trained on the
 text with the `tokenizers` library. `resolve_model` is what trainer and rollout call: the job's
 `model.path` when set, else a folder built once into a cache keyed by everything that determines
 its content, so every process of a job loads the same weights. A real checkpoint path works the
-same way; nothing here is specific to the tiny models.
+same way; nothing here is specific to the tiny models. `load_tokenizer` is how every service
+loads a folder's tokenizer (it is exactly the one saved, which `AutoTokenizer` alone does not
+guarantee).
 """
 
 from __future__ import annotations
@@ -84,6 +86,33 @@ def build_tokenizer(kind: str, corpus: Iterable[str] = (), vocab_size: int = 204
         unk_token=unk,
         clean_up_tokenization_spaces=False,
     )
+
+
+# tokenizer_config.json classes that mean "tokenizer.json says it all".
+GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer of a local model folder, exactly as its files define it.
+
+    transformers 5 overrides the folder's declared `tokenizer_class` for some model types (qwen2
+    among them: its `MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS`) and `Qwen2Tokenizer` then builds
+    its own byte-level pipeline around the vocabulary instead of reading tokenizer.json: the
+    `digits` tokenizer of a Qwen2 folder built here silently lost every space and newline
+    ("What is 1 plus 1?" became "Whatis1plus1?" in every service). A folder whose
+    tokenizer_config.json declares the generic fast class (what `build_tokenizer` saves) is loaded
+    with that class, which takes tokenizer.json as written; any other folder, and anything that is
+    not a folder, goes through `AutoTokenizer`. Nothing is downloaded.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    folder = Path(path)
+    declared = None
+    if (folder / "tokenizer.json").is_file() and (folder / "tokenizer_config.json").is_file():
+        declared = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    if declared in GENERIC_TOKENIZER_CLASSES:
+        return PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def build_model(

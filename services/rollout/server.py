@@ -134,16 +134,12 @@ class RolloutService(Service):
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(self), server)
 
     async def start(self) -> None:
-        from transformers import AutoTokenizer
-
-        from kuberl.common.modelbuild import resolve_model
+        from kuberl.common.modelbuild import load_tokenizer, resolve_model
 
         self._loop = asyncio.get_running_loop()
         config = self.config
         model_path = await asyncio.to_thread(resolve_model, config)
-        tokenizer = await asyncio.to_thread(
-            AutoTokenizer.from_pretrained, str(model_path), local_files_only=True
-        )
+        tokenizer = await asyncio.to_thread(load_tokenizer, model_path)
         self.engine = await asyncio.to_thread(create_engine, config, model_path)
         await self.engine.start()
         log.info(

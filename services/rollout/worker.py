@@ -329,6 +329,7 @@ class RolloutWorker:
             if self._aborting:
                 return None  # the drain gave up on in-flight work: released by the batch
             started = time.monotonic()
+            updates_before = len(gen.aborted_by)
             self._generating.add(gen)
             try:
                 samples = await self.rollout_fn(self.ctx, item)
@@ -351,11 +352,16 @@ class RolloutWorker:
                 async with self._gen_changed:
                     self._gen_changed.notify_all()
             aborted = sum(s.finish_reason == "abort" for s in samples)
+            updated = len(gen.aborted_by) > updates_before
+            if updated and not aborted:
+                # An `abort` update found this group between engine calls (a multi-turn sample
+                # running its tool, a custom function between calls): the engine had nothing of
+                # it to abort, so its later calls ran on the new weights after the earlier ones
+                # on the old. The policy is a restart on the new weights: discard the samples.
+                aborted = len(samples)
             if aborted:
                 m.REQUESTS.labels("aborted").inc()
-                reason = (
-                    "drain" if self._stopping else "weight_update" if gen.aborted_by else "pause"
-                )
+                reason = "drain" if self._stopping else "weight_update" if updated else "pause"
                 m.ABORTED.labels(reason).inc(aborted)
                 attempts += 1
                 if self._stopping or attempts > MAX_REGENERATIONS:

@@ -188,13 +188,11 @@ class Trainer:
 
     def setup(self) -> None:
         """Load the model(s), build the DeepSpeed engines, connect, resume. Collective."""
-        from transformers import AutoTokenizer
-
-        from kuberl.common.modelbuild import resolve_model
+        from kuberl.common.modelbuild import load_tokenizer, resolve_model
 
         started = time.perf_counter()
         self.model_dir = resolve_model(self.config, base_dir=self.base)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir), local_files_only=True)
+        self.tokenizer = load_tokenizer(self.model_dir)
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id or 0)
         if self.tc.sft_data and (self.tc.mode == "sft" or self.tc.sft_steps):

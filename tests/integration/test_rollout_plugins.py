@@ -1,7 +1,8 @@
 """Job plugins that the rollout integration tests load into real service processes by their
 `module:function` path (a reward function for the reward service, a rollout function that never
-finishes for a replica that is killed mid-batch), plus checks of the plugins themselves. Only
-light imports here: reward worker processes import this module."""
+finishes for a replica that is killed mid-batch, one that waits between two engine calls as a
+multi-turn sample waits for its tool), plus checks of the plugins themselves. Only light imports
+here: reward worker processes import this module."""
 
 from __future__ import annotations
 
@@ -26,6 +27,36 @@ async def stuck_rollout(context: Any, prompt: Any) -> list[Any]:
         f.write(prompt.prompt_id + "\n")
     await asyncio.sleep(3600)
     return []
+
+
+# Prompt ids whose `two_call_rollout` is between its engine calls (the test in this process
+# waits for one).
+BETWEEN_CALLS: set[str] = set()
+
+
+async def two_call_rollout(context: Any, prompt: Any) -> list[Any]:
+    """Each sample in two engine calls of 4 tokens with a second between them, as a multi-turn
+    sample waits for its tool: in flight, yet nothing of it is inside the engine."""
+    from kuberl.rollout.functions import Sample
+
+    first = (
+        await context.engine.generate([prompt.token_ids], context.sampling.with_(max_new_tokens=4))
+    )[0]
+    BETWEEN_CALLS.add(prompt.prompt_id)
+    await asyncio.sleep(1.0)
+    BETWEEN_CALLS.discard(prompt.prompt_id)
+    params = context.sampling.with_(n=1, max_new_tokens=4)
+    second = await context.engine.generate([prompt.token_ids + c.token_ids for c in first], params)
+    return [
+        Sample(
+            a.token_ids + b.token_ids,
+            a.logprobs + b.logprobs,
+            "abort" if "abort" in (a.finish_reason, b.finish_reason) else b.finish_reason,
+            version_start=a.version_start,
+            version_end=b.version_end,
+        )
+        for a, [b] in zip(first, second, strict=True)
+    ]
 
 
 class _Sample:

@@ -10,12 +10,14 @@ real services, to steer it (weight updates mid-generation, drain, backpressure, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import signal
 import socket
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +27,6 @@ import grpc
 import pytest
 import torch
 import yaml
-from transformers import AutoTokenizer
 
 from kuberl.api.buffer.v1 import buffer_pb2 as bpb
 from kuberl.api.buffer.v1 import buffer_pb2_grpc
@@ -35,17 +36,23 @@ from kuberl.api.rollout.v1 import rollout_pb2 as rpb
 from kuberl.api.rollout.v1 import rollout_pb2_grpc
 from kuberl.common.channels import aio_channel, sync_channel
 from kuberl.common.config import SGLangEngineConfig, load_job_config
-from kuberl.common.modelbuild import build_model
+from kuberl.common.modelbuild import build_model, load_tokenizer
 from kuberl.common.redis_server import EmbeddedRedis
 from kuberl.common.trajectory import Group
 from kuberl.rollout import metrics as m
 from kuberl.rollout.engine.base import Engine
 from kuberl.rollout.engine.sglang import SGLangEngine
 from kuberl.rollout.engine.torch_engine import TorchEngine
+from kuberl.rollout.testing import build_tokenizer
+from kuberl.rollout.tools import format_tool_response
 from kuberl.rollout.worker import RolloutWorker
 from tests.integration.sglang_standin import SGLangStandIn
-from tests.integration.test_rollout_plugins import MARKER_ENV
+from tests.integration.test_rollout_plugins import BETWEEN_CALLS, MARKER_ENV
 from tests.support import ServiceProcess
+from tests.unit.test_rollout_multiturn import CALL as TOOL_CALL
+from tests.unit.test_rollout_multiturn import FINAL as TOOL_FINAL
+from tests.unit.test_rollout_multiturn import PROMPT as TOOL_PROMPT
+from tests.unit.test_rollout_multiturn import train_tool_caller
 
 PLUGINS = "tests.integration.test_rollout_plugins"
 GROUP = 2
@@ -87,6 +94,7 @@ def _write_job(
     model: Path,
     *,
     prompts: int = 4,
+    questions: list[str] | None = None,
     eval_prompts: int = 0,
     buffer: dict[str, Any] | None = None,
     rollout: dict[str, Any] | None = None,
@@ -95,14 +103,18 @@ def _write_job(
     folder = tmp / name
     folder.mkdir(exist_ok=True)
 
-    def dataset(file: str, n: int) -> str:
+    def dataset(file: str, n: int, texts: list[str] | None = None) -> str:
         path = folder / file
         rows = [{"question": f"What is {i} plus {i}?", "answer": f"#### {2 * i}"} for i in range(n)]
+        if texts is not None:
+            rows = [{"question": text, "answer": ""} for text in texts]
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return str(path)
 
     data: dict[str, Any] = {
-        "train": [{"path": dataset("train.jsonl", prompts), "columns": {"prompt": "question"}}]
+        "train": [
+            {"path": dataset("train.jsonl", prompts, questions), "columns": {"prompt": "question"}}
+        ]
     }
     if eval_prompts:
         data["eval"] = [
@@ -362,6 +374,273 @@ def test_drain_answers_then_the_replica_leaves_through_its_sigterm_path(scenario
     assert "event=server.stopped" in scenario.b_log
 
 
+# -- replicas as processes: a published version mid-generation, SIGTERM, multi-turn ----------
+
+
+def _status(address: str) -> rpb.GetStatusResponse:
+    with sync_channel(address) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        return stub.GetStatus(rpb.GetStatusRequest(), timeout=10)
+
+
+def _wait_generating(replicas: list[ServiceProcess], prompts: int, timeout: float = 120) -> None:
+    """Until every replica holds `prompts` leased prompts and has put no group yet: its first
+    batches are generating (with hundreds of tokens per sample, generation is nearly all of a
+    batch's time)."""
+    for replica in replicas:
+        replica.wait_listening(timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        statuses = [_status(r.address) for r in replicas]
+        if all((s.prompts_in_flight, s.groups_put) == (prompts, 0) for s in statuses):
+            return
+        for r in replicas:
+            assert r.proc.poll() is None, r.log()
+        assert time.monotonic() < deadline, f"the replicas never all generated: {statuses}"
+        time.sleep(0.05)
+
+
+POLICIES = ("finish", "abort")
+UPDATE_PROMPTS = 4
+
+
+@pytest.fixture(scope="module")
+def weight_update(env: Env) -> Iterator[dict[str, list[Group]]]:
+    """One replica process per `on_weight_update` policy, each with a buffer of its own job and
+    both registered with one weight-sync service; the test publishes version 1 through weight-sync
+    while both generate their first batch of 2 prompts (4 prompts each, one batch at a time), and
+    takes every group each replica puts."""
+    from kuberl.common.weights import WeightPublisher
+
+    sync = {
+        "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
+        "heartbeat_seconds": 0.5,
+        "shm_dir": f"/dev/shm/kuberl-rollout-test-{uuid.uuid4().hex[:8]}",
+        "advertise_host": "127.0.0.1",
+        "bucket_bytes": 1024 * 1024,
+    }
+    paths = {
+        policy: _write_job(
+            env.tmp,
+            f"update-{policy}",
+            env.redis_url,
+            env.model,
+            prompts=UPDATE_PROMPTS,
+            weight_sync=sync,
+            rollout={
+                "on_weight_update": policy,
+                "batches_in_flight": 1,
+                # Long generations, so version 1 surely lands while the first batch runs.
+                "sampling": {"max_new_tokens": 600, "ignore_eos": True},
+            },
+        )
+        for policy in POLICIES
+    }
+    tensors = _other_weights(env)
+    with contextlib.ExitStack() as stack:
+
+        def start(service: str, policy: str, name: str, **env_: str) -> ServiceProcess:
+            path = paths[policy]
+            proc = ServiceProcess.kuberl(service, path, path.parent, name=name, env=env_)
+            return stack.enter_context(proc)
+
+        buffers = {p: start("buffer", p, "buffer") for p in POLICIES}
+        sync_proc = start("weight_sync", "finish", "weight-sync")
+        for proc in (*buffers.values(), sync_proc):
+            proc.wait_serving(60)
+        replicas = [
+            start(
+                "rollout",
+                p,
+                "replica",
+                KUBERL_ENDPOINTS__BUFFER=buffers[p].address,
+                KUBERL_ENDPOINTS__REWARD=env.reward.address,
+                KUBERL_ENDPOINTS__WEIGHT_SYNC=sync_proc.address,
+                KUBERL_ROLLOUT__REPLICA_ID=f"replica-{p}",
+            )
+            for p in POLICIES
+        ]
+        _wait_generating(replicas, 2)
+        with WeightPublisher(sync_proc.address) as publisher:
+            publisher.publish(1, iter(tensors.items()))
+        groups = {
+            p: Buffer(buffers[p].address).take_all(UPDATE_PROMPTS, timeout=240) for p in POLICIES
+        }
+        for proc in (*replicas, sync_proc, *buffers.values()):  # all at once, not one by one
+            proc.signal(signal.SIGTERM)
+    yield groups  # with every process gone: idle replicas would poll through the later tests
+
+
+def _update_records(groups: list[Group]) -> Counter[tuple[str, tuple[int, ...], tuple[int, int]]]:
+    """How many trajectories record each (weight_update, versions it names, (start, end))."""
+    records: Counter[tuple[str, tuple[int, ...], tuple[int, int]]] = Counter()
+    for t in (t for g in groups for t in g.trajectories):
+        meta = t.metadata
+        named = meta.get("updated_to_versions") or meta.get("aborted_by_versions") or []
+        versions = (t.policy_version_start, t.policy_version_end)
+        records[(meta.get("weight_update", "none"), tuple(named), versions)] += 1
+    return records
+
+
+def test_a_replica_process_finishes_running_groups_on_the_old_weights_when_a_version_lands(
+    weight_update,
+) -> None:
+    # The first batch (2 groups) ends on version 0 and says so; the second runs on version 1.
+    assert _update_records(weight_update["finish"]) == {
+        ("finished_on_old_weights", (1,), (0, 0)): 2 * GROUP,
+        ("none", (), (1, 1)): 2 * GROUP,
+    }
+
+
+def test_a_replica_process_aborts_and_regenerates_running_groups_when_a_version_lands(
+    weight_update,
+) -> None:
+    # The first batch is aborted and regenerated from scratch on version 1; the second runs on 1.
+    assert _update_records(weight_update["abort"]) == {
+        ("aborted_and_regenerated", (1,), (1, 1)): 2 * GROUP,
+        ("none", (), (1, 1)): 2 * GROUP,
+    }
+
+
+def test_a_weight_update_mid_generation_loses_no_prompt(weight_update) -> None:
+    ids = [f"train:{i}" for i in range(UPDATE_PROMPTS)]
+    assert {p: sorted(g.prompt_id for g in groups) for p, groups in weight_update.items()} == {
+        p: ids for p in POLICIES
+    }
+
+
+DRAIN_SECONDS = 2.0
+LEASE_TIMEOUT = 60.0
+
+
+@dataclass
+class Terminated:
+    exit_code: int
+    exit_seconds: float  # from SIGTERM to the process's exit
+    put: list[str]  # prompt ids of the groups the replica put
+    leased_again: list[tuple[str, int]]  # (prompt id, delivery count) leased by another consumer
+    leased_again_seconds: float  # from SIGTERM to that lease
+
+
+@pytest.fixture(scope="module")
+def terminated(env: Env) -> Iterator[Terminated]:
+    """A replica process holding all 4 prompts of its job (two batches of 800-token samples) gets
+    SIGTERM; then another consumer leases whatever the buffer has."""
+    path = _write_job(
+        env.tmp,
+        "sigterm",
+        env.redis_url,
+        env.model,
+        prompts=4,
+        buffer={"lease_timeout_seconds": LEASE_TIMEOUT},
+        rollout={
+            "drain_seconds": DRAIN_SECONDS,
+            "sampling": {"max_new_tokens": 800, "ignore_eos": True},
+        },
+    )
+    with ServiceProcess.kuberl("buffer", path, path.parent, name="buffer") as buffer_proc:
+        buffer_proc.wait_serving(60)
+        endpoints = {
+            "KUBERL_ENDPOINTS__BUFFER": buffer_proc.address,
+            "KUBERL_ENDPOINTS__REWARD": env.reward.address,
+        }
+        with ServiceProcess.kuberl(
+            "rollout", path, path.parent, name="replica", env=endpoints
+        ) as r:
+            _wait_generating([r], 4)
+            sent = time.monotonic()
+            r.signal(signal.SIGTERM)
+            exit_code = r.proc.wait(60)
+            exit_seconds = time.monotonic() - sent
+        buffer = Buffer(buffer_proc.address)
+        again = buffer.stub.LeasePrompts(
+            bpb.LeasePromptsRequest(max_prompts=10, consumer="another-replica"), timeout=30
+        )
+        leased_again_seconds = time.monotonic() - sent
+        put = [g.prompt_id for g in buffer.take(4, wait=0.2)]
+    yield Terminated(
+        exit_code,
+        exit_seconds,
+        put,
+        [(p.prompt_id, p.delivery_count) for p in again.prompts],
+        leased_again_seconds,
+    )
+
+
+def test_sigterm_mid_generation_ends_the_replica_process_cleanly_within_its_drain_time(
+    terminated,
+) -> None:
+    # drain_seconds for in-flight batches, then the abort, the release and the engine's close:
+    # a few seconds at most, far below the 10 s of gRPC grace plus a timed-out lease.
+    assert (terminated.exit_code, terminated.exit_seconds < DRAIN_SECONDS + 8) == (0, True)
+
+
+def test_sigterm_puts_or_releases_every_leased_prompt_well_before_the_lease_timeout(
+    terminated,
+) -> None:
+    # Without a release the buffer would hold the prompts for the lease timeout (60 s) and the
+    # lease right after the exit would find none.
+    accounted = terminated.put + [pid for pid, n in terminated.leased_again if n == 2]
+    assert (sorted(accounted), terminated.leased_again_seconds < LEASE_TIMEOUT / 2) == (
+        [f"train:{i}" for i in range(4)],
+        True,
+    )
+
+
+@pytest.fixture(scope="module")
+def multi_turn(env: Env) -> Iterator[list[Group]]:
+    """A replica process with multi-turn tool calling on a tiny model trained to call the
+    calculator (as in tests/unit/test_rollout_multiturn.py); the groups it puts for 2 prompts."""
+    tokenizer = build_tokenizer()
+    model = env.tmp / "tool-model"
+    train_tool_caller(tokenizer).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    path = _write_job(
+        env.tmp,
+        "multi-turn",
+        env.redis_url,
+        model,
+        questions=[TOOL_PROMPT, TOOL_PROMPT],
+        rollout={
+            "multi_turn": {"enabled": True, "tools": ["calculator"]},
+            "sampling": {"temperature": 0.0, "max_new_tokens": 200},
+        },
+    )
+    with ServiceProcess.kuberl("buffer", path, path.parent, name="buffer") as buffer_proc:
+        buffer_proc.wait_serving(60)
+        endpoints = {
+            "KUBERL_ENDPOINTS__BUFFER": buffer_proc.address,
+            "KUBERL_ENDPOINTS__REWARD": env.reward.address,
+        }
+        with ServiceProcess.kuberl("rollout", path, path.parent, name="replica", env=endpoints):
+            groups = Buffer(buffer_proc.address).take_all(2, timeout=120)
+    yield groups
+
+
+def test_multi_turn_groups_in_the_buffer_mask_tool_output_out_of_the_loss(multi_turn) -> None:
+    tokenizer = build_tokenizer()
+    call, tool, final = (
+        len(tokenizer.encode(text, add_special_tokens=False))
+        for text in (TOOL_CALL, format_tool_response("84"), TOOL_FINAL)
+    )
+    expected = [1] * call + [0] * tool + [1] * (final + 1)  # + EOS
+    masks = [
+        None if t.loss_mask is None else t.loss_mask.tolist()
+        for g in multi_turn
+        for t in g.trajectories
+    ]
+    assert masks == [expected] * 2 * GROUP
+
+
+def test_multi_turn_groups_in_the_buffer_record_the_tool_calls(multi_turn) -> None:
+    calls = [
+        (t.metadata.get("tool_calls"), t.metadata.get("turns"))
+        for g in multi_turn
+        for t in g.trajectories
+    ]
+    assert calls == [([{"turn": 0, "name": "calculator", "outcome": "ok"}], 2)] * 2 * GROUP
+
+
 # -- the loop in this process against the real services ----------------------------------------
 
 
@@ -389,7 +668,7 @@ class Loop:
         self.worker = RolloutWorker(
             self.config,
             self.engine,
-            AutoTokenizer.from_pretrained(self.env.model),
+            load_tokenizer(self.env.model),
             buffer=buffer_pb2_grpc.BufferServiceStub(self.channels[0]),
             reward=reward_pb2_grpc.RewardServiceStub(self.channels[1]),
             replica_id=f"test-{uuid.uuid4().hex[:6]}",
@@ -451,6 +730,25 @@ def test_a_weight_update_mid_generation_follows_on_weight_update(env, job, polic
             assert (t.metadata["weight_update"], versions) == expected
         else:
             assert ("weight_update" in t.metadata, versions) == (False, (1, 1))
+
+
+def test_an_abort_update_regenerates_a_group_caught_between_engine_calls(env, job) -> None:
+    # A group whose rollout is between engine calls (a tool running) has nothing in the engine to
+    # abort: its next call would run on the new weights after the first ran on the old ones.
+    config, buffer, address = job(
+        prompts=1,
+        rollout={"on_weight_update": "abort", "rollout_function": f"{PLUGINS}:two_call_rollout"},
+    )
+    new = _other_weights(env)
+
+    async def go() -> None:
+        async with Loop(env, config, address) as worker:
+            await _until(lambda: "train:0" in BETWEEN_CALLS, what="a group between engine calls")
+            await worker.apply_weight_update(1, lambda: worker.engine.load_weights(new, 1))
+            await _until(lambda: worker.groups_put == 1, what="the group")
+
+    asyncio.run(go())
+    assert _update_records(buffer.take_all(1)) == {("aborted_and_regenerated", (1,), (1, 1)): GROUP}
 
 
 def test_drain_releases_in_flight_prompts_to_the_buffer_at_once(env, job) -> None:

@@ -41,9 +41,9 @@ def tokenizer() -> Any:
     return build_tokenizer()
 
 
-@pytest.fixture(scope="module")
-def model(tokenizer) -> Any:
-    """A tiny model that has memorised PROMPT + CALL + tool response + FINAL + EOS."""
+def train_tool_caller(tokenizer: Any) -> Any:
+    """A tiny model that has memorised PROMPT + CALL + tool response + FINAL + EOS (also used by
+    the integration test that runs multi-turn through a replica process and the buffer)."""
     model = build_model(tokenizer, hidden_size=64, layers=2, seed=0).train()
     text = PROMPT + CALL + format_tool_response("84") + FINAL
     ids = torch.tensor([[*tokenizer(text)["input_ids"], tokenizer.eos_token_id]])  # [1, T]
@@ -58,6 +58,11 @@ def model(tokenizer) -> Any:
             break
     assert loss.item() < 0.05, f"the model did not learn the transcript (loss {loss.item():.3f})"
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer) -> Any:
+    return train_tool_caller(tokenizer)
 
 
 def _rollout(model, tokenizer, **multi_turn: Any) -> list[Any]:

@@ -34,10 +34,12 @@ class RewardModel:
 
     def load(self) -> None:
         import torch
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification
+
+        from kuberl.common.modelbuild import load_tokenizer
 
         path = self.config.path
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = load_tokenizer(path)
         model = AutoModelForSequenceClassification.from_pretrained(
             path, local_files_only=True, torch_dtype=torch.float32
         )

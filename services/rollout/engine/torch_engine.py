@@ -209,9 +209,11 @@ class TorchEngine(Engine):
         batch_wait_seconds: float = 0.005,
     ) -> TorchEngine:
         """Load a local HF model folder (weights + tokenizer); nothing is downloaded."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        from kuberl.common.modelbuild import load_tokenizer
+
+        tokenizer = load_tokenizer(path)
         model: Any = AutoModelForCausalLM.from_pretrained(
             str(path),
             dtype=getattr(torch, dtype),
