@@ -104,3 +104,19 @@ class ServiceProcess:
             self.stop()
         else:
             self._log.close()
+
+
+def network_probe(port: int) -> str:
+    """Python source for a sandboxed program that tries to connect to a loopback port (a server
+    the test listens on) and two outside addresses; it prints `blocked` or `reached [hosts]`."""
+    return (
+        "import socket\n"
+        "reached = []\n"
+        f"for host, port in [('127.0.0.1', {port}), ('1.1.1.1', 53), ('8.8.8.8', 443)]:\n"
+        "    try:\n"
+        "        socket.create_connection((host, port), timeout=1).close()\n"
+        "        reached.append(host)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "print('reached', reached) if reached else print('blocked')\n"
+    )

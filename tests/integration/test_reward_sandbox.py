@@ -29,7 +29,7 @@ from kuberl.api.reward.v1 import reward_pb2, reward_pb2_grpc
 from kuberl.common.channels import sync_channel
 from kuberl.common.sandbox import LAUNCHER, default_python
 from tests.integration.test_reward_service import reward_job
-from tests.support import REPO, ServiceProcess
+from tests.support import REPO, ServiceProcess, network_probe
 
 SECRET_NAME = "REWARD_TEST_SECRET"
 SECRET = f"s3cr3t-{uuid.uuid4().hex}"
@@ -282,17 +282,7 @@ def test_network_sockets_reach_nothing(sandbox: Sandboxed) -> None:
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.5)
     port = listener.getsockname()[1]
-    program = (
-        "import socket\n"
-        "reached = []\n"
-        f"for host, port in [('127.0.0.1', {port}), ('1.1.1.1', 53), ('8.8.8.8', 443)]:\n"
-        "    try:\n"
-        "        socket.create_connection((host, port), timeout=1).close()\n"
-        "        reached.append(host)\n"
-        "    except OSError:\n"
-        "        pass\n"
-        "print('reached', reached) if reached else print('blocked')\n"
-    )
+    program = network_probe(port)
     score = sandbox.run(program, expected="blocked")
     with pytest.raises(TimeoutError):
         listener.accept()

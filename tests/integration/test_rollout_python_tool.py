@@ -27,7 +27,7 @@ import pytest
 from kuberl.common.config import SandboxConfig
 from kuberl.rollout import metrics as m
 from kuberl.rollout.tools import ToolCall, ToolRegistry
-from tests.support import REPO
+from tests.support import REPO, network_probe
 
 ROOT = os.geteuid() == 0
 TIMEOUT = 3.0
@@ -122,17 +122,7 @@ def test_a_socket_to_a_listening_loopback_server_cannot_connect(tool: Tool) -> N
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.5)
     port = listener.getsockname()[1]
-    program = (
-        "import socket\n"
-        "reached = []\n"
-        f"for host, port in [('127.0.0.1', {port}), ('1.1.1.1', 53), ('8.8.8.8', 443)]:\n"
-        "    try:\n"
-        "        socket.create_connection((host, port), timeout=1).close()\n"
-        "        reached.append(host)\n"
-        "    except OSError:\n"
-        "        pass\n"
-        "print('reached', reached) if reached else print('blocked')\n"
-    )
+    program = network_probe(port)
     try:
         answer = tool.call(program)
         with pytest.raises(TimeoutError):
