@@ -1,7 +1,9 @@
 # syntax=docker/dockerfile:1
 # kuberl/kuberl-rollout: a pinned SGLang image with kuberl's rollout service added. One image for
 # both containers of a rollout pod: the SGLang server (`python3 -m sglang.launch_server ...`, set by
-# the chart) and the kuberl rollout worker (the entry point, `kuberl serve rollout ...`).
+# the chart) and the kuberl rollout worker (the entry point, `kuberl serve rollout ...`); the chart
+# also runs weight-sync on it when weight-sync relays over NCCL, so that both ends of the NCCL group
+# run SGLang's PyTorch and NCCL.
 # SGLang brings its own CUDA, PyTorch and transformers; kuberl is added without replacing them
 # (`pip check` fails the build on a conflict). Build from the repository root:
 #   docker build -f Dockerfiles/rollout.Dockerfile -t kuberl/kuberl-rollout:0.1.0 .
@@ -20,11 +22,12 @@ COPY pyproject.toml setup.py README.md LICENSE /src/
 COPY services /src/services
 COPY protos /src/protos
 # kuberl's own package without dependencies, then only the dependencies SGLang does not ship,
-# pinned; torch, transformers and safetensors stay SGLang's.
+# pinned (google-crc32c: the weight-sync client's chunk checks, which rollout and, with a GPU,
+# the chart's weight-sync pod import); torch, transformers and safetensors stay SGLang's.
 RUN python3 -m pip install --no-cache-dir --no-deps . \
     && python3 -m pip install --no-cache-dir --constraint Dockerfiles/constraints.txt \
         grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
-        protobuf==7.36.2 prometheus-client==0.26.0 httpx==0.28.1 \
+        protobuf==7.36.2 prometheus-client==0.26.0 httpx==0.28.1 google-crc32c==1.9.0 \
     && python3 -m pip check \
     && rm -rf /src \
     && groupadd --gid 10001 kuberl \

@@ -526,8 +526,11 @@ class SGLangEngineConfig(Section):
     )
     snapshot_dir: str = Field(
         ".kuberl/sglang-weights",
-        description="Folder shared with the SGLang server (a pod volume) where weight snapshots "
-        "are written for /update_weights_from_disk.",
+        description="Folder where a weight snapshot is written for SGLang's "
+        "/update_weights_from_disk (the fallback when a version does not come by NCCL): the "
+        "SGLang server must read it at the same path, so it is sent as an absolute path (a "
+        "relative one is taken from the rollout's working directory). On Kubernetes the chart "
+        "sets it to a volume both containers of the rollout pod mount.",
     )
 
 
@@ -810,9 +813,11 @@ class WeightSyncConfig(Section):
     device: str = Field(
         "cpu",
         pattern=r"^(cpu|cuda(:\d+)?)$",
-        description='Device of the relay\'s NCCL broadcasts ("cuda:0"): each bucket is staged '
-        "there from the service's memory. cpu: the relay sends no NCCL (engines get the next "
-        "transport they offer).",
+        description='Device of the relay\'s NCCL broadcasts ("cuda", "cuda:0"): each bucket is '
+        "staged there from the service's memory. cpu: the relay sends no NCCL (engines get the "
+        "next transport they offer; SGLang engines, which take only nccl or snapshot, then load "
+        "every version from a snapshot). On Kubernetes the chart sets cuda, and gives the "
+        "weight-sync pod a GPU, when rollout runs SGLang and nccl is in `transports`.",
     )
     bucket_bytes: int = Field(
         256 * 1024 * 1024,
@@ -923,6 +928,25 @@ class JobConfig(Section):
                 raise ValueError(
                     f"reward.reward_model.device {rm.device!r} but job.local.device is cpu: set "
                     f"reward.reward_model.device: cpu, {fix}"
+                )
+        ws = self.weight_sync
+        if isinstance(r.engine, SGLangEngineConfig) and "snapshot" not in ws.transports:
+            # An SGLang engine takes a version only by NCCL or from a snapshot on disk; the relay
+            # sends NCCL only from a GPU (`device`) and otherwise falls back to snapshot.
+            if "nccl" not in ws.transports:
+                raise ValueError(
+                    f"weight_sync.transports {ws.transports} names neither route SGLang engines "
+                    "(rollout.engine.kind: sglang) take, nccl or snapshot: add nccl (with "
+                    "weight_sync.device: cuda) or snapshot"
+                )
+            if ws.device == "cpu":
+                raise ValueError(
+                    f"weight_sync.transports {ws.transports} makes nccl the only route to SGLang "
+                    "engines (rollout.engine.kind: sglang), but weight_sync.device is cpu and the "
+                    "relay sends NCCL only from a GPU, so every version would reach them by "
+                    "snapshot, which the list leaves out: set weight_sync.device: cuda (the Helm "
+                    "chart then gives the weight-sync pod a GPU), or add snapshot to "
+                    "weight_sync.transports"
                 )
         return self
 

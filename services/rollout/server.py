@@ -220,6 +220,8 @@ class RolloutService(Service):
                 endpoint=endpoint,
                 transports=("nccl", "snapshot"),
                 device="cuda",
+                # SGLang joins a broadcast group with every tensor-parallel rank.
+                ranks=getattr(config.rollout.engine, "tp_size", 1),
             )
         await wait_serving_async(config.endpoints.weight_sync, DEPENDENCY_WAIT_SECONDS)
         current = await asyncio.to_thread(self.weights.start)

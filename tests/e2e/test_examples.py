@@ -37,7 +37,8 @@ def test_the_gpu_example_is_qwen_on_gsm8k_with_sglang_and_zero2() -> None:
         config.trainer.zero_stage,
         [ds.path for ds in config.data.train],
         config.weight_sync.transports[0],
-    ) == ("/models/Qwen2.5-1.5B-Instruct", "sglang", 2, ["/data/gsm8k/train.jsonl"], "nccl")
+        config.weight_sync.device,
+    ) == ("/models/Qwen2.5-1.5B-Instruct", "sglang", 2, ["/data/gsm8k/train.jsonl"], "nccl", "cuda")
 
 
 def test_the_demo_data_files_are_the_generators_output(tmp_path: Path) -> None:

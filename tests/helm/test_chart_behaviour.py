@@ -166,7 +166,57 @@ def test_rollout_pods_pair_an_sglang_server_with_the_kuberl_worker() -> None:
         "launch": False,
         "tp_size": 2,
         "mem_fraction_static": 0.85,
+        "snapshot_dir": "/var/lib/kuberl/sglang-weights",
     }
+
+
+def test_both_rollout_containers_mount_the_folder_sglang_loads_snapshots_from() -> None:
+    # The rollout container writes a version that did not come by NCCL there and sends SGLang
+    # that path (/update_weights_from_disk): it must name the same files in both containers.
+    rollout = render("defaults").get("Deployment", "rollout")
+    folder = _job("defaults")["rollout"]["engine"]["snapshot_dir"]
+    volumes = {v["name"]: v for v in pod_spec(rollout)["volumes"]}
+    mounts = {
+        name: {m["mountPath"]: m for m in _container(rollout, name)["volumeMounts"]}
+        for name in ("sglang", "rollout")
+    }
+    writer, reader = mounts["rollout"].get(folder, {}), mounts["sglang"].get(folder, {})
+    assert folder.startswith("/")
+    assert (writer.get("name"), writer.get("readOnly", False)) == ("sglang-weights", False)
+    assert (reader.get("name"), reader.get("readOnly")) == ("sglang-weights", True)
+    assert volumes["sglang-weights"]["emptyDir"] == {"sizeLimit": "64Gi"}
+
+
+def test_with_sglang_weight_sync_relays_over_nccl_from_a_gpu_with_sglangs_nccl() -> None:
+    rendered = render("defaults", rollout={"tolerations": [{"key": "gpu", "operator": "Exists"}]})
+    job = _job("defaults")
+    weight_sync = rendered.get("Deployment", "weight-sync")
+    container = _container(weight_sync, "weight-sync")
+    config = parse_job_config(job, env={}, source="job ConfigMap")
+    assert (config.weight_sync.device, "nccl" in config.weight_sync.transports) == ("cuda", True)
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # The rollout image: SGLang's PyTorch and NCCL at both ends of the group.
+    sglang = _container(rendered.get("Deployment", "rollout"), "sglang")
+    assert container["image"] == sglang["image"]
+    assert pod_spec(weight_sync)["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+
+
+@pytest.mark.parametrize(
+    ("value_set", "overrides"),
+    [
+        ("cpu-only", {}),
+        ("defaults", {"job": {"weight_sync": {"device": "cpu"}}}),
+        ("defaults", {"job": {"weight_sync": {"transports": ["gloo", "snapshot"]}}}),
+    ],
+    ids=["without-sglang", "job-says-cpu", "no-nccl-in-transports"],
+)
+def test_weight_sync_has_no_gpu_when_it_would_send_no_nccl(value_set: str, overrides) -> None:
+    rendered = render(value_set, **overrides)
+    container = _container(rendered.get("Deployment", "weight-sync"), "weight-sync")
+    device = _job(value_set, **overrides)["weight_sync"].get("device", "cpu")
+    limits = container["resources"].get("limits", {})
+    slim = _container(rendered.get("Deployment", "buffer"), "buffer")["image"]
+    assert (device, "nvidia.com/gpu" in limits, container["image"]) == ("cpu", False, slim)
 
 
 def test_without_sglang_the_rollout_keeps_the_jobs_own_engine() -> None:

@@ -212,6 +212,28 @@ def test_an_update_from_a_missing_folder_is_rejected_and_keeps_the_version(
     assert (kept, engine.version, server.state.weight_version) == (0, 2, "2")
 
 
+def test_a_snapshot_goes_to_sglang_as_an_absolute_path_and_older_ones_are_deleted(
+    server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The SGLang server has its own working directory: a relative path would name another folder.
+    monkeypatch.chdir(tmp_path)
+    engine = _engine(server.url)
+
+    async def go() -> None:
+        for version in (2, 3):
+            download = tmp_path / f"download-{version}.safetensors"
+            download.write_bytes(b"weights")
+            await engine.apply_snapshot(download, version, Path("sglang-weights"))
+
+    run(_with(engine, go()))
+    sent = [body["model_path"] for _, path, body in server.state.requests if "disk" in path]
+    left = sorted(p.name for p in (tmp_path / "sglang-weights").iterdir())
+    assert (sent, left) == (
+        [str(tmp_path / "sglang-weights" / "v2"), str(tmp_path / "sglang-weights" / "v3")],
+        ["v3"],
+    )
+
+
 def test_flushing_the_cache_while_requests_run_is_refused() -> None:
     with SGLangStandIn(token_delay=0.01) as server:
         engine = _engine(server.url)

@@ -97,6 +97,19 @@ CHECK_CASES: dict[str, tuple[Any, list[str]]] = {
             "add gloo, shm or snapshot",
         ],
     ),
+    "SGLang engines left only NCCL by a relay without a GPU": (
+        {"rollout": {"engine": {"kind": "sglang"}}, "weight_sync": {"transports": ["nccl"]}},
+        [
+            "weight_sync.transports ['nccl'] makes nccl the only route to SGLang engines",
+            "weight_sync.device is cpu and the relay sends NCCL only from a GPU",
+            "set weight_sync.device: cuda",
+            "or add snapshot to weight_sync.transports",
+        ],
+    ),
+    "SGLang engines offered no route they take": (
+        {"rollout": {"engine": {"kind": "sglang"}}, "weight_sync": {"transports": ["gloo", "shm"]}},
+        ["names neither route SGLang engines (rollout.engine.kind: sglang) take, nccl or snapshot"],
+    ),
     "CUDA engine on a CPU-only run": (
         {
             "job": {"local": {"device": "cpu"}},

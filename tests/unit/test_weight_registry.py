@@ -50,3 +50,22 @@ def test_registering_again_replaces_the_engine_and_an_empty_id_gets_one() -> Non
     anonymous, _ = registry.register(pb.EngineInfo())
     assert (first, second, again.loaded_version) == (True, False, 4)
     assert anonymous.engine_id.startswith("engine-") and len(registry.engines) == 2
+
+
+def test_an_sglang_engine_registers_one_rank_per_tensor_parallel_rank() -> None:
+    # The relay sizes each broadcast group as 1 + ranks; SGLang joins with rank_offset + tp_rank.
+    from kuberl.common.weights import EngineClient
+
+    sent: list[pb.RegisterEngineRequest] = []
+
+    class Stub:
+        def RegisterEngine(self, request, timeout):  # the gRPC method's name
+            sent.append(request)
+            return pb.RegisterEngineResponse(engine_id="e1")
+
+    client = EngineClient("127.0.0.1:1", apply=lambda _: None, transports=("nccl",), ranks=2)
+    client._stub = Stub()  # type: ignore[assignment]
+    client.register()
+    registry, _ = _registry()
+    engine, _ = registry.register(sent[0].engine)
+    assert (sent[0].engine.ranks, engine.ranks) == (2, 2)

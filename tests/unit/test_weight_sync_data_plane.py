@@ -7,7 +7,8 @@ from __future__ import annotations
 import base64
 import json
 import os
-import threading
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -227,22 +228,44 @@ def test_a_store_opened_without_restore_deletes_what_a_previous_run_left(tmp_pat
 # ---------------------------------------------------------------- broadcast (gloo here)
 
 
-def test_the_broadcast_code_path_moves_every_bucket_bit_identical_with_staging() -> None:
+# The engine's end of a group, in a process of its own: torch registers a group by name per
+# process (as SGLang's groups are), so the two ranks of one group never share a process.
+_RECEIVE_IN_CHILD = """
+import sys
+from pathlib import Path
+from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
+from kuberl.common.weights.transports import BroadcastReceiver, BufferPool
+instruction = pb.UpdateInstruction.FromString(Path(sys.argv[1]).read_bytes())
+_, flat = BroadcastReceiver().receive(instruction, BufferPool())
+Path(sys.argv[2]).write_bytes(flat.numpy().tobytes())
+"""
+
+
+def test_the_broadcast_code_path_moves_every_bucket_bit_identical_with_staging(
+    tmp_path: Path,
+) -> None:
     # NCCL runs the same sender and receiver with backend="nccl" and a CUDA device; staging is
     # what the relay does for NCCL (host payload -> one reused device buffer per bucket).
     manifest = _manifest(nbytes=5 * KB, bucket_bytes=2 * KB)  # buckets of 2, 2 and 1 KiB
     payload = torch.randint(0, 256, (manifest.total_bytes,), dtype=torch.uint8)
     sender = BroadcastSender(
         backend="gloo", advertise_host="127.0.0.1", world_size=2, group_name="unit",
-        timeout_s=20, stage=True,
+        timeout_s=60, stage=True,
     )  # fmt: skip
     instruction = _instruction(manifest, pb.TRANSPORT_GLOO, group=sender.group, rank=1)
+    instruction.deadline_seconds = 60
+    (tmp_path / "instruction.pb").write_bytes(instruction.SerializeToString())
+    engine = subprocess.Popen(
+        [sys.executable, "-c", _RECEIVE_IN_CHILD, tmp_path / "instruction.pb", tmp_path / "got"]
+    )
     sent: list[int] = []
-    thread = threading.Thread(target=sender.send, args=(manifest, payload, sent.append))
-    thread.start()
-    _, got = BroadcastReceiver().receive(instruction, BufferPool())
-    thread.join(20)
-    sender.close()
+    try:
+        sender.send(manifest, payload, sent.append)
+        assert engine.wait(60) == 0
+    finally:
+        engine.kill()
+        sender.close()
+    got = torch.frombuffer(bytearray((tmp_path / "got").read_bytes()), dtype=torch.uint8)
     assert (sent, torch.equal(got, payload)) == ([0, 1, 2], True)
 
 

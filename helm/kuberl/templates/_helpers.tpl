@@ -159,9 +159,31 @@ both use it.
 {{- $_ := set $engine "launch" false }}
 {{- $_ := set $engine "tp_size" .Values.rollout.sglang.tpSize }}
 {{- $_ := set $engine "mem_fraction_static" .Values.rollout.sglang.memFractionStatic }}
+{{- $_ := set $engine "snapshot_dir" (include "kuberl.sglangSnapshotDir" .) }}
 {{- $_ := set (get $wiring "rollout") "engine" $engine }}
+{{- /* SGLang engines take a version by NCCL or from a snapshot: unless the job chose a device, the relay gets a GPU (kuberl.weightSyncGpu) so that NCCL is offered at all. */}}
+{{- $jobWeightSync := dig "weight_sync" dict $job }}
+{{- if and (not (hasKey $jobWeightSync "device")) (has "nccl" (include "kuberl.weightSyncTransports" $jobWeightSync | fromJsonArray)) }}
+{{- $_ := set (get $wiring "weight_sync") "device" "cuda" }}
+{{- end }}
 {{- end }}
 {{- toYaml (mergeOverwrite $job $wiring) }}
+{{- end }}
+
+{{/* The folder, in both containers of a rollout pod, where SGLang weight snapshots are written and read (/update_weights_from_disk). */}}
+{{- define "kuberl.sglangSnapshotDir" -}}
+/var/lib/kuberl/sglang-weights
+{{- end }}
+
+{{/* A job's weight_sync.transports as JSON, or the job model's default list when it sets none. */}}
+{{- define "kuberl.weightSyncTransports" -}}
+{{- get . "transports" | default (list "cuda_ipc" "nccl" "shm" "gloo" "snapshot") | toJson }}
+{{- end }}
+
+{{/* "true" when weight-sync relays over NCCL and so needs a GPU: the rendered job's weight_sync.device is a CUDA device and nccl is among its transports. */}}
+{{- define "kuberl.weightSyncGpu" -}}
+{{- $weightSync := (include "kuberl.jobConfig" . | fromYaml).weight_sync }}
+{{- if and (hasPrefix "cuda" (toString (get $weightSync "device"))) (has "nccl" (include "kuberl.weightSyncTransports" $weightSync | fromJsonArray)) }}true{{ end }}
 {{- end }}
 
 {{/* Pod annotations that restart pods when the job file changes. */}}
@@ -421,6 +443,8 @@ spec:
 A stateless kuberl gRPC service (buffer, reward, weight-sync): Deployment, Service and PDB.
 (dict "root" $ "component" "weight-sync" "service" "weight_sync" "values" .Values.weightSync
       "replicas" 1 "recreate" true "redis" false "data" false "model" false "volumes" list "mounts" list)
+Optional: "image" (default images.kuberl) and "gpu" (schedule with the component's own
+nodeSelector and tolerations only, as GPU pods are).
 */}}
 {{- define "kuberl.serviceDeployment" -}}
 {{- $root := .root }}
@@ -462,11 +486,11 @@ spec:
         {{- end }}
     spec:
       {{- include "kuberl.podCommon" $root | nindent 6 }}
-      {{- include "kuberl.scheduling" (dict "root" $root "values" $values "gpu" false) | nindent 6 }}
+      {{- include "kuberl.scheduling" (dict "root" $root "values" $values "gpu" .gpu) | nindent 6 }}
       terminationGracePeriodSeconds: 30
       containers:
         - name: {{ .component }}
-          image: {{ include "kuberl.image" (dict "root" $root "image" $root.Values.images.kuberl) }}
+          image: {{ include "kuberl.image" (dict "root" $root "image" (default $root.Values.images.kuberl .image)) }}
           imagePullPolicy: {{ $root.Values.images.pullPolicy }}
           {{- include "kuberl.workingDir" $root | nindent 10 }}
           args:

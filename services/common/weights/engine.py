@@ -65,12 +65,17 @@ class EngineClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         gpu: str | None = None,
         shm_in_place: bool = False,
+        ranks: int = 1,
     ) -> None:
         """`gpu`: the UUID of the engine's GPU, which decides CUDA IPC eligibility (None: looked
         up from `device`; "" on the CPU). `shm_in_place`: over `shm`, `load` gets views of the
         service's shared-memory file itself (read-only for the engine, no copy), valid until
         the next `load`: for engines that copy into their own parameters anyway, or that serve
-        from the views and switch to each new dict at load."""
+        from the views and switch to each new dict at load. `ranks`: how many ranks the engine
+        joins a broadcast group with, from the instruction's `rank` up (an SGLang server joins
+        with each tensor-parallel rank: its tp size); the relay sizes the group by it."""
+        if ranks < 1:
+            raise ValueError(f"ranks must be at least 1, got {ranks}")
         if (load is None) == (apply is None):
             raise ValueError("give exactly one of load (tensors in this process) or apply")
         self.address = address
@@ -79,6 +84,7 @@ class EngineClient:
         self.transports: list[Any] = [transport_value(t) for t in transports]
         self.device = device
         self.shm_in_place = shm_in_place
+        self.ranks = ranks
         self.gpu_uuid = gpu_uuid(device) if gpu is None else gpu
         self.host = host or socket.gethostname()
         self.chunk_bytes = chunk_bytes
@@ -122,6 +128,7 @@ class EngineClient:
             loaded_version=self._version,
             gpu_uuid=self.gpu_uuid,
             shm_in_place=self.shm_in_place,
+            ranks=self.ranks,
         )
         answer = self._stub.RegisterEngine(pb.RegisterEngineRequest(engine=info), timeout=30)
         self.engine_id = answer.engine_id

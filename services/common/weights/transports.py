@@ -13,9 +13,10 @@ and no page is allocated after the first two versions.
   logic NCCL runs. The fields are SGLang's (`/init_weights_update_group`: master_address,
   master_port, rank_offset, world_size, group_name, backend; `/update_weights_from_distributed`
   with `load_format="flattened_bucket"`: names, dtypes, shapes per bucket), so an SGLang server
-  joins the same group natively (`kuberl.common.weights.sglang` builds those requests). Groups
-  are built on a TCPStore with explicit timeouts, never on torch's global default group (the
-  trainer may own that one). An NCCL collective that does not finish in time is aborted by us
+  joins the same group natively (`kuberl.common.weights.sglang` builds those requests). Both
+  ends form the group the way SGLang's `init_custom_process_group` does (`new_group`: the same
+  store prefixes, the same rendezvous keys), never as torch's global default group (the trainer
+  may own that one). An NCCL collective that does not finish in time is aborted by us
   (`ProcessGroup.abort`), not left to NCCL's watchdog, which would end the whole process.
 - `shm` (`ShmReceiver`, `ShmWriter`): the payload is a file in shared memory (/dev/shm) that the
   trainer wrote once; every engine maps it read-only (the mapping is kept across versions, since
@@ -33,6 +34,7 @@ import base64
 import binascii
 import contextlib
 import datetime
+import inspect
 import json
 import mmap
 import os
@@ -48,6 +50,7 @@ import grpc
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
 from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
@@ -147,17 +150,72 @@ def _timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(seconds, 1.0))
 
 
-def new_group(backend: str, store: dist.Store, rank: int, world_size: int, timeout_s: float) -> Any:
-    """A process group of its own (not the global default group) on `store`."""
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, _timeout(timeout_s))
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        # Twice our own deadline: `wait_work` aborts a stuck collective first; NCCL's watchdog
-        # would take the whole process down with it.
-        opts._timeout = _timeout(2 * timeout_s)
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    raise ValueError(f"unknown broadcast backend {backend!r}; expected gloo or nccl")
+def group_store(
+    master_address: str, master_port: int, world_size: int, timeout_s: float
+) -> dist.TCPStore:
+    """A client of a group's TCPStore (hosted by rank 0), made the way torch's `tcp://`
+    rendezvous makes it for the other ranks: what an SGLang server does on
+    /init_weights_update_group, and what our engines do."""
+    store = dist.TCPStore(
+        master_address, master_port, world_size, False, _timeout(timeout_s), multi_tenant=True
+    )
+    store.set_timeout(_timeout(timeout_s))
+    return store
+
+
+def _helper_options_name() -> str:
+    # torch 2.6 renamed the helper's `pg_options` to `backend_options`.
+    params = inspect.signature(c10d._new_process_group_helper).parameters
+    return "backend_options" if "backend_options" in params else "pg_options"
+
+
+def new_group(
+    backend: str,
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    group_name: str,
+) -> Any:
+    """A weight-update group formed exactly as SGLang forms its own (`init_custom_process_group`
+    in sglang/srt/utils/common.py, after OpenRLHF), so that both ends wait for the same keys.
+
+    The rendezvous keys of a group come from the stores it is built on: SGLang puts the
+    group's TCPStore behind `PrefixStore(group_name)` and hands that to torch's
+    `_new_process_group_helper`, which adds `<group_name>/` and then `<device>/` (`cpu/` for
+    gloo, `cuda/` for NCCL) before the backend's own keys, and for gloo has rank 0 publish the
+    group's sequence number there, which every other rank waits for. A group built on
+    `PrefixStore(group_name, store)` directly (our earlier code) therefore never meets an SGLang
+    peer: each side times out waiting for keys the other never writes. So we call the same
+    helper with the same arguments; the group is registered in torch's process-wide table, not
+    as the default group, and `leave_group` must release it (its name can be reused after).
+    `timeout_s` bounds gloo's collectives; an NCCL group gets twice that, because `wait_work`
+    aborts a stuck collective first and NCCL's own watchdog would end the whole process."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"unknown broadcast backend {backend!r}; expected gloo or nccl")
+    timeout = _timeout(2 * timeout_s if backend == "nccl" else timeout_s)
+    group, _ = c10d._new_process_group_helper(
+        world_size,
+        rank,
+        [],  # no global ranks: a group of its own, not a subgroup of a default group
+        dist.Backend(backend),
+        dist.PrefixStore(group_name, store),
+        group_name=c10d.GroupName(group_name),
+        timeout=timeout,
+        **{_helper_options_name(): None},
+    )
+    # What torch.distributed's collectives look up to map a group rank to a global one.
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def leave_group(group: Any) -> None:
+    """Release a group made by `new_group` (its name in torch's table, its backend)."""
+    # After a failed or aborted collective the backend may refuse to shut down cleanly; the
+    # caller is already reporting that failure. A name left registered then blocks nothing:
+    # group names are unique per version and engine.
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group(group)
 
 
 def wait_work(work: Any, group: Any, backend: str, timeout_s: float) -> None:
@@ -238,16 +296,13 @@ class BroadcastSender:
         on_device = _same_device(flat.device, self.device) and not self.stage
         with _on_device(self.device):
             group = new_group(
-                self.backend,
-                dist.PrefixStore(self.group.group_name, self.store),
-                0,
-                self.world_size,
-                self.timeout_s,
-            )
+                self.backend, self.store, 0, self.world_size, self.timeout_s,
+                self.group.group_name,
+            )  # fmt: skip
             try:
                 self._send(group, manifest, flat, on_device, on_bucket)
             finally:
-                del group
+                leave_group(group)
 
     def _send(
         self,
@@ -308,19 +363,15 @@ class BroadcastReceiver(Receiver):
         allocate: Allocator,
     ) -> tuple[Manifest, torch.Tensor]:
         g = instruction.group
-        store = dist.TCPStore(
-            g.master_address, g.master_port, g.world_size, False, _timeout(timeout_s)
-        )
-        group = new_group(
-            g.backend, dist.PrefixStore(g.group_name, store), instruction.rank, g.world_size,
-            timeout_s,
-        )  # fmt: skip
+        store = group_store(g.master_address, g.master_port, g.world_size, timeout_s)
+        group = new_group(g.backend, store, instruction.rank, g.world_size, timeout_s, g.group_name)
         try:
             flat = allocate(manifest.total_bytes, device)
             for b in range(manifest.num_buckets):
                 broadcast(group, manifest.bucket_view(flat, b), timeout_s, g.backend)
             _synchronize(device)
         finally:
+            leave_group(group)
             del group, store
         return manifest, flat
 

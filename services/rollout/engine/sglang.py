@@ -12,10 +12,12 @@ of the matching request class in `sglang/srt/managers/io_struct.py` of 0.5.23;
   logprobs from `meta_info.output_token_logprobs`, versions from `meta_info.weight_versions`.
 - control: `/pause_generation` (mode `abort` or `in_place`), `/continue_generation`,
   `/abort_request`, `/flush_cache`, `/health_generate`.
-- weights: `/update_weights_from_disk` (a safetensors folder the server can read);
+- weights: `/update_weights_from_disk` (a safetensors folder the server reads at the same
+  absolute path: on Kubernetes a volume both containers mount);
   `/init_weights_update_group` + `/update_weights_from_distributed` (NCCL broadcast from the
-  trainer, one call per bucket) + `/destroy_weights_update_group`; `/update_weights_from_tensor`
-  (CUDA IPC payloads made by the trainer with SGLang's serializer, passed through as base64).
+  weight-sync relay, one call per bucket) + `/destroy_weights_update_group`;
+  `/update_weights_from_tensor` (CUDA IPC payloads made by the trainer with SGLang's
+  serializer, passed through as base64).
   In 0.5.23 the distributed and tensor updates must run inside a session opened by
   `/begin_weight_update` and closed by `/end_weight_update`, and a cache flush fails while
   requests are running, so every update here is: pause, begin, load, end, continue.
@@ -498,9 +500,13 @@ class SGLangEngine(Engine):
         self._version = int(instruction.version)
 
     async def apply_snapshot(self, tensors_file: Path, version: int, snapshot_dir: Path) -> None:
-        """Load a downloaded safetensors snapshot through a folder the server can read (a volume
-        shared by the two containers); config files are copied from the model folder."""
-        target = snapshot_dir / f"v{version}"
+        """Load a downloaded safetensors snapshot through a folder the server reads at the same
+        path (`rollout.engine.snapshot_dir`; on Kubernetes a volume both containers of the pod
+        mount); config files are copied from the model folder. The path goes to SGLang absolute:
+        a relative one would be resolved against the SGLang server's working directory, not
+        ours. Once SGLang has loaded a version, the folders of older ones are deleted (each is a
+        whole model), so the folder holds at most the loaded version and the one arriving."""
+        target = (snapshot_dir / f"v{version}").absolute()
         target.mkdir(parents=True, exist_ok=True)
         shutil.move(str(tensors_file), target / "model.safetensors")
         if self.model_path:
@@ -509,3 +515,6 @@ class SGLangEngine(Engine):
                 if src.exists():
                     shutil.copy(src, target / name)
         await self.update_weights_from_disk(str(target), version)
+        for old in target.parent.glob("v*"):
+            if old != target and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
