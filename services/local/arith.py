@@ -1,7 +1,7 @@
 """The demo's task: two-number addition questions with a verifiable answer, generated from a seed.
 
 `make demo` (examples/demo.yaml) trains a ~0.8M-parameter Qwen2-architecture model with a
-character tokenizer, built locally, to answer "Q: What is 23 + 17?\\nA: " with "40". Operands
+character tokenizer, built locally, to answer "Q: 23+17=\\nA: " with "40". Operands
 are 0..49, so there are 2,500 distinct questions; the eval set is `n_eval` of them, held out: no
 eval question appears in the RL prompts or the SFT examples. Answers are plain numbers, checked by
 the reward service's `gsm8k` verifier (the response's last number equals the answer).
@@ -23,7 +23,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 MAX_OPERAND = 49
-TEMPLATE = "Q: What is {a} + {b}?\nA: "
+# Compact on purpose: with the question spelt out ("Q: What is 23 + 17?\nA: ", 23 characters)
+# 350 SFT steps left the tiny model at ~10% (greedy and sampled); with this one (13 characters)
+# the same steps reach ~90% greedy / ~75% sampled (plain-torch SFT, batch 64, lr 1e-3). Until the
+# tokenizer fix in kuberl.common.modelbuild.load_tokenizer every service silently dropped the
+# spaces, so the model saw "Q:Whatis23+17?A:" and learnt it.
+TEMPLATE = "Q: {a}+{b}=\nA: "
 
 
 def question(a: int, b: int) -> tuple[str, str]:

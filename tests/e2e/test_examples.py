@@ -69,7 +69,7 @@ def test_every_demo_answer_is_the_sum_of_its_question() -> None:
     ]
     wrong = []
     for row in rows:
-        a, b = row["prompt"].removeprefix("Q: What is ").split("?")[0].split(" + ")
+        a, b = row["prompt"].removeprefix("Q: ").split("=")[0].split("+")
         if int(a) + int(b) != int(row["answer"]):
             wrong.append(row)
     assert (len(rows), wrong) == (4200, [])
