@@ -6,12 +6,14 @@ Transports: `gloo` (trainer -> relay by shared memory, relay -> engines by per-e
 groups), `shm` (the trainer writes the version once into the relay's shared memory; every engine
 maps it read-only and copies it into its own double buffer, in parallel) and `shm_in_place` (the
 same, but engines serve from the shared mapping itself: no copy, one copy of the weights in memory
-for all engines of the host). Baseline, measured in the same run: one raw
-`torch.distributed.broadcast` (gloo) of the same bytes between two processes. Goal: 4 engines within
-1.5x of the raw pair. With `--gpu`, a CUDA IPC update of the same tensors into a torch engine on the
-same GPU (another process, through the engine client's receiver) is compared to one device-to-device
-copy of the same bytes (goal 2x); without CUDA that part reports skipped. Prints one JSON object as
-its last line, with the load average at the start and the end (the test machine is shared).
+for all engines of the host). Each engine process holds parameters of the model's shapes and loads
+every version with the torch engine's own `load_state(borrow=True)`, as a rollout replica does.
+Baseline, measured in the same run: one raw `torch.distributed.broadcast` (gloo) of the same bytes
+between two processes. Goal: 4 engines within 1.5x of the raw pair. With `--gpu`, a CUDA IPC update
+of the same tensors into a torch engine on the same GPU (another process, through the engine
+client's receiver) is compared to one device-to-device copy of the same bytes (goal 2x); without
+CUDA that part reports skipped. Prints one JSON object as its last line, with the load average at
+the start and the end (the test machine is shared).
 
     .venv/bin/python benchmarks/weight_sync.py [--gb 1.0] [--engines 1 2 4] [--repeat 2] [--gpu]
 """
@@ -72,13 +74,21 @@ def make_tensors(gb: float, version: int) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- child processes
 
 
-def _engine(address: str, name: str, in_place: str = "0") -> None:
+def _engine(address: str, name: str, gb: str, in_place: str = "0") -> None:
     from kuberl.common.weights import EngineClient
+    from kuberl.rollout.engine.torch_engine import load_state
 
-    held: dict[str, object] = {}
+    # The model's parameters (touched memory, as a loaded model's are), loaded by the torch
+    # engine's own `load_state` with `borrow=True`, as the rollout service does: parameters of
+    # the published dtype point at the client's tensors, so the engine copies nothing itself.
+    params = make_tensors(float(gb), 0)
+    borrowed = [False]
 
     def load(tensors: dict[str, torch.Tensor], version: int) -> None:
-        held["weights"] = tensors  # the engine keeps the whole version (one buffer)
+        with torch.no_grad():
+            borrowed[0] = load_state(
+                params, list(tensors.items()), borrow=True, borrowed=borrowed[0]
+            )
 
     client = EngineClient(address, load=load, engine_id=name, shm_in_place=in_place == "1")
     stop = threading.Event()
@@ -176,6 +186,7 @@ def relay_run(gb: float, transport: str, engines: int, repeat: int) -> dict[str,
                         "--engine",
                         svc.address,
                         f"e{i}",
+                        str(gb),
                         str(int(transport == "shm_in_place")),
                     ],
                     stdout=subprocess.DEVNULL,
@@ -318,7 +329,7 @@ def main() -> None:
         action="store_true",
         help="also run the CUDA IPC part (reports skipped without CUDA)",
     )
-    parser.add_argument("--engine", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--engine", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--gpu-engine", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--raw-rank", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
