@@ -58,6 +58,10 @@ class Engine:
     shm_in_place: bool = False
     #: Shared-memory versions sent to it and not yet reported (their segments stay unreused).
     pins: list[Any] = field(default_factory=list, repr=False)
+    #: The update it was timed out of and has not reported on since: it is most likely still
+    #: receiving it (a slow engine), so it is sent nothing of that version again, and later
+    #: versions by snapshot, until it reports or heartbeats a version at least as new.
+    overdue: Assignment | None = field(default=None, repr=False)
 
     def info(self, now: float) -> pb.EngineInfo:
         return pb.EngineInfo(

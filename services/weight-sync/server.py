@@ -16,8 +16,10 @@ this engine, the relay at rank 0, one broadcast per bucket. One group per engine
 makes a slow or dead engine fail alone: in a shared gloo group one dead member breaks the broadcast
 for everyone. Only control messages (heartbeat answers, reports) go through gRPC on these paths; the
 bytes never do. An engine that joins after a version's fan-out began, or whose update failed or
-timed out (`broadcast_timeout_seconds`), catches up by snapshot and takes broadcasts from the next
-version on. `GetStatus` and the metrics say who holds what.
+timed out (`broadcast_timeout_seconds`, counted once whether the reaper or the relay's own
+collective timeout sees it first), catches up by snapshot and takes broadcasts from the next version
+on; one that timed out is most likely still receiving, so it gets later versions by snapshot, and
+no retry of the same one, until it reports back. `GetStatus` and the metrics say who holds what.
 
 A restart does not lose the current version: each committed version is sealed on disk beside its
 segment (its SHA-256 and manifest, written off the event loop), and `start` takes back the newest
@@ -288,8 +290,13 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             self.metrics.rejected.labels("unknown_engine").inc()
             raise NotFound(f"engine {request.engine_id!r} is not registered (dropped?); register")
         self.registry.touch(engine)
-        assignment = engine.assignment
-        transport = transport_name(assignment.transport) if assignment else "unknown"
+        assignment, overdue = engine.assignment, engine.overdue
+        # A late report on the update it was timed out of (counted then, as a timeout).
+        late = overdue is not None and overdue.version == request.version
+        source = overdue if late else assignment
+        transport = transport_name(source.transport) if source else "unknown"
+        if overdue is not None and request.version >= overdue.version:
+            engine.overdue = None
         if request.ok:
             self._note_loaded(engine, request.version)
             engine.last_error = ""
@@ -304,10 +311,11 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             )  # fmt: skip
         else:
             engine.last_error = request.error
-            self.metrics.update_failures.labels(transport).inc()
+            if not late:
+                self.metrics.update_failures.labels(transport).inc()
             log.warning(
                 "engine.update_failed", engine_id=engine.engine_id, version=request.version,
-                transport=transport, error=request.error,
+                transport=transport, after_timeout=late, error=request.error,
             )  # fmt: skip
         if assignment is not None and assignment.version <= request.version:
             self._end_assignment(engine)
@@ -321,6 +329,8 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         return pb.ReportLoadedResponse()
 
     def _note_loaded(self, engine: Engine, version: int) -> None:
+        if engine.overdue is not None and version >= engine.overdue.version:
+            engine.overdue = None
         if version > engine.loaded_version:
             engine.loaded_version = version
             self._refresh_engine_gauge()
@@ -587,9 +597,10 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         for engine in list(self.registry.engines.values()):
             if engine.assignment is not None or engine.loaded_version >= stored.version:
                 continue
+            # An overdue engine is still busy: a broadcast group would wait for it.
             transport = (
                 pb.TRANSPORT_SNAPSHOT
-                if stored.version < engine.catch_up_below
+                if stored.version < engine.catch_up_below or engine.overdue is not None
                 else self._choose(engine, stored)
             )
             self._assign(engine, stored, transport)
@@ -599,6 +610,10 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     def _catch_up(self, engine: Engine) -> None:
         """An idle engine behind the current version gets it by snapshot."""
         if engine.assignment is not None or engine.loaded_version >= self.current:
+            return
+        if engine.overdue is not None and engine.overdue.version >= self.current:
+            # Most likely still receiving it: the client ignores a version it is receiving, so
+            # the snapshot would only time out again. It is retried once the engine reports.
             return
         assert self.store is not None
         stored = self.store.latest()
@@ -640,7 +655,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             instruction.group.CopyFrom(sender.group)
             instruction.rank = 1
             assignment.sender = sender
-            self._start_broadcast(engine.engine_id, stored, sender)
+            self._start_broadcast(engine.engine_id, stored, assignment)
         engine.assignment = assignment
         engine.last_transport = transport
         engine.wake.set()
@@ -652,10 +667,11 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         )  # fmt: skip
 
     def _start_broadcast(
-        self, engine_id: str, stored: StoredVersion, sender: BroadcastSender
+        self, engine_id: str, stored: StoredVersion, assignment: Assignment
     ) -> None:
         loop = self._loop
         assert loop is not None and self.store is not None
+        sender: BroadcastSender = assignment.sender
         self.store.pin(stored)
 
         def run() -> None:
@@ -667,30 +683,40 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                 error = f"{type(exc).__name__}: {exc}"
             seconds = time.monotonic() - started
             loop.call_soon_threadsafe(
-                self._broadcast_done, engine_id, stored, sender.backend, error, seconds
+                self._broadcast_done, engine_id, stored, assignment, error, seconds
             )
 
         threading.Thread(target=run, name=f"broadcast-{engine_id}", daemon=True).start()
 
     def _broadcast_done(
-        self, engine_id: str, stored: StoredVersion, backend: str, error: str, seconds: float
+        self,
+        engine_id: str,
+        stored: StoredVersion,
+        assignment: Assignment,
+        error: str,
+        seconds: float,
     ) -> None:
         assert self.store is not None
         self.store.unpin(stored)
-        engine = self.registry.get(engine_id)
+        backend = assignment.sender.backend
         if not error:
             self._count_out(backend, stored.manifest.total_bytes, seconds)
             return
-        self.metrics.update_failures.labels(backend).inc()
+        engine = self.registry.get(engine_id)
+        current = engine is not None and engine.assignment is assignment
         log.warning(
             "broadcast.failed", engine_id=engine_id, version=stored.version, error=error[:300]
         )
-        if (
-            engine is not None
-            and engine.assignment is not None
-            and engine.assignment.version == stored.version
-            and engine.assignment.transport in (pb.TRANSPORT_GLOO, pb.TRANSPORT_NCCL)
-        ):
+        if time.monotonic() >= assignment.deadline:
+            # The sender's collectives time out after `broadcast_timeout_seconds` too, so this
+            # is the update's deadline, seen here or by the reaper first: one timeout either way.
+            if current:
+                assert engine is not None
+                self._time_out(engine)
+            return
+        self.metrics.update_failures.labels(backend).inc()
+        if current:  # a dead peer: only this engine's update fails, it catches up by snapshot
+            assert engine is not None
             engine.last_error = error[:500]
             self._end_assignment(engine)
             engine.catch_up_below = max(engine.catch_up_below, stored.version + 1)
@@ -758,16 +784,22 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             self._refresh_engine_gauge()
         now = time.monotonic()
         for engine in self.registry.engines.values():
-            assignment = engine.assignment
-            if assignment is not None and now > assignment.deadline:
-                self.metrics.timeouts.labels("update").inc()
-                log.warning(
-                    "update.timed_out", engine_id=engine.engine_id, version=assignment.version,
-                    transport=transport_name(assignment.transport),
-                )  # fmt: skip
-                engine.last_error = f"timed out of version {assignment.version}"
-                self._end_assignment(engine)
-                engine.catch_up_below = max(engine.catch_up_below, assignment.version + 1)
+            if engine.assignment is not None and now > engine.assignment.deadline:
+                self._time_out(engine)
+
+    def _time_out(self, engine: Engine) -> None:
+        """End the engine's update at its deadline; the engine is `overdue` until it reports."""
+        assignment = engine.assignment
+        assert assignment is not None
+        self.metrics.timeouts.labels("update").inc()
+        log.warning(
+            "update.timed_out", engine_id=engine.engine_id, version=assignment.version,
+            transport=transport_name(assignment.transport),
+        )  # fmt: skip
+        engine.last_error = f"timed out of version {assignment.version}"
+        self._end_assignment(engine)
+        engine.catch_up_below = max(engine.catch_up_below, assignment.version + 1)
+        engine.overdue = assignment
 
     def _refresh_engine_gauge(self) -> None:
         self.metrics.engines.clear()

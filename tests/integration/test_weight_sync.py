@@ -57,19 +57,25 @@ def make_tensors(seed: int, total_mb: float = 4.0) -> dict[str, torch.Tensor]:
 
 def _engine_main(args: argparse.Namespace) -> None:
     out = Path(args.out)
-    if args.die_after_buckets:
-        # Test hook: SIGKILL this engine in the middle of a broadcast, after N buckets arrived.
+    if args.die_after_buckets or args.stall_after_buckets:
+        # Test hooks, in the middle of a broadcast, after N buckets arrived: SIGKILL this engine
+        # (dead), or stall its receive until the test creates `<name>.release` (alive and slow:
+        # the heartbeat thread goes on). It says it stalled with `<name>.stalled`. Once only.
         from kuberl.common.weights import transports
 
         real, received = transports.broadcast, [0]
 
-        def dying_broadcast(group, tensor, timeout_s, backend="gloo"):  # type: ignore[no-untyped-def]
+        def hooked_broadcast(group, tensor, timeout_s, backend="gloo"):  # type: ignore[no-untyped-def]
             real(group, tensor, timeout_s, backend)
             received[0] += 1
-            if received[0] >= args.die_after_buckets:
+            if received[0] == args.die_after_buckets:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if received[0] == args.stall_after_buckets:
+                (out / f"{args.name}.stalled").touch()
+                while not (out / f"{args.name}.release").exists():
+                    time.sleep(0.02)
 
-        transports.broadcast = dying_broadcast
+        transports.broadcast = hooked_broadcast
     holder: dict[str, Any] = {}
 
     def digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -100,6 +106,10 @@ def _engine_main(args: argparse.Namespace) -> None:
     holder["client"] = client
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # Test hook: up (torch imported) but registering only when the test creates `<name>.register`.
+    while args.register_on_cue and not (out / f"{args.name}.register").exists():
+        if stop.wait(0.02):
+            return
     client.start()
     stop.wait()
     client.stop()
@@ -146,15 +156,25 @@ def _next_version(svc: ServiceProcess) -> int:
 
 
 def _service(
-    tmp_path: Path, transports: list[str], device: str = "cpu", retain: int = 2
+    tmp_path: Path,
+    transports: list[str],
+    device: str = "cpu",
+    retain: int = 2,
+    broadcast_timeout: float = 20,
 ) -> Iterator[ServiceProcess]:
-    config = _job_file(tmp_path, transports, device, retain)
+    config = _job_file(tmp_path, transports, device, retain, broadcast_timeout)
     with ServiceProcess.kuberl("weight_sync", config, tmp_path) as proc:
         proc.wait_serving()
         yield proc
 
 
-def _job_file(tmp_path: Path, transports: list[str], device: str = "cpu", retain: int = 2) -> Path:
+def _job_file(
+    tmp_path: Path,
+    transports: list[str],
+    device: str = "cpu",
+    retain: int = 2,
+    broadcast_timeout: float = 20,
+) -> Path:
     shm_dir = f"/dev/shm/kuberl-test-{uuid.uuid4().hex[:8]}"
     config = tmp_path / "job.yaml"
     config.write_text(
@@ -169,7 +189,7 @@ def _job_file(tmp_path: Path, transports: list[str], device: str = "cpu", retain
                     "bucket_bytes": MB,
                     "heartbeat_seconds": 0.5,
                     "missed_heartbeats": 3,
-                    "broadcast_timeout_seconds": 20,
+                    "broadcast_timeout_seconds": broadcast_timeout,
                     "shm_dir": shm_dir,
                     "advertise_host": "127.0.0.1",
                     "notify_engines": False,
@@ -327,6 +347,97 @@ def test_an_engine_sigkilled_during_a_broadcast_is_dropped_and_the_others_finish
     finally:
         _stop(*engines)
     assert (killed, identical, dropped) == (-signal.SIGKILL, True, 1.0)
+
+
+def test_an_engine_stalled_in_a_broadcast_times_out_alone_and_catches_up_by_snapshot(
+    tmp_path: Path,
+) -> None:
+    # "slow" stalls, alive and heartbeating, after the first bucket of its first broadcast, and
+    # is released only once its update timed out (deadline 4 s), the trainer published v2 and
+    # both other engines hold v2.
+    timeouts = 'kuberl_weight_sync_timeouts_total{kind="update"}'
+    beats = 'kuberl_weight_sync_rpc_requests_total{code="OK",method="Heartbeat"}'
+    for svc in _service(tmp_path, ["gloo", "snapshot"], broadcast_timeout=4):
+        names = ["fast0", "fast1", "slow"]
+        engines = [_engine(svc, tmp_path, n) for n in names[:2]]
+        engines.append(_engine(svc, tmp_path, "slow", "--stall-after-buckets", "1"))
+        try:
+            _wait(lambda: _registered(svc) == set(names), "3 engines registered", svc)  # noqa: B023
+            with WeightPublisher(svc.address) as pub:
+                pub.publish(1, iter(make_tensors(31).items()))
+                timeouts_when_back = _metric(svc, timeouts)  # the trainer is back
+                _wait((tmp_path / "slow.stalled").exists, "the slow engine stalled", svc)
+                stalled_at, beats_before = time.monotonic(), _metric(svc, beats)
+                _wait(lambda: _metric(svc, timeouts) >= 1, "the update timed out", svc)  # noqa: B023
+                pub.publish(2, iter(make_tensors(32).items()))
+            _wait(lambda: _holding(svc, 2) >= {"fast0", "fast1"}, "fast ones at v2", svc)  # noqa: B023
+            meanwhile = sorted((e.engine_id, e.loaded_version) for e in _status(svc).engines)
+            beats_per_second = (_metric(svc, beats) - beats_before) / (
+                time.monotonic() - stalled_at
+            )
+            (tmp_path / "slow.release").touch()
+            _wait(lambda: "slow" in _holding(svc, 2), "the slow engine caught up to v2", svc)  # noqa: B023
+            histories = {n: _history(tmp_path, n) for n in names}
+            identical = all(_bit_identical(tmp_path, n, 2, 32) for n in names)
+            identical &= all(_bit_identical(tmp_path, n, 1, 31) for n in names[:2])
+            counted = {
+                "update": _metric(svc, timeouts),
+                "heartbeat": _metric(svc, 'kuberl_weight_sync_timeouts_total{kind="heartbeat"}'),
+                "gloo failures": _metric(
+                    svc, 'kuberl_weight_sync_engine_update_failures_total{transport="gloo"}'
+                ),
+            }
+        finally:
+            _stop(*engines)
+        # The trainer was back before the deadline; the others went on to v2 while the slow one,
+        # still registered, held nothing; it then got v2 by snapshot. One timeout, counted once
+        # (not also as a failure, whichever of the reaper and the relay's gloo timeout saw it).
+        assert timeouts_when_back == 0
+        assert meanwhile == [("fast0", 2), ("fast1", 2), ("slow", 0)]
+        assert histories == {
+            "fast0": [(1, "gloo"), (2, "gloo")], "fast1": [(1, "gloo"), (2, "gloo")],
+            "slow": [(2, "snapshot")],
+        }  # fmt: skip
+        assert identical
+        assert counted == {"update": 1.0, "heartbeat": 0.0, "gloo failures": 0.0}
+        # Long polls: ~2 a second per engine with heartbeat_seconds 0.5 (thousands when the
+        # slow engine's client asked again at once while its update was assigned).
+        assert beats_per_second < 30
+
+
+def test_an_engine_registering_during_a_broadcast_gets_that_version_by_snapshot_then_the_next(
+    service: ServiceProcess, tmp_path: Path
+) -> None:
+    # "streaming" stalls after the first bucket of version v: v's broadcast is under way when
+    # "joiner" (already started, waiting for its cue) registers.
+    streaming = _engine(service, tmp_path, "streaming", "--stall-after-buckets", "1")
+    joiner = _engine(service, tmp_path, "joiner", "--register-on-cue")
+    try:
+        _wait(lambda: "streaming" in _registered(service), "streaming registered", service)
+        v = _next_version(service)
+        with WeightPublisher(service.address) as pub:
+            pub.publish(v, iter(make_tensors(41).items()))
+            _wait((tmp_path / "streaming.stalled").exists, "v's broadcast under way", service)
+            (tmp_path / "joiner.register").touch()
+            _wait(lambda: "joiner" in _holding(service, v), "the joiner at v", service)
+            streaming_during = "streaming" in _holding(service, v)
+            (tmp_path / "streaming.release").touch()
+            _wait(lambda: "streaming" in _holding(service, v), "streaming at v", service)
+            pub.publish(v + 1, iter(make_tensors(42).items()))
+        _wait(lambda: _holding(service, v + 1) >= {"streaming", "joiner"}, "both at v+1", service)
+        histories = {n: _history(tmp_path, n) for n in ("streaming", "joiner")}
+        identical = all(
+            _bit_identical(tmp_path, n, version, seed)
+            for n in histories
+            for version, seed in ((v, 41), (v + 1, 42))
+        )
+    finally:
+        _stop(streaming, joiner)
+    assert streaming_during is False  # the joiner got v while v's broadcast was still running
+    assert histories == {
+        "streaming": [(v, "gloo"), (v + 1, "gloo")], "joiner": [(v, "snapshot"), (v + 1, "gloo")],
+    }  # fmt: skip
+    assert identical
 
 
 def test_versions_stay_monotonic_under_concurrent_publishes(
@@ -587,6 +698,8 @@ if __name__ == "__main__":
     e.add_argument("out")
     e.add_argument("name")
     e.add_argument("--die-after-buckets", type=int, default=0)
+    e.add_argument("--stall-after-buckets", type=int, default=0)
+    e.add_argument("--register-on-cue", action="store_true")
     e.add_argument("--transports", nargs="+", default=["shm", "gloo", "snapshot"])
     e.add_argument("--device", default="cpu")
     e.add_argument("--gpu", default=None, help="GPU UUID to register with (default: device's)")

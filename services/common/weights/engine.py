@@ -219,13 +219,28 @@ class EngineClient:
                 if not answer.known:
                     log.warning("engine.unknown_to_service", engine_id=self.engine_id)
                     self.register()
-                elif answer.HasField("pending"):
-                    self.submit(answer.pending)
+                elif answer.HasField("pending") and not self.submit(answer.pending):
+                    # Already receiving (or holding) it. The service answers at once while an
+                    # update is assigned, so asking again straight away would spin (thousands
+                    # of calls a second against the relay for as long as the update takes).
+                    self._wait_for_progress()
             except grpc.RpcError as exc:
                 if self._stopping.is_set():
                     return
                 log.warning("engine.heartbeat_failed", code=exc.code().name)
                 self._stopping.wait(self.heartbeat_seconds)
+
+    def _wait_for_progress(self) -> None:
+        """Until the update being received or queued changes, or half a heartbeat has passed
+        (still in time for the service's liveness check)."""
+        deadline = time.monotonic() + self.heartbeat_seconds / 2
+        with self._cond:
+            busy, queued = self._busy, self._queued
+            while not self._stopping.is_set() and self._busy == busy and self._queued is queued:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
 
     def _work_loop(self) -> None:
         while True:
@@ -237,11 +252,13 @@ class EngineClient:
                 instruction, self._queued = self._queued, None
                 assert instruction is not None
                 self._busy = instruction.version
+                self._cond.notify_all()
             try:
                 self._update(instruction)
             finally:
                 with self._cond:
                     self._busy = 0
+                    self._cond.notify_all()
 
     def _update(self, instruction: pb.UpdateInstruction) -> None:
         name = transport_name(instruction.transport)
