@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,3 +121,15 @@ def network_probe(port: int) -> str:
         "        pass\n"
         "print('reached', reached) if reached else print('blocked')\n"
     )
+
+
+def escape_targets(tmp_path: Path) -> list[Path]:
+    """Files a sandboxed program must not be able to create: in the test's own folder (made
+    world-writable, so only the sandbox's isolation stops it), in the repository, and in the
+    host's /tmp."""
+    tmp_path.chmod(0o777)
+    return [
+        tmp_path / "escaped.txt",
+        REPO / f"escaped-{uuid.uuid4().hex}.txt",
+        Path("/tmp") / f"kuberl-escaped-{uuid.uuid4().hex}.txt",
+    ]

@@ -29,7 +29,7 @@ from kuberl.api.reward.v1 import reward_pb2, reward_pb2_grpc
 from kuberl.common.channels import sync_channel
 from kuberl.common.sandbox import LAUNCHER, default_python
 from tests.integration.test_reward_service import reward_job
-from tests.support import REPO, ServiceProcess, network_probe
+from tests.support import ServiceProcess, escape_targets, network_probe
 
 SECRET_NAME = "REWARD_TEST_SECRET"
 SECRET = f"s3cr3t-{uuid.uuid4().hex}"
@@ -238,12 +238,7 @@ def test_a_program_that_fills_its_tmp_still_gets_every_test_judged(sandbox: Sand
 def test_writing_outside_its_folder_changes_nothing_outside(
     sandbox: Sandboxed, tmp_path: Path
 ) -> None:
-    targets = [
-        tmp_path / "escaped.txt",
-        REPO / f"escaped-{uuid.uuid4().hex}.txt",
-        Path("/tmp") / f"kuberl-escaped-{uuid.uuid4().hex}.txt",
-    ]
-    tmp_path.chmod(0o777)  # world-writable, yet out of reach (and /tmp is private to the run)
+    targets = escape_targets(tmp_path)  # the host's /tmp among them: each run has its own
     program = (
         "ok = 0\n"
         f"for path in {[str(t) for t in targets]!r}:\n"

@@ -27,7 +27,7 @@ import pytest
 from kuberl.common.config import SandboxConfig
 from kuberl.rollout import metrics as m
 from kuberl.rollout.tools import ToolCall, ToolRegistry
-from tests.support import REPO, network_probe
+from tests.support import REPO, escape_targets, network_probe
 
 ROOT = os.geteuid() == 0
 TIMEOUT = 3.0
@@ -136,12 +136,7 @@ def test_a_socket_to_a_listening_loopback_server_cannot_connect(tool: Tool) -> N
 def test_a_file_written_outside_its_private_folder_never_appears(
     tool: Tool, tmp_path: Path
 ) -> None:
-    targets = [
-        tmp_path / "escaped.txt",
-        REPO / f"escaped-{uuid.uuid4().hex}.txt",
-        Path("/tmp") / f"kuberl-escaped-{uuid.uuid4().hex}.txt",
-    ]
-    tmp_path.chmod(0o777)  # world-writable, yet out of reach (and /tmp is private to the call)
+    targets = escape_targets(tmp_path)  # the host's /tmp among them: each call has its own
     program = (
         f"for path in {[str(t) for t in targets]!r} + ['inside.txt']:\n"
         "    try:\n"
