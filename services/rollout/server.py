@@ -183,6 +183,8 @@ class RolloutService(Service):
             await asyncio.to_thread(self.weights.stop)
         if self.engine is not None:
             await self.engine.close()
+        if self.worker is not None and self.worker.ctx.tools is not None:
+            self.worker.ctx.tools.close()  # gives back the python tool's sandbox uids
         for channel in self._channels:
             await channel.close()
 
