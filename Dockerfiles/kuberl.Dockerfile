@@ -26,7 +26,8 @@ FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="kuberl" \
       org.opencontainers.image.description="kuberl buffer, reward and weight-sync services" \
       org.opencontainers.image.licenses="Apache-2.0"
-# tini reaps the reward sandbox's orphaned grandchildren and forwards SIGTERM (graceful drain).
+# tini forwards SIGTERM (graceful drain) and reaps whatever orphan reaches pid 1 (the sandbox
+# launcher already waits for every process it killed, so none should).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends tini=0.19.0-1+b3 \
     && rm -rf /var/lib/apt/lists/* \

@@ -216,12 +216,23 @@ def kill_leftovers(uid: int | None) -> None:
         time.sleep(0.002)
 
 
+REAP_SECONDS = 5.0
+
+
 def reap_zombies() -> None:
-    """Collect killed orphans (only once the program itself has been waited for, or its exit
-    status would be lost)."""
+    """Wait for every process below this launcher (only once the program itself has been waited
+    for, or its exit status would be lost). Everything left has been SIGKILLed, but dies a moment
+    later; whatever the launcher did not collect would be handed to the pod's pid 1, which in a
+    container is often the service itself, and stay a zombie of the sandbox uid. No child left
+    means no descendant left: a dying process hands its children to this subreaper first."""
+    deadline = time.monotonic() + REAP_SECONDS
     with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
+        while True:
+            if os.waitpid(-1, os.WNOHANG)[0]:
+                continue
+            if time.monotonic() > deadline:  # a process stuck in the kernel: give up on it
+                break
+            time.sleep(0.001)
 
 
 def _limits(job: dict[str, Any], nproc: int) -> Any:

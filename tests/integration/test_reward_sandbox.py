@@ -17,6 +17,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import urllib.request
 import uuid
@@ -27,7 +28,7 @@ import pytest
 
 from kuberl.api.reward.v1 import reward_pb2, reward_pb2_grpc
 from kuberl.common.channels import sync_channel
-from kuberl.common.sandbox import LAUNCHER, default_python
+from kuberl.common.sandbox import LAUNCHER, claim_uids, default_python
 from tests.integration.test_reward_service import reward_job
 from tests.support import ServiceProcess, escape_targets, network_probe
 
@@ -385,3 +386,74 @@ def test_without_root_the_launcher_still_cuts_the_network_and_limits_processes()
         [{"status": "passed", "detail": ""}],
         b"",
     )
+
+
+@pytest.mark.skipif(not ROOT, reason="the dedicated sandbox uid needs root")
+def test_the_launcher_reaps_every_process_it_killed_before_it_exits(tmp_path: Path) -> None:
+    # In a container our service is pid 1 (or sits under an init that reaps nothing): whatever
+    # the launcher leaves behind is reparented there and stays a zombie of the sandbox uid, for
+    # later runs of that uid to find. Here the launcher's parent is a child subreaper that reaps
+    # only the launcher, and counts the processes handed to it.
+    (uid,), locks = claim_uids(UID_BASE + 500, 1, setting="test")
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    program = (
+        "import os, time\n"
+        "for _ in range(60):\n"
+        "    if os.fork() == 0:\n"
+        "        if os.fork() == 0:\n"
+        "            os.closerange(0, 3)\n"  # a daemon: its end does not show on the pipes
+        "            time.sleep(60)\n"
+        "        os._exit(0)\n"
+        "print('forked')\n"
+    )
+    job = {
+        "mode": "run",
+        "uid": uid,
+        "python": default_python(dedicated_uid=True),
+        "code": program,
+        "tests": [{"input": "", "output": "forked"}] * 3,
+        "workdir": str(workdir),
+        "deadline_seconds": 30,
+        "limits": {
+            "cpu_seconds": 2,
+            "memory_bytes": 256 * 2**20,
+            "max_processes": 200,
+            "max_file_bytes": 2**20,
+            "max_open_files": 64,
+            "wall_seconds": 10,
+            "max_output_bytes": 2**16,
+            "tmpfs_bytes": 2**24,
+        },
+    }
+    parent = (
+        "import ctypes, json, os, subprocess, sys, time\n"
+        "ctypes.CDLL(None).prctl(36, 1)\n"  # PR_SET_CHILD_SUBREAPER
+        "done = subprocess.run(sys.argv[1:], input=sys.stdin.buffer.read(), capture_output=True)\n"
+        "time.sleep(0.5)\n"
+        "handed = []\n"
+        "for entry in filter(str.isdigit, os.listdir('/proc')):\n"
+        "    try:\n"
+        "        stat = open(f'/proc/{entry}/stat').read()\n"
+        "    except OSError:\n"
+        "        continue\n"
+        "    if int(stat[stat.rfind(')') + 2 :].split()[1]) == os.getpid():\n"
+        "        handed.append(entry)\n"
+        "report = done.stdout.decode()\n"
+        "print(json.dumps({'rc': done.returncode, 'report': report, 'handed': handed}))\n"
+    )
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", parent, job["python"], "-I", "-S", str(LAUNCHER)],
+            input=json.dumps(job).encode(),
+            capture_output=True,
+            timeout=60,
+            check=True,
+        ).stdout
+    finally:
+        for fd in locks:
+            os.close(fd)
+    seen = json.loads(out)
+    results = json.loads(seen["report"])["results"]
+    assert (seen["rc"], seen["handed"]) == (0, [])
+    assert results == [{"status": "passed", "detail": ""}] * 3
