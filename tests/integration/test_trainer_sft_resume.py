@@ -10,7 +10,9 @@ killed, the second resumes and runs to `total_steps` and exits 0.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import signal
 import time
@@ -56,9 +58,31 @@ def _write_job(tmp: Path, model: Path) -> Path:
 
 
 def _rows(path: Path) -> list[dict]:  # type: ignore[type-arg]
+    """The rows written so far (a last line cut short by a kill or a stop is left out)."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _freeze(pid: int) -> None:
+    """SIGSTOP `pid` and wait until every thread of it has stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        if all(state in "TtZ" for state in states):
+            return
+        time.sleep(0.005)
+    raise TimeoutError(f"process {pid} did not stop")
 
 
 def _losses(path: Path) -> dict[int, float]:
@@ -84,19 +108,23 @@ def runs(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-d
             stub = trainer_pb2_grpc.TrainerServiceStub(channel)
             saved = stub.CheckpointNow(trainer_pb2.CheckpointNowRequest(), timeout=120)
             observed["checkpoint_now"] = (saved.path, saved.step)
-            # Kill once a checkpoint exists and the step after it has been recorded.
             deadline = time.monotonic() + 150
-            while time.monotonic() < deadline:
-                latest = tmp / "ckpt" / "latest"
-                if latest.exists():
-                    step = json.loads(
-                        (tmp / "ckpt" / latest.read_text() / "cursor.json").read_text()
-                    )["step"]
-                    if step >= 2 and step + 1 in _losses(first_jsonl):
-                        break
-                time.sleep(0.1)
-            status = stub.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
-            observed["status"] = status
+            while time.monotonic() < deadline and max(_losses(first_jsonl), default=0) < 3:
+                time.sleep(0.05)
+            observed["status"] = stub.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
+        # Kill once a checkpoint exists and the step after it has been recorded. Both are read
+        # while the trainer is stopped (SIGSTOP), so no newer checkpoint can slip in between
+        # the check and the kill (one did once: killed after checkpoint 6, before step 7).
+        while time.monotonic() < deadline:
+            _freeze(first.proc.pid)
+            latest = tmp / "ckpt" / "latest"
+            if latest.exists():
+                cursor = tmp / "ckpt" / latest.read_text().strip() / "cursor.json"
+                step = json.loads(cursor.read_text())["step"]
+                if step >= 2 and step + 1 in _losses(first_jsonl):
+                    break
+            first.signal(signal.SIGCONT)
+            time.sleep(0.05)
         first.signal(signal.SIGKILL)
         first.proc.wait(30)
     finally:
