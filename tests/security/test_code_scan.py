@@ -5,8 +5,11 @@ No pickle: nothing imports pickle or its relatives (dill, cloudpickle, joblib, s
 nothing calls torch.save, torch.load without weights_only=True, numpy.load with
 allow_pickle=True, pandas.read_pickle or a YAML loader that builds Python objects, and no
 process pool or multiprocessing queue carries Python objects between processes (they pickle).
-The only multiprocessing import is torch's CUDA IPC reduction helpers, whose handles travel as
-JSON. DeepSpeed's own checkpoint files are torch.save pickles; the trainer reads them with
+The only multiprocessing imports are torch's CUDA IPC reduction helpers, whose handles travel as
+JSON, and, in `kuberl.common.weights.sglang`, the pickler SGLang's /update_weights_from_tensor
+requires: kuberl writes that payload (a CUDA IPC handle and tensor metadata, only globals on
+SGLang's unpickler allow-list) for the SGLang server beside a rollout replica and never reads
+one. DeepSpeed's own checkpoint files are torch.save pickles; the trainer reads them with
 weights_only=True (tests/security/tampered_checkpoint.py proves a hostile one is refused).
 
 Plugins only from the job file: no RPC field can name a `module:function` (the only string
@@ -47,6 +50,13 @@ ALLOWED_IMPORTS = {
     ("services/common/weights/transports.py", "torch.multiprocessing.reductions"): (
         "CUDA IPC: reduce_tensor / rebuild_cuda_tensor give and take the raw IPC handles, "
         "which travel base64-encoded in JSON; nothing is pickled"
+    ),
+    ("services/common/weights/sglang.py", "multiprocessing.reduction"): (
+        "SGLang's /update_weights_from_tensor takes only ForkingPickler bytes: written (never "
+        "read) for the replica's own SGLang server, naming a CUDA IPC handle and tensor metadata"
+    ),
+    ("services/common/weights/sglang.py", "torch.multiprocessing.reductions"): (
+        "rebuild_cuda_tensor: the function the SGLang payload names, as torch's CUDA reduction does"
     ),
 }
 

@@ -66,6 +66,11 @@ SGLang engine (the SGLang server joins the broadcast itself)::
 
     client = EngineClient(address, apply=apply, transports=("nccl",), device="cuda:0")
 
+    # An SGLang server on the trainer's GPU (tp_size 1) can take CUDA IPC instead: offer
+    # "cuda_ipc" and, for a TRANSPORT_CUDA_IPC instruction, post each of
+    # sglang.tensor_update_requests(instruction) to /update_weights_from_tensor between
+    # /begin_weight_update and /end_weight_update (generation paused around it).
+
 Lower level: `Manifest` / `ManifestBuilder` (bucket layout, SGLang's flattened_bucket),
 `make_receiver(transport)` (the data-plane factory), `download_snapshot(address)`,
 `safetensors_header(manifest)` (header + payload = a .safetensors file).

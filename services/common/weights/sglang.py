@@ -1,21 +1,53 @@
 """SGLang's native weight-update requests for an `UpdateInstruction` (rollout's SGLang engine).
 
-An SGLang server receives a broadcast itself: the rollout replica posts
+Broadcast (`nccl`): an SGLang server receives a broadcast itself: the rollout replica posts
 `/init_weights_update_group`, then one `/update_weights_from_distributed` per bucket (with
 `load_format="flattened_bucket"`, the layout of `kuberl.common.weights.manifest`) while the
-sender broadcasts that bucket, then `/destroy_weights_update_group`. SGLang loads each bucket
-as it arrives, so the adapter pauses generation first (`/pause_generation`) and continues after
-the last bucket: the engine never serves a mix of two versions. These functions build the
-JSON bodies; the HTTP calls belong to the rollout service's engine adapter. Field names are those
-of SGLang's `InitWeightsUpdateGroupReqInput` / `UpdateWeightsFromDistributedReqInput`.
+sender broadcasts that bucket, then `/destroy_weights_update_group`. Field names are those of
+SGLang's `InitWeightsUpdateGroupReqInput` / `UpdateWeightsFromDistributedReqInput`.
+
+CUDA IPC (`cuda_ipc`, an SGLang server on the trainer's GPU): `tensor_update_requests` turns the
+instruction's JSON handle set (one engine's, `kuberl.common.weights.transports`) into one
+`/update_weights_from_tensor` body per bucket (`UpdateWeightsFromTensorReqInput`). SGLang takes
+only its own payload there: per tensor-parallel rank, base64 of what `ForkingPickler` writes for
+`{"flattened_tensor": <uint8 CUDA tensor>, "metadata": [<name, shape, dtype, start_idx, end_idx,
+numel>, ...]}` with `load_format="flattened_bucket"`, read back with its `SafeUnpickler`. The
+bucket is written as torch's own CUDA reduction writes a CUDA tensor (`reduce_tensor`: a call of
+`rebuild_cuda_tensor` with the IPC handle, the storage's size and offset and torch's IPC reference
+counter), filled from the handle set's fields: the replica never opens the handles (it needs no
+GPU), and SGLang's server is the one process that does, so each handle's reference is released
+exactly once, by SGLang, when it lets go of the bucket it loaded. The device is the GPU's UUID,
+which SGLang's patched `rebuild_cuda_tensor` maps to its own device index (as its own serializer
+writes it). Opening the handles here and sending the opened tensors on is not possible: torch
+refuses to share a CUDA storage it received from another process (`_share_cuda_`: "Attempted to
+send CUDA tensor received from another process"); it would take a clone, a second copy of the
+weights on the GPU. The metadata entries are `SimpleNamespace`s: SGLang reads those six attributes
+and its unpickler admits that type (its own dataclass cannot be named without importing SGLang).
+This is the one place kuberl writes a pickle, for SGLang's own API on the loopback hop from the
+replica to its server; kuberl never reads one.
+
+SGLang loads each bucket as it arrives, so the adapter pauses generation first
+(`/pause_generation`) and continues after the last bucket: the engine never serves a mix of two
+versions. Only the last bucket's request flushes the cache, and on the CUDA IPC path only it
+carries `weight_version`, so SGLang reports the new version once it holds all of it. These
+functions build the JSON bodies; the HTTP calls belong to the rollout service's engine adapter.
 """
 
 from __future__ import annotations
 
+import base64
+import io
+from collections.abc import Sequence
+from multiprocessing.reduction import ForkingPickler
+from types import SimpleNamespace
 from typing import Any
 
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
 from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
-from kuberl.common.weights.manifest import Manifest
+from kuberl.common.weights.manifest import Manifest, TensorEntry, torch_dtype
+from kuberl.common.weights.transports import CUDA_IPC_HANDLE_BYTES, CudaIpcBucket, parse_cuda_ipc
 
 
 def init_group_request(instruction: pb.UpdateInstruction) -> dict[str, Any]:
@@ -59,3 +91,88 @@ def update_requests(
 def destroy_group_request(instruction: pb.UpdateInstruction) -> dict[str, Any]:
     """Body of POST /destroy_weights_update_group (groups are formed per version)."""
     return {"group_name": instruction.group.group_name}
+
+
+class SharedCudaBucket:
+    """One GPU bucket of the trainer, named by its CUDA IPC handle (never opened here).
+
+    Pickled, it is exactly what torch's `reduce_tensor` writes for a flat uint8 CUDA tensor:
+    `rebuild_cuda_tensor(Tensor, size, stride, offset, TypedStorage, uint8, device, handle,
+    storage bytes, storage offset, requires_grad, ref-counter handle, its offset, event handle,
+    event sync)`, with the device as the GPU's UUID."""
+
+    def __init__(self, bucket: CudaIpcBucket, gpu_uuid: str) -> None:
+        if not gpu_uuid:
+            raise ValueError("a CUDA IPC bucket for SGLang must name its GPU (gpu_uuid)")
+        self.bucket, self.gpu_uuid = bucket, gpu_uuid
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        b = self.bucket
+        event = b.event_handle if b.event_handle is not None else bytes(CUDA_IPC_HANDLE_BYTES)
+        return rebuild_cuda_tensor, (
+            torch.Tensor, torch.Size([b.size]), (1,), b.offset, torch.storage.TypedStorage,
+            torch.uint8, self.gpu_uuid, b.handle, b.storage_bytes, b.storage_offset, False,
+            b.ref_handle, b.ref_offset, event, b.event_sync,
+        )  # fmt: skip
+
+
+def flattened_bucket_payload(bucket: Any, entries: Sequence[TensorEntry]) -> str:
+    """One tensor-parallel rank's entry of `serialized_named_tensors` with
+    `load_format="flattened_bucket"`: base64 of SGLang's `MultiprocessingSerializer` format
+    (`ForkingPickler`) for the bucket and its tensors' places in it (`entries`, offsets inside
+    the bucket). `bucket`: a `SharedCudaBucket`, or any tensor torch's reductions can share
+    with another process (the tests pass CPU tensors in shared memory); what it names must stay
+    alive, unchanged, until SGLang has loaded it."""
+    metadata = [
+        SimpleNamespace(
+            name=e.name,
+            shape=torch.Size(e.shape),
+            dtype=torch_dtype(e.dtype),
+            start_idx=e.offset,
+            end_idx=e.offset + e.nbytes,
+            numel=e.nbytes,
+        )
+        for e in entries
+    ]
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump({"flattened_tensor": bucket, "metadata": metadata})
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def tensor_update_bodies(
+    manifest: Manifest, buckets: Sequence[Any], version: int, *, flush_cache: bool = True
+) -> list[dict[str, Any]]:
+    """Bodies of POST /update_weights_from_tensor, one per bucket of `manifest`, for an SGLang
+    server with one tensor-parallel rank (one payload per body). `buckets[b]` is what SGLang
+    opens as bucket b (see `flattened_bucket_payload`)."""
+    if len(buckets) != manifest.num_buckets:
+        raise ValueError(f"{len(buckets)} buckets for the manifest's {manifest.num_buckets}")
+    last = manifest.num_buckets - 1
+    bodies: list[dict[str, Any]] = []
+    for b, bucket in enumerate(buckets):
+        body: dict[str, Any] = {
+            "serialized_named_tensors": [
+                flattened_bucket_payload(bucket, manifest.bucket_entries(b))
+            ],
+            "load_format": "flattened_bucket",
+            "flush_cache": flush_cache and b == last,
+        }
+        if b == last:
+            body["weight_version"] = str(version)
+        bodies.append(body)
+    return bodies
+
+
+def tensor_update_requests(
+    instruction: pb.UpdateInstruction, *, flush_cache: bool = True
+) -> list[dict[str, Any]]:
+    """Bodies of POST /update_weights_from_tensor for a CUDA IPC instruction, one per bucket,
+    naming the trainer's buckets by the instruction's handle set. The set is checked against
+    the manifest first (ValueError naming the problem, before anything is sent). Post every
+    body, in order, to the one SGLang server on the trainer's GPU: each handle carries one
+    reference to the trainer's memory, released when SGLang lets go of the bucket it opened, so
+    a set can be opened once."""
+    manifest = Manifest.from_proto(instruction.manifest)
+    handles = parse_cuda_ipc(instruction.handles_json, manifest)
+    shared = [SharedCudaBucket(b, handles.gpu_uuid) for b in handles.buckets]
+    return tensor_update_bodies(manifest, shared, instruction.version, flush_cache=flush_cache)
