@@ -215,15 +215,22 @@ class RolloutService(Service):
                 shm_in_place=True,
             )
         else:
+            tp_size = getattr(config.rollout.engine, "tp_size", 1)
+            # CUDA IPC when the server shares the trainer's GPU (one tensor-parallel rank: each
+            # set of handles is opened once). The GPU is this process's current CUDA device, as
+            # for the torch engine: SGLang's when the replica launched it or shares its
+            # CUDA_VISIBLE_DEVICES; with no GPU visible here none is registered and the relay
+            # never chooses CUDA IPC.
+            ipc = ("cuda_ipc",) if tp_size == 1 else ()
             self.weights = EngineClient(
                 config.endpoints.weight_sync,
                 apply=self._apply_instruction,
                 engine_id=self.replica_id,
                 endpoint=endpoint,
-                transports=("nccl", "snapshot"),
+                transports=(*ipc, "nccl", "snapshot"),
                 device="cuda",
                 # SGLang joins a broadcast group with every tensor-parallel rank.
-                ranks=getattr(config.rollout.engine, "tp_size", 1),
+                ranks=tp_size,
             )
         await wait_serving_async(config.endpoints.weight_sync, DEPENDENCY_WAIT_SECONDS)
         current = await asyncio.to_thread(self.weights.start)
@@ -267,11 +274,13 @@ class RolloutService(Service):
         if instruction.transport == wpb.TRANSPORT_NCCL:
             self._in_loop(version, lambda: engine.apply_broadcast(instruction))
             return
+        if instruction.transport == wpb.TRANSPORT_CUDA_IPC:
+            self._in_loop(version, lambda: engine.apply_cuda_ipc(instruction))
+            return
         if instruction.transport != wpb.TRANSPORT_SNAPSHOT:
             raise NotImplementedError(
-                "the sglang engine receives weights by NCCL broadcast or snapshot; SGLang's "
-                "/update_weights_from_tensor takes its own pickled payloads, which kuberl does "
-                "not produce"
+                "the sglang engine receives weights by CUDA IPC, NCCL broadcast or snapshot, "
+                f"not {wpb.Transport.Name(instruction.transport)}"
             )
         got, manifest, flat = download_snapshot(
             self.config.endpoints.weight_sync, version, engine_id=self.weights.engine_id

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import base64
 import importlib.metadata
 import importlib.util
 import json
@@ -182,6 +183,14 @@ def _instruction() -> Any:
     )
 
 
+def _cuda_ipc_instruction() -> Any:
+    from kuberl.common.weights import plan
+    from tests.contract.test_sglang_tensor_update import cuda_ipc_instruction
+
+    manifest = plan([("w", "bfloat16", [300, 4]), ("b", "float32", [4])], bucket_bytes=1024)
+    return cuda_ipc_instruction(manifest)
+
+
 @pytest.fixture(scope="module")
 def sent() -> list[tuple[str, str, Any]]:
     """Every (method, path, body) the client sends while each of its methods is used once."""
@@ -230,6 +239,7 @@ def sent() -> list[tuple[str, str, Any]]:
         await engine.destroy_weights_update_group("g")
         await engine.update_weights_from_tensor(["YWJj"], version=4, load_format="direct")
         await engine.apply_broadcast(_instruction())
+        await engine.apply_cuda_ipc(_cuda_ipc_instruction())
         await engine.close()
 
     asyncio.run(drive())
@@ -367,3 +377,34 @@ def test_launch_flags_are_options_of_sglang_launch_server() -> None:
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     assert (SGLANG / "launch_server.py").exists()
     assert flags - _launch_flags() == set()
+
+
+def test_cuda_ipc_bodies_give_each_field_of_update_weights_from_tensor_its_declared_type(
+    sent,
+) -> None:
+    tree = ast.parse((SGLANG / "srt/managers/io_struct.py").read_text())
+    cls = next(
+        n
+        for n in tree.body
+        if isinstance(n, ast.ClassDef) and n.name == "UpdateWeightsFromTensorReqInput"
+    )
+    declared = {
+        i.target.id: ast.unparse(i.annotation)
+        for i in cls.body
+        if isinstance(i, ast.AnnAssign) and isinstance(i.target, ast.Name)
+    }
+    # How each declared type arrives in JSON (bytes fields as base64 strings: Base64Bytes).
+    accepts = {
+        "Annotated[List[bytes], Base64Bytes()]": lambda v: isinstance(v, list)
+        and all(isinstance(x, str) and base64.b64decode(x, validate=True) for x in v),
+        "Optional[str]": lambda v: v is None or isinstance(v, str),
+        "bool": lambda v: isinstance(v, bool),
+    }
+    bodies = [b for _, path, b in sent if path == "/update_weights_from_tensor"]
+    wrong = [
+        (key, declared[key])
+        for body in bodies
+        for key, value in body.items()
+        if not accepts[declared[key]](value)
+    ]
+    assert (len(bodies) > 2, wrong) == (True, [])

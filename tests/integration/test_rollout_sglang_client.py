@@ -1,6 +1,7 @@
 """The `sglang` engine against a stand-in of SGLang's HTTP API (tests/integration/sglang_standin.py;
 NOT SGLang, which cannot run here): parsing, retries, timeouts, error mapping, pause / abort and
-the weight-update call sequences."""
+the weight-update call sequences, including a replica's CUDA IPC update (pause, one tensor call
+per bucket, continue) and an update that fails midway (SGLang stays paused)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -253,3 +256,157 @@ def test_flushing_the_cache_while_requests_run_is_refused() -> None:
 
         with pytest.raises(EngineRejected, match="requests are running"):
             run(_with(engine, go()))
+
+
+# -- CUDA IPC (an SGLang server on the trainer's GPU) -------------------------------------------
+
+
+def _cuda_ipc() -> tuple[Any, int]:
+    """A CUDA IPC instruction for version 5 (handles point at nothing: the stand-in does not
+    open them) and its number of buckets."""
+    from tests.contract.test_sglang_tensor_update import cuda_ipc_instruction, tensors, version
+
+    manifest, _ = version(tensors())
+    return cuda_ipc_instruction(manifest, 5), manifest.num_buckets
+
+
+def test_a_cuda_ipc_update_posts_one_tensor_call_per_bucket_in_one_session(server) -> None:
+    engine = _engine(server.url)
+    instruction, buckets = _cuda_ipc()
+    run(_with(engine, engine.apply_cuda_ipc(instruction)))
+    calls = [(p, b.get("flush_cache"), b.get("weight_version")) for _, p, b in server.requests]
+    assert calls == [
+        ("/begin_weight_update", None, None),
+        *[("/update_weights_from_tensor", False, None)] * (buckets - 1),
+        ("/update_weights_from_tensor", True, "5"),  # SGLang reports v5 once it holds all of it
+        ("/end_weight_update", None, None),
+    ]
+
+
+class _Replica:
+    """A rollout replica (RolloutService) on an SGLang engine, with its worker but no loop
+    running: enough for the path a weight-sync instruction takes (`_apply_instruction`, called
+    from the weight-sync client's thread)."""
+
+    def __init__(self, url: str) -> None:
+        from kuberl.common.config import parse_job_config
+        from kuberl.rollout.server import RolloutService
+
+        config = parse_job_config(
+            {"rollout": {"engine": {"kind": "sglang", "url": url, "retry_backoff_seconds": 0.01}}},
+            env={},
+        )
+        self.service = RolloutService(config)
+        self.engine = SGLangEngine(config.rollout.engine)  # type: ignore[arg-type]
+        self.service.engine = self.engine
+        self.service.weights = SimpleNamespace(engine_id="replica-0")
+
+    async def __aenter__(self) -> _Replica:
+        from kuberl.rollout.worker import RolloutWorker
+
+        self.service._loop = asyncio.get_running_loop()
+        self.service.worker = RolloutWorker(
+            self.service.config, self.engine, None, buffer=None, reward=None, replica_id="r0"
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.engine.close()
+
+    async def apply(self, instruction: Any) -> None:
+        await asyncio.to_thread(self.service._apply_instruction, instruction)
+
+
+def test_a_replica_pauses_sglang_loads_a_version_by_cuda_ipc_then_continues(server) -> None:
+    instruction, buckets = _cuda_ipc()
+
+    async def go() -> tuple[int, int]:
+        async with _Replica(server.url) as replica:
+            await replica.apply(instruction)
+            out = await replica.engine.generate([[1]], SamplingParams(max_new_tokens=2))
+            return replica.engine.version, out[0][0].version_start
+
+    versions = run(go())
+    calls = [p for _, p, _ in server.requests if p != "/generate"]
+    assert calls == [
+        "/pause_generation",
+        "/begin_weight_update",
+        *["/update_weights_from_tensor"] * buckets,
+        "/end_weight_update",
+        "/continue_generation",
+    ]
+    assert (versions, server.state.weight_version) == ((5, 5), "5")
+
+
+def test_an_update_failing_midway_keeps_sglang_paused_until_a_whole_version_is_loaded(
+    server, tmp_path: Path
+) -> None:
+    instruction, _ = _cuda_ipc()
+    server.inject("/update_weights_from_tensor")  # the first bucket loads
+    server.inject("/update_weights_from_tensor", status=400)  # the second is refused
+    generate = SamplingParams(max_new_tokens=2)
+
+    async def go() -> tuple[str, int]:
+        async with _Replica(server.url) as replica:
+            worker = replica.service.worker
+            assert worker is not None
+            with pytest.raises(EngineRejected, match="injected 400"):
+                await replica.apply(instruction)
+            with pytest.raises(EngineUnavailable) as refused:  # never reaches the server
+                await replica.engine.generate([[1]], generate)
+            # The weight-sync service catches a failed engine up by snapshot: a whole version.
+            await worker.apply_weight_update(
+                5, lambda: replica.engine.update_weights_from_disk(str(tmp_path), 5)
+            )
+            out = await replica.engine.generate([[1]], generate)
+            return str(refused.value), out[0][0].version_start
+
+    refused, version = run(go())
+    calls = [p for _, p, _ in server.requests]
+    assert calls == [
+        "/pause_generation",
+        "/begin_weight_update",
+        "/update_weights_from_tensor",
+        "/update_weights_from_tensor",  # refused: SGLang may hold part of version 5
+        "/end_weight_update",
+        # no /continue_generation, no /generate while torn
+        "/pause_generation",
+        "/update_weights_from_disk",
+        "/continue_generation",
+        "/generate",
+    ]
+    assert ("may hold part of a version" in refused, version) == (True, 5)
+
+
+@pytest.mark.parametrize(
+    ("tp_size", "offered"), [(1, ("cuda_ipc", "nccl", "snapshot")), (2, ("nccl", "snapshot"))]
+)
+def test_an_sglang_replica_offers_cuda_ipc_only_with_one_tensor_parallel_rank(
+    monkeypatch: pytest.MonkeyPatch, tp_size: int, offered: tuple[str, ...]
+) -> None:
+    import kuberl.common.weights
+    import kuberl.rollout.server
+
+    registered: dict[str, Any] = {}
+
+    class Client:  # records how the replica joins weight-sync
+        last_error = ""
+
+        def __init__(self, address: str, **kw: Any) -> None:
+            registered.update(kw)
+
+        def start(self) -> int:
+            return 0
+
+        def wait_for_version(self, version: int, timeout: float) -> bool:
+            return True
+
+    async def serving(address: str, timeout: float) -> None:
+        return None
+
+    monkeypatch.setattr(kuberl.common.weights, "EngineClient", Client)
+    monkeypatch.setattr(kuberl.rollout.server, "wait_serving_async", serving)
+    replica = _Replica("http://127.0.0.1:9")
+    replica.service.config.rollout.engine.tp_size = tp_size  # type: ignore[union-attr]
+    run(replica.service._join_weight_sync())
+    assert (registered["transports"], registered["ranks"]) == (offered, tp_size)

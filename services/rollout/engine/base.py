@@ -224,6 +224,7 @@ class Engine(abc.ABC):
     async def update_weights_from_tensor(
         self, serialized_named_tensors: Sequence[str], version: int, load_format: str | None = None
     ) -> None:
-        """Load tensors shared through CUDA IPC (colocated trainer). The payloads are produced
-        by the trainer with SGLang's serializer and passed through opaquely (base64)."""
+        """Load tensors shared through CUDA IPC (colocated trainer): one payload per
+        tensor-parallel rank in SGLang's own format, base64 (`kuberl.common.weights.sglang`
+        makes them from weight-sync's CUDA IPC handles), passed through opaquely."""
         raise NotImplementedError(f"the {self.kind} engine does not load CUDA IPC handles")

@@ -16,11 +16,16 @@ of the matching request class in `sglang/srt/managers/io_struct.py` of 0.5.23;
   absolute path: on Kubernetes a volume both containers mount);
   `/init_weights_update_group` + `/update_weights_from_distributed` (NCCL broadcast from the
   weight-sync relay, one call per bucket) + `/destroy_weights_update_group`;
-  `/update_weights_from_tensor` (CUDA IPC payloads made by the trainer with SGLang's
-  serializer, passed through as base64).
+  `/update_weights_from_tensor` (CUDA IPC, a server on the trainer's GPU: one call per bucket
+  in SGLang's flattened-bucket format, bodies made by `kuberl.common.weights.sglang` from
+  weight-sync's handle set; SGLang opens the trainer's buckets itself).
   In 0.5.23 the distributed and tensor updates must run inside a session opened by
   `/begin_weight_update` and closed by `/end_weight_update`, and a cache flush fails while
   requests are running, so every update here is: pause, begin, load, end, continue.
+  A bucketed update (broadcast, CUDA IPC) that fails once SGLang may have loaded part of it
+  leaves the server holding a mix of two versions: it then stays paused (`resume` does not
+  continue it) and `generate` refuses at once, until a whole version is loaded (the weight-sync
+  service catches a failed engine up by snapshot).
 
 Errors: connection failures, 5xx and 429 are retried `max_retries` times with exponential
 backoff and then raise `EngineUnavailable`; a deadline raises `EngineTimeout` (a timed-out
@@ -207,6 +212,8 @@ class SGLangEngine(Engine):
         self._process: subprocess.Popen[bytes] | None = None
         self._version = version
         self._paused = False
+        #: SGLang may hold part of a version (a bucketed update failed after loading began).
+        self._torn = False
         self._running: dict[str, int] = {}  # rid -> samples
         self._ids = itertools.count()
         self._session = uuid.uuid4().hex[:8]
@@ -350,6 +357,12 @@ class SGLangEngine(Engine):
     ) -> list[Completion]:
         if not prompt:
             raise EngineRejected("prompt is empty")
+        if self._torn:
+            raise EngineUnavailable(
+                f"SGLang at {self.url} may hold part of a version (a weight update failed "
+                f"midway; version {self._version} is the last whole one): generation waits for "
+                "the next whole version"
+            )
         rid = f"kuberl-{self._session}-{next(self._ids)}"
         submitted_version = self._version
         self._running[rid] = params.n
@@ -384,6 +397,10 @@ class SGLangEngine(Engine):
         return running if mode == "abort" else 0
 
     async def resume(self) -> None:
+        if self._torn:
+            # Continuing would serve a mix of two versions; the next whole update resumes.
+            log.warning("sglang.stays_paused", url=self.url, reason="part of a version loaded")
+            return
         await self.call("POST", "/continue_generation", {})
         self._paused = False
 
@@ -404,6 +421,7 @@ class SGLangEngine(Engine):
             {"model_path": path, "weight_version": str(version), "flush_cache": True},
         )
         self._version = version
+        self._torn = False  # a whole version from disk
 
     async def begin_weight_update(self) -> None:
         await self.call("POST", "/begin_weight_update", {})
@@ -475,6 +493,7 @@ class SGLangEngine(Engine):
         finally:
             await self.end_weight_update()
         self._version = version
+        self._torn = False  # the caller's payloads hold the whole version
 
     async def apply_broadcast(self, instruction: Any) -> None:
         """Receive one version broadcast by the trainer (a weight-sync UpdateInstruction with an
@@ -488,6 +507,7 @@ class SGLangEngine(Engine):
             await self.call("POST", "/init_weights_update_group", group, retry=False)
             try:
                 for body in bodies.update_requests(instruction):
+                    self._torn = True  # from the first bucket on, until the session ends well
                     await self.call("POST", "/update_weights_from_distributed", body, retry=False)
             finally:
                 await self.call(
@@ -498,6 +518,37 @@ class SGLangEngine(Engine):
         finally:
             await self.end_weight_update()
         self._version = int(instruction.version)
+        self._torn = False
+
+    async def apply_cuda_ipc(self, instruction: Any) -> None:
+        """Load one version from the trainer's GPU buckets by CUDA IPC (a weight-sync
+        UpdateInstruction with this engine's JSON handle set; the server shares the trainer's
+        GPU): begin, one `/update_weights_from_tensor` per bucket in SGLang's flattened-bucket
+        format (SGLang opens each bucket's handle, loads it and lets it go), end. The caller
+        pauses generation around it. The bodies are built, and the handle set checked against
+        the manifest, before anything is sent."""
+        from kuberl.common.weights import sglang as bodies
+
+        if self.config.tp_size != 1:
+            raise EngineRejected(
+                f"CUDA IPC updates go to an SGLang server with tp_size 1; this one has "
+                f"{self.config.tp_size} (its versions come by NCCL or snapshot)"
+            )
+        try:
+            requests = bodies.tensor_update_requests(instruction)
+        except ValueError as exc:
+            raise EngineRejected(
+                f"CUDA IPC update to version {instruction.version}: {exc}"
+            ) from None
+        await self.begin_weight_update()
+        try:
+            for body in requests:
+                self._torn = True  # from the first bucket on, until the session ends well
+                await self.call("POST", "/update_weights_from_tensor", body, retry=False)
+        finally:
+            await self.end_weight_update()
+        self._version = int(instruction.version)
+        self._torn = False
 
     async def apply_snapshot(self, tensors_file: Path, version: int, snapshot_dir: Path) -> None:
         """Load a downloaded safetensors snapshot through a folder the server reads at the same
