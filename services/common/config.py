@@ -815,9 +815,10 @@ class WeightSyncConfig(Section):
         pattern=r"^(cpu|cuda(:\d+)?)$",
         description='Device of the relay\'s NCCL broadcasts ("cuda", "cuda:0"): each bucket is '
         "staged there from the service's memory. cpu: the relay sends no NCCL (engines get the "
-        "next transport they offer; SGLang engines, which take only nccl or snapshot, then load "
-        "every version from a snapshot). On Kubernetes the chart sets cuda, and gives the "
-        "weight-sync pod a GPU, when rollout runs SGLang and nccl is in `transports`.",
+        "next transport they offer; SGLang engines, which take only nccl, snapshot or, on the "
+        "trainer's GPU, cuda_ipc, then load every version from a snapshot or by cuda_ipc). On "
+        "Kubernetes the chart sets cuda, and gives the weight-sync pod a GPU, when rollout runs "
+        "SGLang and nccl is in `transports`.",
     )
     bucket_bytes: int = Field(
         256 * 1024 * 1024,
@@ -931,8 +932,9 @@ class JobConfig(Section):
                 )
         ws = self.weight_sync
         if isinstance(r.engine, SGLangEngineConfig) and "snapshot" not in ws.transports:
-            # An SGLang engine takes a version only by NCCL or from a snapshot on disk; the relay
-            # sends NCCL only from a GPU (`device`) and otherwise falls back to snapshot.
+            # An SGLang engine takes a version by NCCL or from a snapshot on disk (CUDA IPC only
+            # on the trainer's GPU, and catch-up is always a snapshot); the relay sends NCCL
+            # only from a GPU (`device`) and otherwise falls back to snapshot.
             if "nccl" not in ws.transports:
                 raise ValueError(
                     f"weight_sync.transports {ws.transports} names neither route SGLang engines "
