@@ -6,9 +6,11 @@ as rollout replicas and one consumer as the trainer, each in its own process.
 
 - service: producers LeasePrompts (16 at a time), then PutTrajectories (4 groups per request)
   through one `kuberl serve buffer` process (a subprocess, as deployed); the consumer loops
-  GetBatch(32 groups) + Ack.
+  GetBatch(32 groups), each call acknowledging the previous batch (`ack_batch_id`, as the
+  trainer does), and Acks the last one.
 - raw: the same producers XADD the same serialized group bytes with redis-py pipelines (4 per
-  round trip); the consumer loops XREADGROUP(COUNT 32) + pipelined XACK/XDEL. No leasing, no
+  round trip); the consumer loops XREADGROUP(COUNT 32), the previous batch's XACK/XDEL
+  pipelined with it (one round trip per batch on both sides). No leasing, no
   validation, no gRPC, no parsing of the groups: the floor any Redis-streams buffer pays.
 
 Both use one embedded Redis (AOF on, appendfsync everysec). Time runs from the moment producers
@@ -124,20 +126,25 @@ def service_consumer(address: str, total: int) -> tuple[float, float]:
     from kuberl.api.buffer.v1 import buffer_pb2_grpc
     from kuberl.common.channels import sync_channel
 
-    got = 0
+    got, acked = 0, ""
     cpu0 = time.process_time()
     with sync_channel(address) as channel:
         stub = buffer_pb2_grpc.BufferServiceStub(channel)
         while got < total:
+            # Each GetBatch acknowledges the previous batch (ack_batch_id), as the trainer does.
             batch = stub.GetBatch(
                 bpb.GetBatchRequest(
-                    num_groups=BATCH_GROUPS, max_staleness=-1, consumer="trainer", wait_seconds=1
+                    num_groups=BATCH_GROUPS,
+                    max_staleness=-1,
+                    consumer="trainer",
+                    wait_seconds=1,
+                    ack_batch_id=acked,
                 ),
                 timeout=120,
             )
-            if batch.batch_id:
-                stub.Ack(bpb.AckRequest(batch_id=batch.batch_id), timeout=60)
-                got += len(batch.groups)
+            acked = batch.batch_id
+            got += len(batch.groups)
+        stub.Ack(bpb.AckRequest(batch_id=acked), timeout=60)
     return time.perf_counter(), time.process_time() - cpu0
 
 
@@ -290,18 +297,20 @@ def run_raw(redis_url: str, redis_pid: int, groups: int, producers: int) -> dict
     t0 = time.perf_counter()
     cpu0 = time.process_time()
     start.set()
-    got = 0
+    got, acked = 0, []
     while got < groups:
-        res = client.xreadgroup("trainer", "c", {stream: ">"}, count=BATCH_GROUPS, block=1000)
-        if not res:
-            continue
-        entries = res[0][1]
+        # The previous batch's XACK/XDEL travel with the next read: one round trip per batch,
+        # as the service's consumer acknowledges with its next GetBatch.
         pipe = client.pipeline(transaction=False)
-        ids = [e[0] for e in entries]
-        pipe.xack(stream, "trainer", *ids)
-        pipe.xdel(stream, *ids)
-        pipe.execute()
-        got += len(entries)
+        if acked:
+            pipe.xack(stream, "trainer", *acked)
+            pipe.xdel(stream, *acked)
+        pipe.xreadgroup("trainer", "c", {stream: ">"}, count=BATCH_GROUPS, block=1000)
+        res = pipe.execute()[-1]
+        acked = [e[0] for e in res[0][1]] if res else []
+        got += len(acked)
+    client.xack(stream, "trainer", *acked)
+    client.xdel(stream, *acked)
     t1 = time.perf_counter()
     cpu = {
         "redis": _proc_cpu_seconds(redis_pid) - redis_cpu0,

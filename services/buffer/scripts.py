@@ -35,6 +35,33 @@ local function id_before(a, b)
 end
 """
 
+# Acknowledge a batch: its groups are trained and leave the stream. Idempotent. A function, so
+# that TAKE can acknowledge the trainer's previous batch in the same call (GetBatch's
+# `ack_batch_id`: one round trip per training step instead of two).
+# Returns 1 acked now, 0 acked before, -1 unknown.
+_ACK_FN = """
+local function ack_batch(batch, groups, deadlines, state, payloads, batch_id, kind, ttl)
+  local st = redis.call('HGET', batch, 'state')
+  if st == 'acked' then return 0 end
+  if st ~= 'issued' then return -1 end
+  local ids = redis.call('HGET', batch, 'entries') or ''
+  local n = 0
+  for id in string.gmatch(ids, '%S+') do
+    local e = redis.call('XRANGE', groups, id, id)
+    if e[1] then redis.call('HDEL', payloads, fieldmap(e[1][2]).k) end
+    redis.call('XACK', groups, 'trainer', id)
+    redis.call('XDEL', groups, id)
+    n = n + 1
+  end
+  redis.call('HSET', batch, 'state', 'acked')
+  redis.call('PEXPIRE', batch, ttl)
+  redis.call('ZREM', deadlines, batch_id)
+  redis.call('HINCRBY', state, 'c:' .. kind .. ':acked_batches', 1)
+  redis.call('HINCRBY', state, 'c:' .. kind .. ':trained_groups', n)
+  return 1
+end
+"""
+
 # Lease up to n prompts: first re-deliver leases idle for longer than the lease timeout
 # (XAUTOCLAIM), then new entries, as far as backpressure allows.
 # One XAUTOCLAIM looks at no more than COUNT*10 pending entries (every Redis that has it: 6.2,
@@ -263,15 +290,36 @@ return n
 """
 
 # Read new groups for a batch being assembled and note them in the batch record, so that a
-# buffer replica dying mid-assembly leaves a record another replica can recover.
-# KEYS: group stream, batch record, deadlines; ARGV: consumer, count, batch id, deadline ms, kind
-# Returns {last stream id, id, prompt id, epoch, version, zero-variance, payload field, ...}
+# buffer replica dying mid-assembly leaves a record another replica can recover. First, in the
+# same call, (a) acknowledge the trainer's previous batch when ARGV[6] names one (unknown:
+# nothing is taken) and (b) when ARGV[8] is a time, claim the oldest batch whose ack deadline
+# has passed instead of taking anything (pushing its deadline to ARGV[9], so no other replica
+# claims it too): an un-acked batch is re-delivered before any new group.
+# KEYS: group stream, batch record, deadlines, state, payloads, acked batch's record (any key
+#       when none)
+# ARGV: consumer, count, batch id, deadline ms, kind, acked batch id or '', acked-batch ttl ms,
+#       now ms or '', reclaimed batch's new deadline ms
+# Returns {"ack_unknown"}, {"reclaim", ack, batch id} or {last stream id, ack, id, prompt id,
+# epoch, version, zero-variance, payload field, ...}; ack: 1 acked now, 0 before, -2 none asked.
 TAKE = (
     _PRELUDE
+    + _ACK_FN
     + """
+local acked = -2
+if ARGV[6] ~= '' then
+  acked = ack_batch(KEYS[6], KEYS[1], KEYS[3], KEYS[4], KEYS[5], ARGV[6], ARGV[5], ARGV[7])
+  if acked < 0 then return {'ack_unknown'} end
+end
+if ARGV[8] ~= '' then
+  local due = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', ARGV[8], 'LIMIT', 0, 1)
+  if due[1] then
+    redis.call('ZADD', KEYS[3], ARGV[9], due[1])
+    return {'reclaim', acked, due[1]}
+  end
+end
 local r = redis.call('XREADGROUP', 'GROUP', 'trainer', ARGV[1], 'COUNT', ARGV[2],
                      'STREAMS', KEYS[1], '>')
-local res = {'0-0'}
+local res = {'0-0', acked}
 local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 if last[1] then res[1] = last[1][1] end
 local ids = {}
@@ -363,16 +411,6 @@ return n
 """
 )
 
-# Claim the oldest batch whose ack deadline has passed (pushing its deadline forward so no
-# other replica claims it too). KEYS: deadlines; ARGV: now ms, new deadline ms
-# Returns the batch id or false.
-RECLAIM = """
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, 1)
-if not due[1] then return false end
-redis.call('ZADD', KEYS[1], ARGV[2], due[1])
-return due[1]
-"""
-
 # Read a claimed batch for re-delivery. KEYS: batch record, deadlines, group stream, state
 # ARGV: batch id, kind. Returns {state, id, prompt id, epoch, version, zero-variance, field...}
 # or {"gone"} when the batch was acknowledged or removed meanwhile.
@@ -401,30 +439,13 @@ return res
 """
 )
 
-# Acknowledge a batch: its groups are trained and leave the stream. Idempotent.
+# Acknowledge a batch (see _ACK_FN).
 # KEYS: batch record, group stream, deadlines, state, payloads; ARGV: batch id, kind, ttl ms
-# Returns 1 acked now, 0 acked before, -1 unknown.
 ACK = (
     _PRELUDE
+    + _ACK_FN
     + """
-local st = redis.call('HGET', KEYS[1], 'state')
-if st == 'acked' then return 0 end
-if st ~= 'issued' then return -1 end
-local ids = redis.call('HGET', KEYS[1], 'entries') or ''
-local n = 0
-for id in string.gmatch(ids, '%S+') do
-  local e = redis.call('XRANGE', KEYS[2], id, id)
-  if e[1] then redis.call('HDEL', KEYS[5], fieldmap(e[1][2]).k) end
-  redis.call('XACK', KEYS[2], 'trainer', id)
-  redis.call('XDEL', KEYS[2], id)
-  n = n + 1
-end
-redis.call('HSET', KEYS[1], 'state', 'acked')
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('HINCRBY', KEYS[4], 'c:' .. ARGV[2] .. ':acked_batches', 1)
-redis.call('HINCRBY', KEYS[4], 'c:' .. ARGV[2] .. ':trained_groups', n)
-return 1
+return ack_batch(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], ARGV[2], ARGV[3])
 """
 )
 

@@ -420,8 +420,6 @@ class BufferService(Service):
     ) -> str | None:
         """Why a group is dropped from a batch, or None to keep it. Only training groups are
         filtered: eval results are measurements and SFT samples are off-policy by design."""
-        if not g.payload:
-            return "missing_payload"  # only if Redis lost data (see docs/buffer.md)
         if kind != "train":
             return None
         if max_staleness >= 0 and current_version - g.version > max_staleness:
@@ -429,6 +427,8 @@ class BufferService(Service):
         if self.cfg.dynamic_sampling and g.zero_variance:
             return "zero_variance"
         if self.filters:
+            if not g.payload:
+                return "missing_payload"  # only if Redis lost data (see docs/buffer.md)
             group = Group.from_proto(tpb.Group.FromString(g.payload))
             for spec, fn in self.filters:
                 try:
@@ -453,34 +453,60 @@ class BufferService(Service):
         consumer = request.consumer or "trainer"
         wait = min(max(request.wait_seconds, 0.0), MAX_WAIT_SECONDS)
         db = self.db
+        ack_id = request.ack_batch_id
+        ack = -2
+        if ack_id and not ack_id.startswith(f"{kind}-"):  # another kind's: its own call
+            ack = await self._ack(ack_id, "GetBatch")
+            ack_id = ""
 
-        # 1. A batch handed out before and not acknowledged in time goes first, unchanged.
-        reclaimed = await db.reclaim(kind)
-        pending: list[StoredGroup] = []
-        if reclaimed is not None:
-            batch_id, state, groups = reclaimed
-            if state == "issued":
-                m.BATCHES_TOTAL.labels(kind, "redelivered").inc()
-                log.info("batch.redelivered", batch_id=batch_id, groups=len(groups))
-                head = bpb.GetBatchResponse(batch_id=batch_id, redelivered=True)
-                return encode_batch(head, [g.payload for g in groups if g.payload])
-            # Taken by a replica that died before handing it out: assemble it anew.
-            pending = groups
-        else:
-            batch_id = f"{kind}-{uuid.uuid4().hex}"
-
-        # 2. New groups, oldest first, through the filters, until `want` are kept or time is up.
-        deadline = time.monotonic() + wait
+        # 1. A batch handed out before and not acknowledged in time goes first, unchanged. The
+        #    first TAKE looks for one (and acknowledges `ack_batch_id`) before taking anything.
+        batch_id = f"{kind}-{uuid.uuid4().hex}"
         hold_ms = int((wait + self.cfg.batch_ack_timeout_seconds) * 1000)
-        kept: list[StoredGroup] = []
-        dropped: Counter[str] = Counter()
+        pending: list[StoredGroup] = []
         last_id = "0-0"
         while True:
-            if not pending:
-                last_id, pending = await db.take(
-                    kind, consumer, want - len(kept), batch_id, int(time.time() * 1000) + hold_ms
+            taken = await db.take(
+                kind,
+                consumer,
+                want,
+                batch_id,
+                int(time.time() * 1000) + hold_ms,
+                ack_batch_id=ack_id,
+                reclaim=True,
+            )
+            if ack_id:
+                if taken.ack == -1:
+                    raise self._unknown_batch("GetBatch", ack_id)
+                ack, ack_id = taken.ack, ""
+                m.ACKS_TOTAL.labels(kind, "acked" if ack == 1 else "already_acked").inc()
+            if taken.reclaimed is None:
+                pending, last_id = taken.groups, taken.last_id
+                break
+            fetched = await db.fetch(kind, taken.reclaimed)
+            if fetched is None:  # acknowledged meanwhile: look again
+                continue
+            state, groups = fetched
+            if state == "issued":
+                m.BATCHES_TOTAL.labels(kind, "redelivered").inc()
+                log.info("batch.redelivered", batch_id=taken.reclaimed, groups=len(groups))
+                head = bpb.GetBatchResponse(
+                    batch_id=taken.reclaimed, redelivered=True, ack_already_acked=ack == 0
                 )
-            drops = []
+                return encode_batch(head, [g.payload for g in groups if g.payload])
+            # Taken by a replica that died before handing it out: assemble it anew.
+            batch_id, pending = taken.reclaimed, groups
+            break
+
+        # 2. New groups, oldest first, through the filters, until `want` are kept or time is up.
+        #    The verdicts need only the groups' metadata, unless custom filters are set; the
+        #    kept groups' bytes are then read in the transaction that issues the batch.
+        deadline = time.monotonic() + wait
+        kept: list[StoredGroup] = []
+        drops: list[Drop] = []
+        while True:
+            if self.filters:
+                pending = await db.payloads(kind, [g for g in pending if not g.payload])
             for g in pending:
                 if len(kept) >= want:
                     break  # left over from a recovered batch: finalize puts it back
@@ -490,52 +516,71 @@ class BufferService(Service):
                 else:
                     requeue = reason == "stale" and kind == "train" and self.cfg.requeue_stale
                     drops.append(Drop(g, reason, requeue))
-                    dropped[reason] += 1
-            if drops:
-                await db.drop(kind, drops)
-                for d in drops:
-                    m.GROUPS_DROPPED_TOTAL.labels(kind, d.reason).inc()
             got_any, pending = bool(pending), []
             if len(kept) >= want:
                 break
-            if got_any:
-                continue
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            await db.wait_for_groups(kind, last_id, remaining)
+            if not got_any:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                await db.wait_for_groups(kind, last_id, remaining)
+            taken = await db.take(
+                kind, consumer, want - len(kept), batch_id, int(time.time() * 1000) + hold_ms
+            )
+            pending, last_id = taken.groups, taken.last_id
 
-        await db.finalize(kind, batch_id, [g.entry_id for g in kept])
+        _, kept = await db.finish(kind, batch_id, kept, drops)
+        dropped = Counter(d.reason for d in drops)
+        for d in drops:
+            m.GROUPS_DROPPED_TOTAL.labels(kind, d.reason).inc()
+        # Bytes missing only if Redis lost data (see docs/buffer.md): counted, not sent; the
+        # entry leaves the stream with the batch's Ack.
+        missing = sum(1 for g in kept if not g.payload)
+        if missing:
+            dropped["missing_payload"] += missing
+            m.GROUPS_DROPPED_TOTAL.labels(kind, "missing_payload").inc(missing)
+        payloads = [g.payload for g in kept if g.payload]
         if not kept:
             exhausted = await db.exhausted(kind)
-            return bpb.GetBatchResponse(dropped=dict(dropped), exhausted=exhausted)
+            return bpb.GetBatchResponse(
+                dropped=dict(dropped), exhausted=exhausted, ack_already_acked=ack == 0
+            )
         m.BATCHES_TOTAL.labels(kind, "new").inc()
-        m.GROUPS_DELIVERED_TOTAL.labels(kind).inc(len(kept))
+        m.GROUPS_DELIVERED_TOTAL.labels(kind).inc(len(payloads))
         for g in kept:
             m.STALENESS.labels(kind).observe(max(0, request.current_version - g.version))
-        head = bpb.GetBatchResponse(batch_id=batch_id, dropped=dict(dropped))
-        return encode_batch(head, [g.payload for g in kept])
+        head = bpb.GetBatchResponse(
+            batch_id=batch_id, dropped=dict(dropped), ack_already_acked=ack == 0
+        )
+        return encode_batch(head, payloads)
+
+    def _unknown_batch(self, method: str, batch_id: str) -> Exception:
+        return _reject(
+            method,
+            "unknown_batch",
+            NotFound(
+                f"batch {batch_id!r} is unknown: never handed out, or acknowledged "
+                f"more than acked_batch_ttl_seconds={self.cfg.acked_batch_ttl_seconds:g} ago"
+            ),
+        )
+
+    async def _ack(self, batch_id: str, method: str) -> int:
+        """Acknowledge a batch on its own: 1 now, 0 before; NOT_FOUND when unknown."""
+        kind, _, rest = batch_id.partition("-")
+        if kind not in ("train", "eval", "sft") or not rest:
+            raise _reject(
+                method, "unknown_batch", NotFound(f"batch {batch_id!r} is not a batch id")
+            )
+        res = await self.db.ack(kind, batch_id)
+        if res < 0:
+            raise self._unknown_batch(method, batch_id)
+        m.ACKS_TOTAL.labels(kind, "acked" if res == 1 else "already_acked").inc()
+        return res
 
     async def Ack(
         self, request: bpb.AckRequest, context: grpc.aio.ServicerContext
     ) -> bpb.AckResponse:
-        kind, _, rest = request.batch_id.partition("-")
-        if kind not in ("train", "eval", "sft") or not rest:
-            raise _reject(
-                "Ack", "unknown_batch", NotFound(f"batch {request.batch_id!r} is not a batch id")
-            )
-        res = await self.db.ack(kind, request.batch_id)
-        if res < 0:
-            raise _reject(
-                "Ack",
-                "unknown_batch",
-                NotFound(
-                    f"batch {request.batch_id!r} is unknown: never handed out, or acknowledged "
-                    f"more than acked_batch_ttl_seconds={self.cfg.acked_batch_ttl_seconds:g} ago"
-                ),
-            )
-        m.ACKS_TOTAL.labels(kind, "acked" if res == 1 else "already_acked").inc()
-        return bpb.AckResponse(already_acked=res == 0)
+        return bpb.AckResponse(already_acked=await self._ack(request.batch_id, "Ack") == 0)
 
     # -- job state ----------------------------------------------------------------------------
 

@@ -157,6 +157,18 @@ class StoredGroup:
 
 
 @dataclass(frozen=True)
+class Taken:
+    """What one TAKE did: the acknowledgement asked for (1 now, 0 before, -1 unknown: nothing
+    else was done, -2 none asked), a claimed overdue batch (then nothing was taken), or the
+    groups taken (metadata only) and the stream's last id."""
+
+    ack: int
+    reclaimed: str | None = None
+    last_id: str = "0-0"
+    groups: list[StoredGroup] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Drop:
     group: StoredGroup
     reason: str
@@ -224,7 +236,6 @@ class BufferStore:
                 "TAKE",
                 "DROP",
                 "FINALIZE",
-                "RECLAIM",
                 "FETCH",
                 "ACK",
                 "SET_VERSION",
@@ -299,6 +310,19 @@ class BufferStore:
                     await self.ensure_groups()
                     continue
                 raise
+
+    async def _multi(self, queue: Callable[[Any], None], what: str) -> list[Any]:
+        """Run the commands `queue(pipe)` adds (scripts by EVALSHA among them) as one MULTI/EXEC
+        transaction, one round trip; the replies in order. Loads the scripts once if Redis has
+        lost them (a restart empties its script cache)."""
+        for _attempt in range(2):
+            pipe = self.r.pipeline(transaction=True)
+            queue(pipe)
+            try:
+                return list(await pipe.execute())
+            except NoScriptError:
+                await self.load_scripts()
+        raise Unavailable(f"the scripts of {what} could not be loaded into Redis")
 
     async def _script(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         script = self._scripts[name]
@@ -526,17 +550,14 @@ class BufferStore:
             for it, f in zip(items, fields, strict=True):
                 zv = "1" if it.zero_variance else "0"
                 args += [it.prompt_id, it.epoch, it.version, zv, f, it.lease_id]
-            for _attempt in range(2):
-                pipe = self.r.pipeline(transaction=True)
-                mapping = {f: it.payload for it, f in zip(items, fields, strict=True) if f}
+            mapping = {f: it.payload for it, f in zip(items, fields, strict=True) if f}
+
+            def queue(pipe: Any) -> None:
                 if mapping:
                     pipe.hset(self.keys.payloads(kind), mapping=mapping)
                 pipe.evalsha(sha, len(keys), *keys, *args)
-                try:
-                    return (await pipe.execute())[-1]
-                except NoScriptError:  # Redis restarted: its script cache is empty
-                    await self.load_scripts()
-            raise Unavailable("the PUT script could not be loaded into Redis")
+
+            return (await self._multi(queue, "PUT"))[-1]
 
         res = await self._retry(op, "put")
         status = _s(res[0])
@@ -560,28 +581,93 @@ class BufferStore:
         return [int(x) == 1 for x in res[1:]]
 
     async def take(
-        self, kind: str, consumer: str, count: int, batch_id: str, deadline_ms: int
-    ) -> tuple[str, list[StoredGroup]]:
-        """Read up to count new groups into an assembling batch; (last stream id, groups)."""
-        res = await self._script(
-            "TAKE",
-            [self.keys.groups(kind), self.keys.batch(batch_id), self.keys.batches(kind)],
-            [consumer, count, batch_id, deadline_ms, kind],
-        )
-        return _s(res[0]), await self._with_payloads(kind, _groups_from(res[1:]))
+        self,
+        kind: str,
+        consumer: str,
+        count: int,
+        batch_id: str,
+        deadline_ms: int,
+        *,
+        ack_batch_id: str = "",
+        reclaim: bool = False,
+    ) -> Taken:
+        """Read up to `count` new groups into an assembling batch (metadata only: `payloads`
+        reads their bytes). In the same script, first acknowledge `ack_batch_id` (a batch of
+        this kind; unknown: nothing is taken) and, with `reclaim`, claim a batch past its ack
+        deadline instead of taking anything."""
+        now = now_ms()
+        keys = [
+            self.keys.groups(kind),
+            self.keys.batch(batch_id),
+            self.keys.batches(kind),
+            self.keys.state,
+            self.keys.payloads(kind),
+            self.keys.batch(ack_batch_id) if ack_batch_id else self.keys.batch(batch_id),
+        ]
+        args = [consumer, count, batch_id, deadline_ms, kind, ack_batch_id]
+        args += [self.acked_batch_ttl_ms, now if reclaim else "", now + self.batch_ack_timeout_ms]
+        res = await self._script("TAKE", keys, args)
+        head = _s(res[0])
+        if head == "ack_unknown":
+            return Taken(ack=-1)
+        if head == "reclaim":
+            return Taken(ack=int(res[1]), reclaimed=_s(res[2]))
+        return Taken(ack=int(res[1]), last_id=head, groups=_groups_from(res[2:]))
 
-    async def _with_payloads(self, kind: str, groups: list[StoredGroup]) -> list[StoredGroup]:
+    async def payloads(self, kind: str, groups: list[StoredGroup]) -> list[StoredGroup]:
         """The groups with their bytes read from the payloads hash (one HMGET)."""
         if not groups:
             return groups
         fields = [g.payload_key for g in groups]
         raw = await self._retry(lambda: self.r.hmget(self.keys.payloads(kind), fields), "payloads")
+        return self._attach(kind, groups, raw)
+
+    @staticmethod
+    def _attach(kind: str, groups: list[StoredGroup], raw: Sequence[Any]) -> list[StoredGroup]:
         out = []
         for g, payload in zip(groups, raw, strict=True):
             if payload is None:
                 log.error("group.payload_missing", kind=kind, entry=g.entry_id, prompt=g.prompt_id)
             out.append(replace(g, payload=payload or b""))
         return out
+
+    async def finish(
+        self, kind: str, batch_id: str, kept: list[StoredGroup], drops: Sequence[Drop]
+    ) -> tuple[int, list[StoredGroup]]:
+        """Drop `drops`, issue the batch with `kept` (FINALIZE; none kept: discard it) and read
+        the bytes of the kept groups that lack them, in one transaction (one round trip).
+        Returns (groups issued, kept with their bytes)."""
+        finalize = self._finalize_call(kind, batch_id, [g.entry_id for g in kept])
+        drop = self._drop_call(kind, drops) if drops else None
+        unread = [g for g in kept if not g.payload]
+        scripts = self._scripts
+
+        def queue(pipe: Any) -> None:
+            if drop is not None:
+                pipe.evalsha(scripts["DROP"].sha, len(drop[0]), *drop[0], *drop[1])
+            pipe.evalsha(scripts["FINALIZE"].sha, len(finalize[0]), *finalize[0], *finalize[1])
+            if unread:
+                pipe.hmget(self.keys.payloads(kind), [g.payload_key for g in unread])
+
+        replies = await self._retry(lambda: self._multi(queue, "GetBatch"), "finish")
+        issued = int(replies[1 if drop is not None else 0])
+        read = iter(self._attach(kind, unread, replies[-1]) if unread else [])
+        return issued, [g if g.payload else next(read) for g in kept]
+
+    async def fetch(self, kind: str, batch_id: str) -> tuple[str, list[StoredGroup]] | None:
+        """A claimed batch for re-delivery with its groups' bytes: (state, groups), or None when
+        it was acknowledged or removed meanwhile."""
+        keys = [
+            self.keys.batch(batch_id),
+            self.keys.batches(kind),
+            self.keys.groups(kind),
+            self.keys.state,
+        ]
+        res = await self._script("FETCH", keys, [batch_id, kind])
+        state = _s(res[0])
+        if state == "gone":
+            return None
+        return state, await self.payloads(kind, _groups_from(res[1:]))
 
     async def wait_for_groups(self, kind: str, after_id: str, timeout: float) -> None:
         """Block until a group newer than after_id arrives or timeout passes."""
@@ -593,7 +679,8 @@ class BufferStore:
         except _TRANSIENT:
             await asyncio.sleep(min(timeout, 0.2))
 
-    async def drop(self, kind: str, drops: Sequence[Drop]) -> None:
+    def _drop_call(self, kind: str, drops: Sequence[Drop]) -> tuple[list[str], list[Any]]:
+        """KEYS and ARGV of the DROP script for `drops`."""
         args: list[Any] = [kind, len(drops)]
         for d in drops:
             g = d.group
@@ -613,9 +700,12 @@ class BufferStore:
             self.keys.state,
             self.keys.payloads(kind),
         ]
-        await self._script("DROP", keys, args)
+        return keys, args
 
-    async def finalize(self, kind: str, batch_id: str, kept: Sequence[str]) -> int:
+    def _finalize_call(
+        self, kind: str, batch_id: str, kept: Sequence[str]
+    ) -> tuple[list[str], list[Any]]:
+        """KEYS and ARGV of the FINALIZE script."""
         keys = [
             self.keys.batch(batch_id),
             self.keys.batches(kind),
@@ -623,29 +713,7 @@ class BufferStore:
             self.keys.state,
         ]
         now = now_ms()
-        args = [batch_id, now + self.batch_ack_timeout_ms, kind, now, *kept]
-        return int(await self._script("FINALIZE", keys, args))
-
-    async def reclaim(self, kind: str) -> tuple[str, str, list[StoredGroup]] | None:
-        """A batch past its ack deadline, claimed for re-delivery: (id, state, groups)."""
-        now = now_ms()
-        while True:
-            batch_id = await self._script(
-                "RECLAIM", [self.keys.batches(kind)], [now, now + self.batch_ack_timeout_ms]
-            )
-            if not batch_id:
-                return None
-            bid = _s(batch_id)
-            keys = [
-                self.keys.batch(bid),
-                self.keys.batches(kind),
-                self.keys.groups(kind),
-                self.keys.state,
-            ]
-            res = await self._script("FETCH", keys, [bid, kind])
-            state = _s(res[0])
-            if state != "gone":
-                return bid, state, await self._with_payloads(kind, _groups_from(res[1:]))
+        return keys, [batch_id, now + self.batch_ack_timeout_ms, kind, now, *kept]
 
     async def ack(self, kind: str, batch_id: str) -> int:
         """1 acknowledged now, 0 acknowledged before, -1 unknown batch."""

@@ -115,6 +115,7 @@ class Client:
         version: int = 0,
         wait: float = 0.0,
         kind: int = tpb.STREAM_KIND_TRAIN,
+        ack: str = "",
     ) -> bpb.GetBatchResponse:
         req = bpb.GetBatchRequest(
             num_groups=n,
@@ -123,6 +124,7 @@ class Client:
             consumer="trainer",
             wait_seconds=wait,
             kind=kind,
+            ack_batch_id=ack,
         )
         return self.stub.GetBatch(req, timeout=30 + wait)
 

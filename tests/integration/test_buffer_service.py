@@ -314,6 +314,43 @@ def test_a_trainer_killed_before_ack_gets_the_same_batch_again_and_never_trains_
     assert {g.prompt_id for g in rest.groups}.isdisjoint(crashed["prompts"])
 
 
+def test_get_batch_acknowledges_the_previous_batch_in_the_same_call(
+    redis_url: str, tmp_path: Path
+) -> None:
+    config = write_job(tmp_path, redis_url, prompts=6, batch_ack_timeout_seconds=1)
+    with start_buffer(config, tmp_path) as proc, Client(proc.address) as client:
+        client.complete(client.lease(6).prompts)
+        first = client.get(2)
+        # An unknown batch: NOT_FOUND, and nothing is taken (the next call gets those groups).
+        unknown = _code(lambda: client.get(2, ack="train-" + "0" * 32))
+        second = client.get(2, ack=first.batch_id)
+        # A repeat (a retried call whose reply was lost) says it was acknowledged before.
+        third = client.get(2, ack=first.batch_id)
+        time.sleep(1.5)  # past batch_ack_timeout_seconds: only un-acked batches come back
+        again = client.get(2, ack=third.batch_id)
+        end = client.get(2, ack=second.batch_id)
+        stats = client.stats()
+        text = _metrics(proc)
+    taken = [g.prompt_id for b in (first, second, third) for g in b.groups]
+    assert (unknown, len(set(taken)), second.ack_already_acked, third.ack_already_acked) == (
+        grpc.StatusCode.NOT_FOUND,
+        6,
+        False,
+        True,
+    )
+    # `second` was never acknowledged when the deadline passed: it is the one re-delivered.
+    assert (again.batch_id, again.redelivered, again.ack_already_acked) == (
+        second.batch_id,
+        True,
+        False,
+    )
+    counters = stats.counters
+    assert (len(end.groups), end.exhausted, stats.batches_unacked) == (0, True, 0)
+    assert (counters["train:acked_batches"], counters["train:trained_groups"]) == (3, 6)
+    assert 'kuberl_buffer_acks_total{kind="train",result="acked"} 3.0' in text
+    assert 'kuberl_buffer_acks_total{kind="train",result="already_acked"} 1.0' in text
+
+
 @pytest.mark.parametrize(
     ("fsync", "crash"),
     [("everysec", False), ("always", True), ("everysec", True)],

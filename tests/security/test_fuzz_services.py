@@ -55,6 +55,7 @@ EXTRA_CODES: dict[str, set[grpc.StatusCode]] = {
     "buffer.LoadDataset": {C.ALREADY_EXISTS},  # a dataset name reused for another file
     "buffer.LeasePrompts": {C.RESOURCE_EXHAUSTED},  # backpressure
     "buffer.PutTrajectories": {C.ALREADY_EXISTS},  # duplicate group
+    "buffer.GetBatch": {C.NOT_FOUND},  # unknown ack_batch_id
     "buffer.Ack": {C.NOT_FOUND},  # unknown batch id
     "buffer.SetPolicyVersion": {C.FAILED_PRECONDITION},  # versions only go up
     "buffer.StartEval": {C.FAILED_PRECONDITION},

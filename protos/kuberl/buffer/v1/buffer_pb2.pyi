@@ -116,23 +116,25 @@ class PutTrajectoriesResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PutResult, _Mapping]]] = ...) -> None: ...
 
 class GetBatchRequest(_message.Message):
-    __slots__ = ("num_groups", "max_staleness", "current_version", "consumer", "wait_seconds", "kind")
+    __slots__ = ("num_groups", "max_staleness", "current_version", "consumer", "wait_seconds", "kind", "ack_batch_id")
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    ACK_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     num_groups: int
     max_staleness: int
     current_version: int
     consumer: str
     wait_seconds: float
     kind: _trajectory_pb2.StreamKind
-    def __init__(self, num_groups: _Optional[int] = ..., max_staleness: _Optional[int] = ..., current_version: _Optional[int] = ..., consumer: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., kind: _Optional[_Union[_trajectory_pb2.StreamKind, str]] = ...) -> None: ...
+    ack_batch_id: str
+    def __init__(self, num_groups: _Optional[int] = ..., max_staleness: _Optional[int] = ..., current_version: _Optional[int] = ..., consumer: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., kind: _Optional[_Union[_trajectory_pb2.StreamKind, str]] = ..., ack_batch_id: _Optional[str] = ...) -> None: ...
 
 class GetBatchResponse(_message.Message):
-    __slots__ = ("batch_id", "groups", "dropped", "redelivered", "exhausted")
+    __slots__ = ("batch_id", "groups", "dropped", "redelivered", "exhausted", "ack_already_acked")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -145,12 +147,14 @@ class GetBatchResponse(_message.Message):
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     REDELIVERED_FIELD_NUMBER: _ClassVar[int]
     EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
+    ACK_ALREADY_ACKED_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     groups: _containers.RepeatedCompositeFieldContainer[_trajectory_pb2.Group]
     dropped: _containers.ScalarMap[str, int]
     redelivered: bool
     exhausted: bool
-    def __init__(self, batch_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[_trajectory_pb2.Group, _Mapping]]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., redelivered: _Optional[bool] = ..., exhausted: _Optional[bool] = ...) -> None: ...
+    ack_already_acked: bool
+    def __init__(self, batch_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[_trajectory_pb2.Group, _Mapping]]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., redelivered: _Optional[bool] = ..., exhausted: _Optional[bool] = ..., ack_already_acked: _Optional[bool] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("batch_id",)
