@@ -7,9 +7,11 @@ One RL step (every rank runs it; rank 0 alone talks to the buffer and weight-syn
        reference logprobs (KL) and critic values, each rank on its share, summed over ranks
     -> advantages (`kuberl.trainer.algorithms.compute_advantages`, the whole batch on every rank)
     -> ppo_epochs x mini_batches optimizer updates, each over token-budget micro-batches
-    -> policy version + 1 -> checkpoint every `checkpoint_every` steps -> Ack the batch
+    -> policy version + 1 -> checkpoint every `checkpoint_every` steps
     -> buffer SetPolicyVersion -> publish the weights every `publish_every` steps (ZeRO-3
-       parameters gathered bucket by bucket, streamed to weight-sync).
+       parameters gathered bucket by bucket, streamed to weight-sync)
+    -> the next GetBatch acknowledges this batch in the same call (`ack_batch_id`; a separate
+       Ack when the job ends, stops or evaluates first).
 
 What a crash costs: the restarted trainer resumes from its latest checkpoint. On a checkpoint
 step the checkpoint is written *before* the Ack and names the batch (`Cursor.trained_batches`),
@@ -17,7 +19,7 @@ so a crash between the two makes the buffer re-deliver a batch the resumed train
 only acknowledges; a crash before the checkpoint re-delivers a batch the resumed weights never
 saw, and it is trained again. With `checkpoint_every: 1` every group is therefore in the final
 weights exactly once. Between checkpoints (`checkpoint_every` > 1) batches are acknowledged right
-after their step: a crash loses those steps' groups from the weights (up to
+after their step (with the next GetBatch): a crash loses those steps' groups from the weights (up to
 `checkpoint_every - 1` steps), the price of not holding that many groups un-acknowledged in the
 buffer. With `KUBERL_TRAINED_JSONL` set, rank 0 appends one row per trained batch (the
 (prompt, epoch) of each group, its replica and policy versions) and one per start, so a run's
@@ -43,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 
@@ -179,6 +182,8 @@ class Trainer:
         self._trained_file = os.environ.get(TRAINED_JSONL_ENV)
         self._sft_iter: Iterator[tuple[int, list[Sample]]] | None = None
         self._checkpointed_step = -1
+        #: The last trained batch, acknowledged by the next GetBatch (rank 0).
+        self._unacked = ""
         self._sft_samples: list[Sample] = []
         self.stopped = False
         self._publish_failed_at: float | None = None  # rank 0: the last publish failed then
@@ -310,6 +315,7 @@ class Trainer:
         """Train until total_steps (or the data ends, or stop). Collective."""
         try:
             self._run()
+            self._flush_ack()
         finally:
             self.status.finished = True
             with self.checkpoint_done:
@@ -385,7 +391,9 @@ class Trainer:
         every = self.tc.checkpoint_every
         if every and not warmup and self.cursor.step % every == 0:
             self._checkpoint()  # before the Ack: see the module docstring
-        self._ack(batch_id)
+        if self.dist.is_main:
+            self._flush_ack()  # a step that came from elsewhere (SFT file) left none behind
+            self._unacked = batch_id  # acknowledged by the next GetBatch
         self._set_buffer_version()
         if self.cursor.policy_version % self.tc.publish_every == 0:
             self._publish()
@@ -426,6 +434,11 @@ class Trainer:
             f.write(json.dumps({"time": time.time(), **row}) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+    def _flush_ack(self) -> None:
+        """Acknowledge the last trained batch now (rank 0) instead of with the next GetBatch."""
+        batch_id, self._unacked = self._unacked, ""
+        self._ack(batch_id)
 
     def _ack(self, batch_id: str) -> None:
         """Acknowledge a trained batch (rank 0). A batch that cannot be acknowledged is
@@ -567,9 +580,20 @@ class Trainer:
                         consumer="trainer",
                         wait_seconds=self.tc.batch_wait_seconds,
                         kind=kind,
+                        ack_batch_id=self._unacked,
                     ),
                     timeout=self.tc.batch_wait_seconds + 30,
                 )[0]
+                self._unacked = ""
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND and self._unacked:
+                    # The buffer does not know the batch (its Redis lost it): nothing to ack.
+                    log.error("buffer.ack_unknown", batch_id=self._unacked, error=exc.details())
+                    self._unacked = ""
+                    continue
+                log.warning("buffer.get_batch_failed", error=str(exc)[:300])
+                self.stop_event.wait(1.0)
+                continue
             except Exception as exc:  # buffer restarting: wait and retry, never lose the step
                 log.warning("buffer.get_batch_failed", error=str(exc)[:300])
                 self.stop_event.wait(1.0)
@@ -770,6 +794,8 @@ class Trainer:
         """Queue an eval round in the buffer and read its groups back (rank 0 only)."""
         if not self.config.data.eval:
             return
+        if self.dist.is_main:
+            self._flush_ack()
         round_ = self.cursor.eval_round
         result = self._eval_round(round_) if self.dist.is_main else {}
         self.cursor.eval_round = round_ + 1

@@ -2,7 +2,8 @@
 
 **Trainer.** A trainer (`kuberl serve trainer`, checkpoint every step) trains batch 1 and writes
 its checkpoint, and then its Ack never reaches the buffer: the test sits between the two as a
-gRPC proxy that forwards every call but holds Acks, and SIGKILLs the trainer while the Ack is
+gRPC proxy that forwards every call but holds acknowledgements (an Ack, or a GetBatch carrying
+`ack_batch_id`, the way the trainer acknowledges), and SIGKILLs the trainer while one is
 held (the crash window "optimizer step and checkpoint done, Ack not"). The buffer re-delivers
 batch 1 with its id after the ack timeout; the restarted trainer resumes from the checkpoint,
 which names batch 1 as trained, so it acknowledges it without training and trains batch 2 next.
@@ -30,6 +31,7 @@ import pytest
 import redis
 import yaml
 
+from kuberl.api.buffer.v1 import buffer_pb2 as bpb
 from kuberl.api.common.v1 import trajectory_pb2 as tpb
 from kuberl.common.trajectory import Group, Trajectory
 from kuberl.local.accounting import read_rows, trained_lineage
@@ -38,6 +40,13 @@ from tests.support import ServiceProcess
 
 GROUP_SIZE = 4
 ACK_METHOD = "/kuberl.buffer.v1.BufferService/Ack"
+GET_BATCH_METHOD = "/kuberl.buffer.v1.BufferService/GetBatch"
+
+
+def _acknowledges(method: str, request: bytes) -> bool:
+    if method == GET_BATCH_METHOD:
+        return bool(bpb.GetBatchRequest.FromString(request).ack_batch_id)
+    return method == ACK_METHOD
 
 
 def _group(prompt: tpb.Prompt, seed: int) -> tpb.Group:
@@ -59,8 +68,9 @@ def _group(prompt: tpb.Prompt, seed: int) -> tpb.Group:
 
 
 class AckHoldingProxy(grpc.GenericRpcHandler):
-    """Forwards every unary call to the buffer as raw bytes, except Ack, which it records and
-    never forwards (the caller waits until it gives up or dies)."""
+    """Forwards every unary call to the buffer as raw bytes, except acknowledgements (Ack, or
+    GetBatch with `ack_batch_id`), which it records and never forwards (the caller waits until
+    it gives up or dies)."""
 
     def __init__(self, target: str) -> None:
         self.channel = grpc.insecure_channel(target)
@@ -73,19 +83,13 @@ class AckHoldingProxy(grpc.GenericRpcHandler):
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         method = details.method
-
-        if method == ACK_METHOD:
-
-            def hold(request: bytes, context: grpc.ServicerContext) -> bytes:
-                self.acks.append(request)
-                self.release.wait(120)
-                context.abort(grpc.StatusCode.UNAVAILABLE, "Ack held by the test")
-                return b""
-
-            return grpc.unary_unary_rpc_method_handler(hold)
         call = self.channel.unary_unary(method)
 
         def forward(request: bytes, context: grpc.ServicerContext) -> bytes:
+            if _acknowledges(method, request):
+                self.acks.append(request)
+                self.release.wait(120)
+                context.abort(grpc.StatusCode.UNAVAILABLE, "Ack held by the test")
             return call(request, timeout=context.time_remaining())
 
         return grpc.unary_unary_rpc_method_handler(forward)
