@@ -324,6 +324,37 @@ def test_the_sandbox_reports_full_isolation_when_run_as_root(sandbox: Sandboxed)
     assert len(uids) == SLOTS and min(uids) >= UID_BASE
 
 
+def launcher_job(
+    program: str,
+    tests: list[dict],  # type: ignore[type-arg]
+    workdir: Path,
+    *,
+    uid: int | None,
+    max_processes: int = MAX_PROCESSES,
+    deadline: float = 20,
+) -> dict:  # type: ignore[type-arg]
+    """A `run` job for the sandbox launcher itself (the tests that start it directly)."""
+    return {
+        "mode": "run",
+        "uid": uid,
+        "python": default_python(dedicated_uid=True),
+        "code": program,
+        "tests": tests,
+        "workdir": str(workdir),
+        "deadline_seconds": deadline,
+        "limits": {
+            "cpu_seconds": 2,
+            "memory_bytes": 256 * 2**20,
+            "max_processes": max_processes,
+            "max_file_bytes": 2**20,
+            "max_open_files": 64,
+            "wall_seconds": 10,
+            "max_output_bytes": 2**16,
+            "tmpfs_bytes": 2**24,
+        },
+    }
+
+
 @pytest.mark.skipif(
     not ROOT or shutil.which("setpriv") is None, reason="needs root to drop to an unprivileged uid"
 )
@@ -349,25 +380,8 @@ def test_without_root_the_launcher_still_cuts_the_network_and_limits_processes()
         "    n += 1\n"
         "print(n)\n"
     )
-    job = {
-        "mode": "run",
-        "uid": None,
-        "python": default_python(dedicated_uid=True),
-        "code": program,
-        "tests": [{"input": "", "output": f"{errno.ENETUNREACH}\n{MAX_PROCESSES - 1}"}],
-        "workdir": str(workdir),
-        "deadline_seconds": 20,
-        "limits": {
-            "cpu_seconds": 2,
-            "memory_bytes": 256 * 2**20,
-            "max_processes": MAX_PROCESSES,
-            "max_file_bytes": 2**20,
-            "max_open_files": 64,
-            "wall_seconds": 10,
-            "max_output_bytes": 2**16,
-            "tmpfs_bytes": 2**24,
-        },
-    }
+    expected = f"{errno.ENETUNREACH}\n{MAX_PROCESSES - 1}"
+    job = launcher_job(program, [{"input": "", "output": expected}], workdir, uid=None)
     nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
     try:
         done = subprocess.run(
@@ -407,25 +421,8 @@ def test_the_launcher_reaps_every_process_it_killed_before_it_exits(tmp_path: Pa
         "        os._exit(0)\n"
         "print('forked')\n"
     )
-    job = {
-        "mode": "run",
-        "uid": uid,
-        "python": default_python(dedicated_uid=True),
-        "code": program,
-        "tests": [{"input": "", "output": "forked"}] * 3,
-        "workdir": str(workdir),
-        "deadline_seconds": 30,
-        "limits": {
-            "cpu_seconds": 2,
-            "memory_bytes": 256 * 2**20,
-            "max_processes": 200,
-            "max_file_bytes": 2**20,
-            "max_open_files": 64,
-            "wall_seconds": 10,
-            "max_output_bytes": 2**16,
-            "tmpfs_bytes": 2**24,
-        },
-    }
+    tests = [{"input": "", "output": "forked"}] * 3
+    job = launcher_job(program, tests, workdir, uid=uid, max_processes=200, deadline=30)
     parent = (
         "import ctypes, json, os, subprocess, sys, time\n"
         "ctypes.CDLL(None).prctl(36, 1)\n"  # PR_SET_CHILD_SUBREAPER

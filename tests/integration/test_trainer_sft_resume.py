@@ -23,6 +23,7 @@ import yaml
 
 from kuberl.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from kuberl.common.channels import sync_channel
+from kuberl.local.accounting import read_rows
 from tests.support import ServiceProcess
 
 TOTAL_STEPS = 10
@@ -57,19 +58,6 @@ def _write_job(tmp: Path, model: Path) -> Path:
     return path
 
 
-def _rows(path: Path) -> list[dict]:  # type: ignore[type-arg]
-    """The rows written so far (a last line cut short by a kill or a stop is left out)."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
 def _freeze(pid: int) -> None:
     """SIGSTOP `pid` and wait until every thread of it has stopped."""
     os.kill(pid, signal.SIGSTOP)
@@ -86,7 +74,7 @@ def _freeze(pid: int) -> None:
 
 
 def _losses(path: Path) -> dict[int, float]:
-    return {r["step"]: r["loss/sft"] for r in _rows(path) if r.get("kind") == "sft"}
+    return {r["step"]: r["loss/sft"] for r in read_rows(path) if r.get("kind") == "sft"}
 
 
 @pytest.fixture(scope="module")
