@@ -70,9 +70,12 @@ def _group(prompt: tpb.Prompt, seed: int) -> tpb.Group:
 class AckHoldingProxy(grpc.GenericRpcHandler):
     """Forwards every unary call to the buffer as raw bytes, except acknowledgements (Ack, or
     GetBatch with `ack_batch_id`), which it records and never forwards (the caller waits until
-    it gives up or dies)."""
+    it gives up or dies). With `forget_first`, the first GetBatch acknowledgement is forwarded
+    instead, naming a batch the buffer never issued (what a buffer whose Redis lost the batch
+    answers), and everything after it goes through unchanged."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, forget_first: bool = False) -> None:
+        self.forget_first = forget_first
         self.channel = grpc.insecure_channel(target)
         self.acks: list[bytes] = []
         self.release = threading.Event()
@@ -86,11 +89,21 @@ class AckHoldingProxy(grpc.GenericRpcHandler):
         call = self.channel.unary_unary(method)
 
         def forward(request: bytes, context: grpc.ServicerContext) -> bytes:
-            if _acknowledges(method, request):
+            if self.forget_first and method == GET_BATCH_METHOD and not self.acks:
+                get = bpb.GetBatchRequest.FromString(request)
+                if get.ack_batch_id:
+                    self.acks.append(request)
+                    get.ack_batch_id = "train-" + "0" * 32
+                    request = get.SerializeToString()
+            elif not self.forget_first and _acknowledges(method, request):
                 self.acks.append(request)
                 self.release.wait(120)
                 context.abort(grpc.StatusCode.UNAVAILABLE, "Ack held by the test")
-            return call(request, timeout=context.time_remaining())
+            try:
+                return call(request, timeout=context.time_remaining())
+            except grpc.RpcError as exc:  # the buffer's answer, status and all
+                context.abort(exc.code(), exc.details())
+                raise
 
         return grpc.unary_unary_rpc_method_handler(forward)
 
@@ -229,6 +242,48 @@ def test_the_buffer_saw_two_acknowledged_batches_of_eight_groups(
 ) -> None:
     counters = crash_between_checkpoint_and_ack["counters"]
     assert (counters["train:acked_batches"], counters["train:trained_groups"]) == (2, 8)
+
+
+def test_a_trainer_whose_ack_the_buffer_does_not_know_goes_on_and_the_batch_comes_back(
+    tmp_path: Path,
+) -> None:
+    # The buffer answers the trainer's GetBatch(ack_batch_id=<batch 1>) with NOT_FOUND (as one
+    # whose Redis lost that batch would): the trainer logs it, fetches without the ack, trains
+    # step 2 and ends. Batch 1 was really never acknowledged: the buffer hands it out again.
+    from kuberl.common.modelbuild import build_model
+    from kuberl.common.redis_server import EmbeddedRedis
+
+    model = build_model(tmp_path / "model", tokenizer="digits", seed=3)
+    with EmbeddedRedis(tmp_path / "redis", die_with_parent=True) as redis_server:
+        base = write_job(
+            tmp_path,
+            redis_server.url,
+            prompts=8,
+            batch_ack_timeout_seconds=2,
+            job=f"eo{uuid.uuid4().hex[:8]}",
+        )
+        with start_buffer(base, tmp_path) as buffer, Client(buffer.address) as client:
+            for i, p in enumerate(client.lease(8).prompts):
+                client.put([_group(p, i)], [p.lease_id])
+            proxy = AckHoldingProxy(buffer.address, forget_first=True)
+            try:
+                job = _trainer_job(tmp_path, base, model, f"127.0.0.1:{proxy.port}", "t.yaml")
+                trainer = ServiceProcess.kuberl("trainer", job, tmp_path, name="trainer")
+                try:
+                    code = trainer.proc.wait(240)
+                    log = trainer.log()
+                finally:
+                    trainer.stop()
+            finally:
+                proxy.close()
+            forgotten = bpb.GetBatchRequest.FromString(proxy.acks[0]).ack_batch_id
+            time.sleep(2.5)  # past batch 1's ack deadline
+            again = client.get(4)
+            counters = dict(client.stats().counters)
+    assert code == 0, log[-3000:]
+    assert "buffer.ack_unknown" in log, log[-3000:]
+    assert (again.batch_id, again.redelivered) == (forgotten, True)
+    assert (counters["train:acked_batches"], counters["train:trained_groups"]) == (1, 4)
 
 
 def test_a_filtered_group_keeps_its_reason_and_a_stale_one_is_requeued(tmp_path: Path) -> None:
