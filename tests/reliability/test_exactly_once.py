@@ -16,11 +16,13 @@ filtered prompt from a lost one; a stale group's prompt is re-queued and has no 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -113,6 +115,27 @@ class AckHoldingProxy(grpc.GenericRpcHandler):
         self.channel.close()
 
 
+@contextlib.contextmanager
+def _eight_groups(tmp: Path) -> Iterator[tuple[Path, ServiceProcess, Client, list[tpb.Prompt]]]:
+    """A buffer on its own Redis holding one group for each of 8 prompts, put one by one (so
+    the first batch of four is the first four prompts): (job file, buffer, client, prompts)."""
+    from kuberl.common.redis_server import EmbeddedRedis
+
+    with EmbeddedRedis(tmp / "redis", die_with_parent=True) as redis_server:
+        base = write_job(
+            tmp,
+            redis_server.url,
+            prompts=8,
+            batch_ack_timeout_seconds=2,
+            job=f"eo{uuid.uuid4().hex[:8]}",
+        )
+        with start_buffer(base, tmp) as buffer, Client(buffer.address) as client:
+            prompts = list(client.lease(8).prompts)
+            for i, p in enumerate(prompts):
+                client.put([_group(p, i)], [p.lease_id])
+            yield base, buffer, client, prompts
+
+
 def _trainer_job(tmp: Path, base: Path, model: Path, buffer: str, name: str) -> Path:
     doc = yaml.safe_load(base.read_text())
     doc["model"] = {"path": str(model)}
@@ -149,46 +172,34 @@ def _wait(predicate: Any, timeout: float, what: str, proc: ServiceProcess) -> No
 @pytest.fixture(scope="module")
 def crash_between_checkpoint_and_ack(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from kuberl.common.modelbuild import build_model
-    from kuberl.common.redis_server import EmbeddedRedis
 
     tmp = tmp_path_factory.mktemp("exactly-once")
     model = build_model(tmp / "model", tokenizer="digits", seed=2)
     record = tmp / "trained.jsonl"
     env = {"KUBERL_TRAINED_JSONL": str(record)}
-    with EmbeddedRedis(tmp / "redis", die_with_parent=True) as redis_server:
-        base = write_job(
-            tmp,
-            redis_server.url,
-            prompts=8,
-            batch_ack_timeout_seconds=2,
-            job=f"eo{uuid.uuid4().hex[:8]}",
-        )
-        with start_buffer(base, tmp) as buffer, Client(buffer.address) as client:
-            prompts = list(client.lease(8).prompts)
-            for i, p in enumerate(prompts):  # one put each: batch 1 is the first four
-                client.put([_group(p, i)], [p.lease_id])
-            proxy = AckHoldingProxy(buffer.address)
+    with _eight_groups(tmp) as (base, buffer, client, prompts):
+        proxy = AckHoldingProxy(buffer.address)
+        try:
+            job1 = _trainer_job(tmp, base, model, f"127.0.0.1:{proxy.port}", "t1.yaml")
+            first = ServiceProcess.kuberl("trainer", job1, tmp, name="trainer-1", env=env)
             try:
-                job1 = _trainer_job(tmp, base, model, f"127.0.0.1:{proxy.port}", "t1.yaml")
-                first = ServiceProcess.kuberl("trainer", job1, tmp, name="trainer-1", env=env)
-                try:
-                    _wait(lambda: proxy.acks, 240, "Ack of batch 1", first)
-                    latest = (tmp / "ckpt" / "latest").read_text().strip()
-                    os.killpg(first.proc.pid, signal.SIGKILL)
-                    first.proc.wait(30)
-                finally:
-                    first.stop()
+                _wait(lambda: proxy.acks, 240, "Ack of batch 1", first)
+                latest = (tmp / "ckpt" / "latest").read_text().strip()
+                os.killpg(first.proc.pid, signal.SIGKILL)
+                first.proc.wait(30)
             finally:
-                proxy.close()
-            time.sleep(2.5)  # past batch 1's ack deadline: the buffer re-delivers it first
-            job2 = _trainer_job(tmp, base, model, buffer.address, "t2.yaml")
-            second = ServiceProcess.kuberl("trainer", job2, tmp, name="trainer-2", env=env)
-            try:
-                code = second.proc.wait(240)
-                log = second.log()
-            finally:
-                second.stop()
-            stats = client.stats()
+                first.stop()
+        finally:
+            proxy.close()
+        time.sleep(2.5)  # past batch 1's ack deadline: the buffer re-delivers it first
+        job2 = _trainer_job(tmp, base, model, buffer.address, "t2.yaml")
+        second = ServiceProcess.kuberl("trainer", job2, tmp, name="trainer-2", env=env)
+        try:
+            code = second.proc.wait(240)
+            log = second.log()
+        finally:
+            second.stop()
+        stats = client.stats()
     return {
         "latest": latest,
         "code": code,
@@ -251,35 +262,24 @@ def test_a_trainer_whose_ack_the_buffer_does_not_know_goes_on_and_the_batch_come
     # whose Redis lost that batch would): the trainer logs it, fetches without the ack, trains
     # step 2 and ends. Batch 1 was really never acknowledged: the buffer hands it out again.
     from kuberl.common.modelbuild import build_model
-    from kuberl.common.redis_server import EmbeddedRedis
 
     model = build_model(tmp_path / "model", tokenizer="digits", seed=3)
-    with EmbeddedRedis(tmp_path / "redis", die_with_parent=True) as redis_server:
-        base = write_job(
-            tmp_path,
-            redis_server.url,
-            prompts=8,
-            batch_ack_timeout_seconds=2,
-            job=f"eo{uuid.uuid4().hex[:8]}",
-        )
-        with start_buffer(base, tmp_path) as buffer, Client(buffer.address) as client:
-            for i, p in enumerate(client.lease(8).prompts):
-                client.put([_group(p, i)], [p.lease_id])
-            proxy = AckHoldingProxy(buffer.address, forget_first=True)
+    with _eight_groups(tmp_path) as (base, buffer, client, _):
+        proxy = AckHoldingProxy(buffer.address, forget_first=True)
+        try:
+            job = _trainer_job(tmp_path, base, model, f"127.0.0.1:{proxy.port}", "t.yaml")
+            trainer = ServiceProcess.kuberl("trainer", job, tmp_path, name="trainer")
             try:
-                job = _trainer_job(tmp_path, base, model, f"127.0.0.1:{proxy.port}", "t.yaml")
-                trainer = ServiceProcess.kuberl("trainer", job, tmp_path, name="trainer")
-                try:
-                    code = trainer.proc.wait(240)
-                    log = trainer.log()
-                finally:
-                    trainer.stop()
+                code = trainer.proc.wait(240)
+                log = trainer.log()
             finally:
-                proxy.close()
-            forgotten = bpb.GetBatchRequest.FromString(proxy.acks[0]).ack_batch_id
-            time.sleep(2.5)  # past batch 1's ack deadline
-            again = client.get(4)
-            counters = dict(client.stats().counters)
+                trainer.stop()
+        finally:
+            proxy.close()
+        forgotten = bpb.GetBatchRequest.FromString(proxy.acks[0]).ack_batch_id
+        time.sleep(2.5)  # past batch 1's ack deadline
+        again = client.get(4)
+        counters = dict(client.stats().counters)
     assert code == 0, log[-3000:]
     assert "buffer.ack_unknown" in log, log[-3000:]
     assert (again.batch_id, again.redelivered) == (forgotten, True)
