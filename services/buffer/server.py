@@ -503,7 +503,8 @@ class BufferService(Service):
         #    kept groups' bytes are then read in the transaction that issues the batch.
         deadline = time.monotonic() + wait
         kept: list[StoredGroup] = []
-        drops: list[Drop] = []
+        drops: list[Drop] = []  # every drop of this call (counted in the response)
+        unsent = 0  # drops[unsent:] are not applied in Redis yet
         while True:
             if self.filters:
                 pending = await db.payloads(kind, [g for g in pending if not g.payload])
@@ -519,6 +520,12 @@ class BufferService(Service):
             got_any, pending = bool(pending), []
             if len(kept) >= want:
                 break
+            if len(drops) > unsent:
+                # Applied now, not with the batch: a dropped group must stop counting against
+                # max_inflight_groups (and a stale one's prompt be re-queued) before this call
+                # waits for the rollouts to make more.
+                await db.drop(kind, drops[unsent:])
+                unsent = len(drops)
             if not got_any:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -529,7 +536,7 @@ class BufferService(Service):
             )
             pending, last_id = taken.groups, taken.last_id
 
-        _, kept = await db.finish(kind, batch_id, kept, drops)
+        _, kept = await db.finish(kind, batch_id, kept, drops[unsent:])
         dropped = Counter(d.reason for d in drops)
         for d in drops:
             m.GROUPS_DROPPED_TOTAL.labels(kind, d.reason).inc()

@@ -679,6 +679,10 @@ class BufferStore:
         except _TRANSIENT:
             await asyncio.sleep(min(timeout, 0.2))
 
+    async def drop(self, kind: str, drops: Sequence[Drop]) -> None:
+        """Remove dropped groups from the stream (stale ones may re-queue their prompt)."""
+        await self._script("DROP", *self._drop_call(kind, drops))
+
     def _drop_call(self, kind: str, drops: Sequence[Drop]) -> tuple[list[str], list[Any]]:
         """KEYS and ARGV of the DROP script for `drops`."""
         args: list[Any] = [kind, len(drops)]

@@ -22,6 +22,7 @@ import pytest
 from kuberl.api.buffer.v1 import buffer_pb2 as bpb
 from kuberl.common.redis_server import EmbeddedRedis
 from tests.integration.buffer_support import (
+    GROUP_SIZE,
     REJECTIONS,
     Client,
     corrupt_put,
@@ -312,6 +313,32 @@ def test_a_trainer_killed_before_ack_gets_the_same_batch_again_and_never_trains_
         True,
     )
     assert {g.prompt_id for g in rest.groups}.isdisjoint(crashed["prompts"])
+
+
+def test_groups_dropped_while_a_batch_waits_free_their_place_for_new_ones_at_once(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # max_inflight_groups 4 and dynamic sampling: of the first four groups two have rewards that
+    # all agree and are dropped. While GetBatch(4) waits for two more, those two must no longer
+    # count against backpressure, or no rollout could lease the prompts it waits for.
+    config = write_job(tmp_path, redis_url, prompts=8, max_inflight_groups=4, dynamic_sampling=True)
+    with start_buffer(config, tmp_path) as proc, Client(proc.address) as client:
+        first = list(client.lease(4).prompts)
+        same = [1.0] * GROUP_SIZE
+        groups = [group_for(p, rewards=same if i < 2 else None) for i, p in enumerate(first)]
+        client.put(groups, [p.lease_id for p in first])
+        got: dict[str, bpb.GetBatchResponse] = {}
+        getter = threading.Thread(target=lambda: got.update(batch=client.get(4, wait=20)))
+        started = time.monotonic()
+        getter.start()
+        time.sleep(1.0)  # GetBatch has taken the four groups and waits for two more
+        more = list(client.lease(4).prompts)
+        client.complete(more)
+        getter.join(30)
+        seconds = time.monotonic() - started
+    batch = got["batch"]
+    assert (len(more), len(batch.groups), dict(batch.dropped)) == (2, 4, {"zero_variance": 2})
+    assert seconds < 10, f"the batch waited {seconds:.1f}s for groups no rollout could lease"
 
 
 def test_get_batch_acknowledges_the_previous_batch_in_the_same_call(
