@@ -73,7 +73,7 @@ end
 # goes on from there, so no expired lease waits forever behind live ones).
 # KEYS: prompt stream, state, prompt data, accepted, lease map, train groups, sft groups
 # ARGV: n, consumer, lease timeout ms, max in flight (-1: none), kind, requeue (0/1),
-#       scan budget (pending entries)
+#       scan budget (pending entries), count a refusal (0/1: 0 while a long poll looks again)
 # Returns {"busy", inflight} or {"ok", exhausted, need_fill, policy_version,
 #          id, prompt id, epoch, deliveries, payload, ...}
 LEASE = (
@@ -129,7 +129,9 @@ if limit >= 0 then
     + redis.call('XLEN', KEYS[6]) + redis.call('XLEN', KEYS[7])
   if limit - inflight < room then room = limit - inflight end
   if room <= 0 and #out == 0 then
-    redis.call('HINCRBY', state, 'c:' .. kind .. ':lease_refused', 1)
+    if ARGV[8] ~= '0' then
+      redis.call('HINCRBY', state, 'c:' .. kind .. ':lease_refused', 1)
+    end
     return {'busy', inflight}
   end
 end

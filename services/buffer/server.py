@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 import uuid
 from collections import Counter
@@ -55,6 +56,8 @@ KIND_NAMES: dict[int, str] = {
 }
 MAX_LEASE = 4096
 MAX_WAIT_SECONDS = 600.0
+# A LeasePrompts long poll looks again this often for room freed through another replica.
+LEASE_POLL_SECONDS = 0.1
 STATS_REFRESH_SECONDS = 2.0
 # Redis' Lua scripts compute in doubles: larger versions and rounds would be stored rounded
 # (and unreadable as integers afterwards), so they are refused.
@@ -84,6 +87,30 @@ def encode_batch(head: bpb.GetBatchResponse, payloads: Sequence[bytes]) -> bytes
     return b"".join(parts)
 
 
+class Pulse:
+    """Wakes every waiter at once; a waiter gives up after its timeout. (The lease long polls
+    wait on one for room that this replica frees: acks, drops, releases.)"""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout: float) -> None:
+        if timeout > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._event.wait(), timeout)
+
+
+def _wait_seconds(method: str, value: float) -> float:
+    """A request's wait_seconds clamped to [0, MAX_WAIT_SECONDS]; NaN is refused."""
+    if math.isnan(value):
+        raise _reject(method, "bad_request", InvalidArgument("wait_seconds is NaN"))
+    return min(max(value, 0.0), MAX_WAIT_SECONDS)
+
+
 def _reject(method: str, reason: str, exc: Exception) -> Exception:
     m.REJECTIONS_TOTAL.labels(method, reason).inc()
     return exc
@@ -105,6 +132,7 @@ class BufferService(Service):
         ]
         self.store: BufferStore | None = None
         self._refresher: asyncio.Task[None] | None = None
+        self._room = Pulse()  # this replica freed room in the in-flight window
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -285,7 +313,17 @@ class BufferService(Service):
                 "bad_request",
                 InvalidArgument("consumer is empty: name the rollout replica (e.g. its pod name)"),
             )
-        res = await self.db.lease(kind, min(request.max_prompts, MAX_LEASE), request.consumer)
+        n = min(request.max_prompts, MAX_LEASE)
+        wait = _wait_seconds("LeasePrompts", request.wait_seconds)
+        deadline = time.monotonic() + wait
+        while True:
+            # While the window is full, look again whenever this replica frees room and every
+            # LEASE_POLL_SECONDS (another replica's Ack), counting one refusal at the end only.
+            last = time.monotonic() >= deadline
+            res = await self.db.lease(kind, n, request.consumer, count_refusal=last)
+            if not res.busy or last:
+                break
+            await self._room.wait(min(LEASE_POLL_SECONDS, deadline - time.monotonic()))
         if res.busy:
             m.LEASES_REFUSED_TOTAL.labels(kind).inc()
             retry = self.cfg.backpressure_retry_seconds
@@ -322,6 +360,8 @@ class BufferService(Service):
             raise _reject("ReleasePrompts", "bad_request", InvalidArgument("consumer is empty"))
         n = await self.db.release(kind, request.consumer, list(request.lease_ids))
         m.PROMPTS_RELEASED_TOTAL.labels(kind).inc(n)
+        if n:
+            self._room.notify()
         return bpb.ReleasePromptsResponse(released=n)
 
     async def StartEval(
@@ -396,6 +436,8 @@ class BufferService(Service):
             raise _reject("PutTrajectories", "unknown_prompt_or_lease", exc) from None
         n_acc = sum(accepted)
         m.GROUPS_PUT_TOTAL.labels(kind, "accepted").inc(n_acc)
+        if n_acc < len(accepted):
+            self._room.notify()  # a duplicate ends its lease without adding a group
         m.GROUPS_PUT_TOTAL.labels(kind, "duplicate").inc(len(accepted) - n_acc)
         if len(items) == 1 and not accepted[0]:
             it = items[0]
@@ -451,7 +493,7 @@ class BufferService(Service):
                 "GetBatch", "bad_request", InvalidArgument(f"num_groups must be > 0, got {want}")
             )
         consumer = request.consumer or "trainer"
-        wait = min(max(request.wait_seconds, 0.0), MAX_WAIT_SECONDS)
+        wait = _wait_seconds("GetBatch", request.wait_seconds)
         db = self.db
         ack_id = request.ack_batch_id
         ack = -2
@@ -480,6 +522,8 @@ class BufferService(Service):
                     raise self._unknown_batch("GetBatch", ack_id)
                 ack, ack_id = taken.ack, ""
                 m.ACKS_TOTAL.labels(kind, "acked" if ack == 1 else "already_acked").inc()
+                if ack == 1:
+                    self._room.notify()
             if taken.reclaimed is None:
                 pending, last_id = taken.groups, taken.last_id
                 break
@@ -526,6 +570,7 @@ class BufferService(Service):
                 # waits for the rollouts to make more.
                 await db.drop(kind, drops[unsent:])
                 unsent = len(drops)
+                self._room.notify()
             if not got_any:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -537,6 +582,8 @@ class BufferService(Service):
             pending, last_id = taken.groups, taken.last_id
 
         _, kept = await db.finish(kind, batch_id, kept, drops[unsent:])
+        if len(drops) > unsent:
+            self._room.notify()
         dropped = Counter(d.reason for d in drops)
         for d in drops:
             m.GROUPS_DROPPED_TOTAL.labels(kind, d.reason).inc()
@@ -581,6 +628,8 @@ class BufferService(Service):
         res = await self.db.ack(kind, batch_id)
         if res < 0:
             raise self._unknown_batch(method, batch_id)
+        if res == 1:
+            self._room.notify()
         m.ACKS_TOTAL.labels(kind, "acked" if res == 1 else "already_acked").inc()
         return res
 

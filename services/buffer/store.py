@@ -456,8 +456,12 @@ class BufferStore:
 
     # -- prompts ------------------------------------------------------------------------------
 
-    async def lease(self, kind: str, n: int, consumer: str) -> LeaseResult:
-        """Up to n prompts for consumer: expired leases first, then new ones (see LEASE)."""
+    async def lease(
+        self, kind: str, n: int, consumer: str, *, count_refusal: bool = True
+    ) -> LeaseResult:
+        """Up to n prompts for consumer: expired leases first, then new ones (see LEASE).
+        `count_refusal=False` leaves the lease_refused counter alone when it is busy (a long
+        poll that will look again)."""
         limit = self.max_inflight_groups if kind == "train" else -1
         requeue = "1" if kind == "train" and self.requeue_stale else "0"
         keys = [
@@ -483,6 +487,7 @@ class BufferStore:
                     kind,
                     requeue,
                     self.claim_scan_budget,
+                    "1" if count_refusal else "0",
                 ],
             )
             if res[0] == b"busy":

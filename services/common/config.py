@@ -608,6 +608,14 @@ class RolloutConfig(Section):
     idle_poll_seconds: float = Field(
         1.0, gt=0, description="Wait between leases when the prompt stream is empty."
     )
+    lease_wait_seconds: float = Field(
+        2.0,
+        ge=0,
+        le=600,
+        description="While the buffer's in-flight window (buffer.max_inflight_groups) is full, "
+        "a lease waits at the buffer up to this long for room and starts as soon as the trainer "
+        "frees some; 0 takes the refusal at once and sleeps the buffer's retry-after hint.",
+    )
     weight_sync: bool = Field(
         True,
         description="Register with the weight-sync service (endpoints.weight_sync), catch up "

@@ -249,11 +249,14 @@ class RolloutWorker:
         exhausted = True
         for kind in self.lease_kinds:
             request = bpb.LeasePromptsRequest(
-                max_prompts=self.rc.prompts_per_batch, consumer=self.replica_id, kind=KINDS[kind]
+                max_prompts=self.rc.prompts_per_batch,
+                consumer=self.replica_id,
+                kind=KINDS[kind],
+                wait_seconds=self.rc.lease_wait_seconds,
             )
             try:
                 answer = await self.buffer.LeasePrompts(
-                    request, timeout=self.rc.rpc_timeout_seconds
+                    request, timeout=self.rc.rpc_timeout_seconds + self.rc.lease_wait_seconds
                 )
             except grpc.aio.AioRpcError as exc:
                 if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -779,7 +779,9 @@ def test_drain_releases_in_flight_prompts_to_the_buffer_at_once(env, job) -> Non
 
 def test_backpressure_waits_for_the_trainer_and_then_finishes(env, job) -> None:
     config, buffer, address = job(
-        prompts=6, buffer={"max_inflight_groups": 2, "backpressure_retry_seconds": 0.2}
+        prompts=6,
+        buffer={"max_inflight_groups": 2, "backpressure_retry_seconds": 0.2},
+        rollout={"lease_wait_seconds": 0},
     )
     refused_before = m.BACKPRESSURE._value.get()
 
@@ -795,6 +797,31 @@ def test_backpressure_waits_for_the_trainer_and_then_finishes(env, job) -> None:
     put_while_refused, taken = asyncio.run(go())
     assert put_while_refused <= 2
     assert sorted(g.prompt_id for g in taken) == [f"train:{i}" for i in range(6)]
+
+
+def test_a_full_window_holds_the_lease_at_the_buffer_instead_of_refusing_it(env, job) -> None:
+    # lease_wait_seconds: the replica's lease waits at the buffer and starts when the trainer
+    # acknowledges a batch, so it is never refused and never sleeps a retry-after.
+    config, buffer, address = job(
+        prompts=6,
+        buffer={"max_inflight_groups": 2, "backpressure_retry_seconds": 30},
+        rollout={"lease_wait_seconds": 20, "prompts_per_batch": 2},
+    )
+    refused_before = m.BACKPRESSURE._value.get()
+
+    async def go() -> tuple[list[Group], float]:
+        async with Loop(env, config, address) as worker:
+            taken: list[Group] = []
+            started = time.monotonic()
+            while len(taken) < 6:
+                taken += await asyncio.to_thread(buffer.take, 2)
+            await _until(lambda: worker.groups_put == 6, what="all groups")
+            return taken, time.monotonic() - started
+
+    taken, seconds = asyncio.run(go())
+    assert sorted(g.prompt_id for g in taken) == [f"train:{i}" for i in range(6)]
+    assert m.BACKPRESSURE._value.get() == refused_before
+    assert seconds < 20, f"{seconds:.1f}s: a lease slept the 30 s retry-after"
 
 
 def test_eval_mode_puts_groups_to_the_eval_stream_only(env, job) -> None:

@@ -92,8 +92,10 @@ async def buffer(
         await svc.stop()
 
 
-async def lease(svc: BufferService, n: int, consumer: str = "r0", kind: int = TRAIN) -> Any:
-    req = bpb.LeasePromptsRequest(max_prompts=n, consumer=consumer, kind=kind)
+async def lease(
+    svc: BufferService, n: int, consumer: str = "r0", kind: int = TRAIN, wait: float = 0.0
+) -> Any:
+    req = bpb.LeasePromptsRequest(max_prompts=n, consumer=consumer, kind=kind, wait_seconds=wait)
     return await svc.LeasePrompts(req, None)  # type: ignore[arg-type]
 
 
@@ -446,6 +448,81 @@ def test_leasing_stops_at_max_inflight_groups_with_a_retry_hint_until_training_c
             return len(granted), err.value.retry_after_seconds, after_ack
 
     assert run(scenario()) == (3, 0.5, 2)
+
+
+async def _full_window(svc: BufferService) -> str:
+    """Fill a max_inflight_groups=3 window: three groups put and taken as a batch, not acked.
+    The batch id."""
+    await complete(svc, (await lease(svc, 3)).prompts)
+    return (await get(svc, 3)).batch_id
+
+
+def test_a_waiting_lease_starts_as_soon_as_training_frees_room(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # The window is full; a lease with wait_seconds is held at the buffer (not refused) and
+    # answered right after the Ack, without counting a refusal.
+    async def scenario() -> tuple[bool, int, float, int]:
+        async with buffer(redis_url, tmp_path, prompts=10, max_inflight_groups=3) as svc:
+            batch_id = await _full_window(svc)
+            waiting = asyncio.create_task(lease(svc, 3, wait=30))
+            await asyncio.sleep(0.5)
+            held = not waiting.done()
+            acked = time.monotonic()
+            await ack(svc, batch_id)
+            got = await asyncio.wait_for(waiting, 10)
+            seconds = time.monotonic() - acked
+            refused = (await stats(svc)).counters.get("train:lease_refused", 0)
+            return held, len(got.prompts), seconds, refused
+
+    held, granted, seconds, refused = run(scenario())
+    assert (held, granted, refused) == (True, 3, 0)
+    assert seconds < 0.5, f"the lease started {seconds:.2f}s after the Ack"
+
+
+def test_a_lease_that_waits_in_vain_is_refused_once_with_the_retry_hint(
+    redis_url: str, tmp_path: Path
+) -> None:
+    async def scenario() -> tuple[float, float | None, int]:
+        async with buffer(
+            redis_url, tmp_path, prompts=10, max_inflight_groups=3, backpressure_retry_seconds=0.7
+        ) as svc:
+            await _full_window(svc)
+            started = time.monotonic()
+            with pytest.raises(ResourceExhausted) as err:
+                await lease(svc, 1, wait=0.6)
+            seconds = time.monotonic() - started
+            refused = (await stats(svc)).counters.get("train:lease_refused", 0)
+            return seconds, err.value.retry_after_seconds, refused
+
+    seconds, hint, refused = run(scenario())
+    assert (hint, refused) == (0.7, 1)  # one refusal, though it looked again ~6 times
+    assert 0.6 <= seconds < 3, seconds
+
+
+def test_a_waiting_lease_sees_room_freed_through_another_replica(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # Two buffer replicas of one job: the Ack reaches one, the lease waits at the other, which
+    # has no signal from it and finds the room by looking again.
+    job = f"t{uuid.uuid4().hex[:10]}"
+
+    async def scenario() -> tuple[int, float]:
+        async with (
+            buffer(redis_url, tmp_path, prompts=10, max_inflight_groups=3, job=job) as one,
+            buffer(redis_url, tmp_path, prompts=10, max_inflight_groups=3, job=job) as two,
+        ):
+            batch_id = await _full_window(one)
+            waiting = asyncio.create_task(lease(two, 3, wait=30))
+            await asyncio.sleep(0.3)
+            acked = time.monotonic()
+            await ack(one, batch_id)
+            got = await asyncio.wait_for(waiting, 10)
+            return len(got.prompts), time.monotonic() - acked
+
+    granted, seconds = run(scenario())
+    assert granted == 3
+    assert seconds < 2, f"the other replica's lease started {seconds:.2f}s after the Ack"
 
 
 def test_expired_leases_are_redelivered_even_at_the_inflight_limit(

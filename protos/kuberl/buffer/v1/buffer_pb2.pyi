@@ -54,14 +54,16 @@ class LoadDatasetResponse(_message.Message):
     def __init__(self, num_prompts: _Optional[int] = ..., loaded: _Optional[bool] = ...) -> None: ...
 
 class LeasePromptsRequest(_message.Message):
-    __slots__ = ("max_prompts", "consumer", "kind")
+    __slots__ = ("max_prompts", "consumer", "kind", "wait_seconds")
     MAX_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     max_prompts: int
     consumer: str
     kind: _trajectory_pb2.StreamKind
-    def __init__(self, max_prompts: _Optional[int] = ..., consumer: _Optional[str] = ..., kind: _Optional[_Union[_trajectory_pb2.StreamKind, str]] = ...) -> None: ...
+    wait_seconds: float
+    def __init__(self, max_prompts: _Optional[int] = ..., consumer: _Optional[str] = ..., kind: _Optional[_Union[_trajectory_pb2.StreamKind, str]] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class LeasePromptsResponse(_message.Message):
     __slots__ = ("prompts", "policy_version", "exhausted")
