@@ -14,12 +14,12 @@ entrypoints (`kuberl serve <service>`, the trainer under torchrun):
    SFT runs first as its own trainer run (`mode: sft`, learning rate `job.local.warm_start_lr`,
    nothing else running), and RL starts from its HF export. The trainer's first eval round
    therefore measures the model after SFT alone.
-4. **Services**: an embedded Redis (AOF on, in the run folder) unless `redis.url` is set; then
-   buffer, reward and weight-sync; once those report gRPC health SERVING,
-   `job.local.rollout_replicas` rollout replicas (each with its replica id, its own gRPC and
-   metrics ports and its own sampling seed) and the trainer (torchrun), waiting again for every
-   one to report SERVING. Each binds loopback; a service's address reaches the others through
-   `KUBERL_ENDPOINTS__*`.
+4. **Services**: an embedded Redis (AOF on, in the run folder) unless `redis.url` is set; then,
+   all at once, buffer, reward, weight-sync, `job.local.rollout_replicas` rollout replicas (each
+   with its replica id, its own gRPC and metrics ports and its own sampling seed) and the trainer
+   (torchrun); the supervisor waits for every one to report SERVING. Each binds a loopback port
+   picked before anything starts, so a service's address reaches the others through
+   `KUBERL_ENDPOINTS__*` from the start, and each waits for its own dependencies as a pod does.
 5. **Watch**: a crashed service is restarted on the same port (`job.local.max_restarts` times),
    and so is the embedded Redis (same port, its AOF replayed); progress is shown live
    (`kuberl.local.progress`). The job is done when the trainer exits 0.
@@ -399,22 +399,21 @@ class Supervisor:
         if self.config.redis.url is None:
             self.redis = EmbeddedRedis(self.run_dir / "redis", die_with_parent=True)
             self.doc["redis"]["url"] = self.redis.start()
+        # Every gRPC port is picked now, so every address is known before anything starts and
+        # all services start at once: each waits for its own dependencies to report SERVING
+        # (rollout for buffer, reward and weight-sync; the trainer for buffer and weight-sync),
+        # which overlaps the seconds each spends importing torch and loading the model.
+        ports = {name: free_port() for name in SECTIONS}
+        for name, section in SECTIONS.items():
+            self.endpoints[section] = f"127.0.0.1:{ports[name]}"
         job = self._write_job(self.doc)
-        # Services that depend on nobody, started together.
         first = []
         for name, section in SECTIONS.items():
-            env = self._base_env("1")
-            spec = self._spec(
-                name,
-                self._serve_argv(section, job),
-                env,
-                port_env=f"KUBERL_{section.upper()}__SERVER__PORT",
-            )
+            port_env = f"KUBERL_{section.upper()}__SERVER__PORT"
+            env = {**self._base_env("1"), port_env: str(ports[name])}
+            spec = self._spec(name, self._serve_argv(section, job), env, port_env=port_env)
             self._check_env(spec)
             first.append(self.group.start(spec, wait=False))
-        self._wait_all(first)
-        for proc in first:
-            self.endpoints[SECTIONS[proc.name]] = proc.address
         # Rollout replicas: each with its own ports (announced to weight-sync), id and seed.
         replicas = []
         share = 0.25 / self.local.rollout_replicas
@@ -432,8 +431,8 @@ class Supervisor:
             self._check_env(spec)
             replicas.append(self.group.start(spec, wait=False))
             self.replica_names.append(name)
-        # The trainer starts beside the replicas (both take seconds to load a model): it talks
-        # only to buffer and weight-sync, and waits in GetBatch until groups arrive.
+        # The trainer talks only to buffer and weight-sync, and waits in GetBatch until groups
+        # arrive.
         env = {
             **self._base_env(_thread_count(0.25)),
             METRICS_JSONL_ENV: str(self.run_dir / "metrics.jsonl"),
@@ -448,7 +447,7 @@ class Supervisor:
         )
         self._check_env(spec)
         trainer = self.group.start(spec, wait=False)
-        self._wait_all([*replicas, trainer])
+        self._wait_all([*first, *replicas, trainer])
         self.endpoints["trainer"] = trainer.address
         # Record the real endpoints so the CLI works against the running job.
         self.doc["endpoints"].update(self.endpoints)

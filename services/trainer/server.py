@@ -5,8 +5,10 @@ talks to the buffer and weight-sync. Under `torchrun --nproc-per-node N -m kuber
 trainer --config job.yaml`, `create_service` on a rank other than 0 runs the training loop to
 the end itself and leaves the process with its exit code, never binding a port.
 
-On rank 0 the service's `start()` joins the process group, loads the model and builds the
-DeepSpeed engine (health stays NOT_SERVING until then), then trains on a background thread while
+On rank 0 the service's `start()` joins the process group while it waits for the services it
+talks to (buffer, weight-sync) to report SERVING, so pods and local processes may start in any
+order; then it loads the model and builds the DeepSpeed engine (health stays NOT_SERVING until
+then), then trains on a background thread while
 the event loop answers RPCs. When the job's last step is done the trainer keeps answering for
 `linger_seconds` (so a supervisor reads the final status) and then stops itself like on SIGTERM:
 exit 0. SIGTERM stops training after the current step. A training error ends the process with a
@@ -34,6 +36,20 @@ if TYPE_CHECKING:
     from kuberl.trainer.loop import Trainer
 
 log = get_logger(__name__)
+
+# How long rank 0 waits at start for the buffer and weight-sync to report SERVING.
+DEPENDENCY_WAIT_SECONDS = 300.0
+
+
+def dependency_endpoints(config: JobConfig) -> list[str]:
+    """The endpoints rank 0 talks to in this mode (the same rule as `Trainer._connect`)."""
+    tc = config.trainer
+    found = []
+    if tc.mode != "sft" or tc.sft_data is None:
+        found.append(config.endpoints.buffer)
+    if tc.publish_weights and tc.mode != "eval":
+        found.append(config.endpoints.weight_sync)
+    return found
 
 
 class _Servicer(trainer_pb2_grpc.TrainerServiceServicer):
@@ -97,10 +113,17 @@ class TrainerService(Service):
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(_Servicer(self), server)
 
     async def start(self) -> None:
+        from kuberl.common.channels import wait_serving_async
         from kuberl.trainer.distributed import init_distributed
         from kuberl.trainer.loop import Trainer
 
-        info = await asyncio.to_thread(init_distributed)
+        info, *_ = await asyncio.gather(
+            asyncio.to_thread(init_distributed),
+            *(
+                wait_serving_async(address, DEPENDENCY_WAIT_SECONDS)
+                for address in dependency_endpoints(self.config)
+            ),
+        )
         trainer = Trainer(self.config, info)
         self.trainer = trainer
         await asyncio.to_thread(trainer.setup)
