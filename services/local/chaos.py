@@ -66,7 +66,15 @@ class ChaosProfile:
 PROFILES = {
     # The window ends well before the job does: a rollout replica takes up to ~35 s to come back
     # on a loaded 2-core box, and the last fault needs steps after its recovery to be survived.
-    "ci": ChaosProfile("ci", kills_per_kind=2, redis_kills=1, window=(0.05, 0.6)),
+    # Its short delay and gap keep 11 faults inside a CI job whose steps take ~0.2 s each.
+    "ci": ChaosProfile(
+        "ci",
+        kills_per_kind=2,
+        redis_kills=1,
+        window=(0.05, 0.6),
+        max_delay_seconds=1.0,
+        min_gap_seconds=1.0,
+    ),
     "long": ChaosProfile(
         "long",
         kills_per_kind=6,

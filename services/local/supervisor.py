@@ -401,7 +401,7 @@ class Supervisor:
             self.doc["redis"]["url"] = self.redis.start()
         # Every gRPC port is picked now, so every address is known before anything starts and
         # all services start at once: each waits for its own dependencies to report SERVING
-        # (rollout for buffer, reward and weight-sync; the trainer for buffer and weight-sync),
+        # (rollout for buffer, reward and weight-sync; the trainer for the buffer),
         # which overlaps the seconds each spends importing torch and loading the model.
         ports = {name: free_port() for name in SECTIONS}
         for name, section in SECTIONS.items():

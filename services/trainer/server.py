@@ -5,11 +5,11 @@ talks to the buffer and weight-sync. Under `torchrun --nproc-per-node N -m kuber
 trainer --config job.yaml`, `create_service` on a rank other than 0 runs the training loop to
 the end itself and leaves the process with its exit code, never binding a port.
 
-On rank 0 the service's `start()` joins the process group while it waits for the services it
-talks to (buffer, weight-sync) to report SERVING, so pods and local processes may start in any
-order; then it loads the model and builds the DeepSpeed engine (health stays NOT_SERVING until
-then), then trains on a background thread while
-the event loop answers RPCs. When the job's last step is done the trainer keeps answering for
+On rank 0 the service's `start()` joins the process group while it waits for the buffer to
+report SERVING, so pods and local processes may start in any order (weight-sync may come later:
+a publish that fails is retried); then it loads the model and builds the DeepSpeed engine
+(health stays NOT_SERVING until then), then trains on a background thread while the event loop
+answers RPCs. When the job's last step is done the trainer keeps answering for
 `linger_seconds` (so a supervisor reads the final status) and then stops itself like on SIGTERM:
 exit 0. SIGTERM stops training after the current step. A training error ends the process with a
 non-zero exit and the error in the log.
@@ -37,19 +37,14 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-# How long rank 0 waits at start for the buffer and weight-sync to report SERVING.
+# How long rank 0 waits at start for the buffer to report SERVING.
 DEPENDENCY_WAIT_SECONDS = 300.0
 
 
-def dependency_endpoints(config: JobConfig) -> list[str]:
-    """The endpoints rank 0 talks to in this mode (the same rule as `Trainer._connect`)."""
+def buffer_endpoint(config: JobConfig) -> str | None:
+    """The buffer's endpoint when this mode reads from it (the rule of `Trainer._connect`)."""
     tc = config.trainer
-    found = []
-    if tc.mode != "sft" or tc.sft_data is None:
-        found.append(config.endpoints.buffer)
-    if tc.publish_weights and tc.mode != "eval":
-        found.append(config.endpoints.weight_sync)
-    return found
+    return config.endpoints.buffer if tc.mode != "sft" or tc.sft_data is None else None
 
 
 class _Servicer(trainer_pb2_grpc.TrainerServiceServicer):
@@ -117,12 +112,12 @@ class TrainerService(Service):
         from kuberl.trainer.distributed import init_distributed
         from kuberl.trainer.loop import Trainer
 
+        # Weight-sync is not waited for: training goes on without it and a publish that
+        # failed is retried (tests/reliability/test_trainer_publish_retry.py).
+        buffer = buffer_endpoint(self.config)
         info, *_ = await asyncio.gather(
             asyncio.to_thread(init_distributed),
-            *(
-                wait_serving_async(address, DEPENDENCY_WAIT_SECONDS)
-                for address in dependency_endpoints(self.config)
-            ),
+            *([wait_serving_async(buffer, DEPENDENCY_WAIT_SECONDS)] if buffer else []),
         )
         trainer = Trainer(self.config, info)
         self.trainer = trainer

@@ -2,7 +2,7 @@
 and the embedded Redis once, on the seeded plan of `kuberl.local.chaos`.
 
 The job is examples/chaos.yaml cut down (a 30-step warm start, groups of 4, 8 groups per step,
-16 eval prompts, 100 RL steps) with a buffer filter that drops every seventh prompt, so the
+16 eval prompts, 400 RL steps) with a buffer filter that drops every seventh prompt, so the
 accounting meets filtered prompts as well as trained and pending ones. The run must finish, and
 its `chaos.json` must show every planned fault injected and survived, no prompt lost, no group
 trained twice, every rollout replica's versions monotonic, and eval accuracy measured before the
@@ -42,7 +42,7 @@ def chaos_ci_job(tmp: Path) -> Path:
         filters=["tests.reliability.chaos_filter:every_seventh"],
     )
     doc["trainer"].update(
-        total_steps=100, groups_per_step=8, eval_every=100, sft_steps=30, batch_wait_seconds=5
+        total_steps=400, groups_per_step=8, eval_every=400, sft_steps=30, batch_wait_seconds=5
     )
     path = tmp / "chaos-ci.yaml"
     path.write_text(yaml.safe_dump(doc))
