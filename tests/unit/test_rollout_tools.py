@@ -94,9 +94,12 @@ def test_python_runs_in_an_empty_directory_with_a_scrubbed_environment() -> None
 
 
 def test_python_is_killed_at_its_timeout() -> None:
+    # A busy loop meets the 1 s wall clock and its 1 s CPU limit at about the same moment; on a
+    # loaded machine either may end it, and both say so.
     started = time.monotonic()
     out = run_python("while True: pass", timeout=1.0)
-    assert ("TimeoutError: killed after 1s" in out, time.monotonic() - started < 4) == (True, True)
+    assert out in ("TimeoutError: killed after 1s", "TimeoutError: used its 1s of CPU time")
+    assert time.monotonic() - started < 4
 
 
 def test_python_memory_is_limited() -> None:
