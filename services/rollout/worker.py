@@ -170,6 +170,9 @@ class RolloutWorker:
         self._generating: set[_Generation] = set()
         self._gen_changed = asyncio.Condition()
         self._update_lock = asyncio.Lock()
+        # True while a weight update holds the engine paused to load (resume must not undo it);
+        # a `finish` update waiting for generations does not, and needs the engine running.
+        self._loading = False
         self._run_finished = asyncio.Event()  # run() is not leasing (set until it starts)
         self._run_finished.set()
 
@@ -548,8 +551,9 @@ class RolloutWorker:
 
     async def resume(self) -> None:
         self._paused = False
-        if not self._update_lock.locked():
+        if not self._loading:
             await self.engine.resume()
+        if not self._update_lock.locked():
             self.state = "running"
         self._lease_gate.set()
         log.info("replica.resumed")
@@ -566,19 +570,29 @@ class RolloutWorker:
                 if self.rc.on_weight_update == "abort":
                     for gen in self._generating:
                         gen.aborted_by.append(version)
+                    self._loading = True
                     await self.engine.pause("abort")
                 else:
                     for gen in self._generating:
                         gen.finished_on_old.append(version)
+                    # A replica paused in place (Pause RPC) holds these until it is resumed.
                     async with self._gen_changed:
                         await self._gen_changed.wait_for(lambda: not self._generating)
+                    self._loading = True
                     await self.engine.pause("in_place")
                 await load()
             finally:
+                self._loading = False
                 if not self._paused:
                     await self.engine.resume()
                 self._gen_gate.set()
-                self.state = previous if previous != "updating_weights" else "running"
+                # A Pause or Resume may have come while the update ran.
+                if self._paused:
+                    self.state = "paused"
+                elif previous in ("updating_weights", "paused"):
+                    self.state = "running"
+                else:
+                    self.state = previous
             m.ENGINE_VERSION.set(self.engine.version)
             m.WEIGHT_UPDATE_SECONDS.observe(time.monotonic() - started)
             log.info(

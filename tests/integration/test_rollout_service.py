@@ -691,6 +691,13 @@ async def _until(predicate, timeout: float = 60.0, what: str = "condition") -> N
         await asyncio.sleep(0.02)
 
 
+def _metric(name: str, **labels: str) -> float:
+    """A counter of this process's registry (the Loop's worker runs here)."""
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
 def _other_weights(env: Env) -> dict[str, Any]:
     path = build_model(env.tmp / "model-v1", arch="qwen2", size="tiny", tokenizer="digits", seed=1)
     return dict(TorchEngine.from_pretrained(path).model.state_dict())
@@ -708,20 +715,29 @@ def test_a_weight_update_mid_generation_follows_on_weight_update(env, job, polic
     )
     new = _other_weights(env)
 
-    async def go() -> tuple[set[str], int]:
+    counters = [
+        ("kuberl_rollout_pauses_total", {"reason": "weight_update"}),
+        ("kuberl_rollout_aborted_requests_total", {"reason": "weight_update"}),
+    ]
+
+    async def go() -> tuple[set[str], int, list[float]]:
+        before = [_metric(name, **labels) for name, labels in counters]
         async with Loop(env, config, address) as worker:
             await _until(lambda: worker._generating, what="a generation in flight")
             in_flight = {g.item.prompt_id for g in worker._generating}
             await worker.apply_weight_update(1, lambda: worker.engine.load_weights(new, 1))
             await _until(lambda: worker.groups_put == 4, 120, "all groups")
-            return in_flight, worker.engine.version
+            counted = [_metric(n, **lb) - b for (n, lb), b in zip(counters, before, strict=True)]
+            return in_flight, worker.engine.version, counted
 
-    in_flight, version = asyncio.run(go())
+    in_flight, version, counted = asyncio.run(go())
     groups = {g.prompt_id: g for g in buffer.take_all(4)}
     expected = {
         "finish": ("finished_on_old_weights", (0, 0)),
         "abort": ("aborted_and_regenerated", (1, 1)),
     }[policy]
+    # One pause for the update; `abort` aborts both in-flight prompts' samples (GROUP each).
+    assert counted == [1.0, 0.0 if policy == "finish" else 2.0 * GROUP]
     assert version == 1 and len(in_flight) == 2
     for pid, g in groups.items():
         t = g.trajectories[0]
@@ -730,6 +746,39 @@ def test_a_weight_update_mid_generation_follows_on_weight_update(env, job, polic
             assert (t.metadata["weight_update"], versions) == expected
         else:
             assert ("weight_update" in t.metadata, versions) == (False, (1, 1))
+
+
+def test_resume_frees_a_finish_update_that_waits_on_generations_paused_in_place(env, job) -> None:
+    # Pause in place holds the generations; a `finish` update then waits for them under its lock.
+    # Resume must let them run (or the update, and with it the replica, waits forever).
+    config, buffer, address = job(
+        prompts=2,
+        rollout={
+            "on_weight_update": "finish",
+            "batches_in_flight": 1,
+            "sampling": {"max_new_tokens": 300, "ignore_eos": True},
+        },
+    )
+    new = _other_weights(env)
+
+    async def go() -> tuple[int, str, float]:
+        async with Loop(env, config, address) as worker:
+            await _until(lambda: worker._generating, what="a generation in flight")
+            pauses = _metric("kuberl_rollout_pauses_total", reason="rpc")
+            await worker.pause(abort_in_flight=False)
+            update = asyncio.create_task(
+                worker.apply_weight_update(1, lambda: worker.engine.load_weights(new, 1))
+            )
+            await asyncio.sleep(0.5)
+            assert not update.done()  # paused: the update waits for the held generations
+            await worker.resume()
+            await asyncio.wait_for(update, 60)
+            await _until(lambda: worker.groups_put == 2, 120, "both groups")
+            paused = _metric("kuberl_rollout_pauses_total", reason="rpc") - pauses
+            return worker.engine.version, worker.state, paused
+
+    assert asyncio.run(go()) == (1, "running", 1.0)
+    assert len(buffer.take_all(2)) == 2
 
 
 def test_an_abort_update_regenerates_a_group_caught_between_engine_calls(env, job) -> None:
