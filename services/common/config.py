@@ -716,8 +716,26 @@ class AlgorithmConfig(Section):
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(1.0, ge=0, le=1)
     recompute_old_logprobs: bool = Field(
-        False, description="Recompute old logprobs with the trainer (else use the rollout's)."
+        False,
+        description="Recompute old logprobs with the trainer (one forward pass without "
+        "gradient per step). Off: with one update per batch the current logprobs are the old "
+        "ones; with several (ppo_epochs * mini_batches > 1) the rollout engine's logprobs are "
+        '("bypass": the PPO ratio is taken against the engine, and importance.mode must be '
+        "none).",
     )
+
+    @model_validator(mode="after")
+    def _importance_needs_old_logprobs(self) -> AlgorithmConfig:
+        updates = self.ppo_epochs * self.mini_batches
+        if self.importance.mode != "none" and updates > 1 and not self.recompute_old_logprobs:
+            raise ValueError(
+                f"importance.mode {self.importance.mode!r} weighs tokens by pi_old / pi_rollout, "
+                f"and with {updates} updates per batch (ppo_epochs * mini_batches) pi_old is known "
+                "only if recompute_old_logprobs is true. Set recompute_old_logprobs: true (one "
+                "extra forward pass per step), or importance.mode: none (the PPO ratio is then "
+                "taken against the rollout engine's logprobs, and its clip bounds the mismatch)"
+            )
+        return self
 
 
 class OptimizerConfig(Section):

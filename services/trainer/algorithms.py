@@ -556,6 +556,7 @@ def policy_loss_and_metrics(
     ref_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
     global_count: float | None = None,
+    old_is_rollout: bool = False,
 ) -> tuple[Tensor, dict[str, float]]:
     """The policy's loss for one (micro-)batch and its metrics. All inputs [B, T].
 
@@ -563,6 +564,11 @@ def policy_loss_and_metrics(
     where pg is the PPO (or GSPO) surrogate against `old_logprobs` (None: the detached current
     logprobs, see the module docstring), w the TIS/MIS weight from pi_old / pi_rollout, agg the
     configured aggregation. The KL term is absent when kl.coef is 0 or kl.in_reward is set.
+
+    old_is_rollout ("bypass": `old_logprobs` are the engine's own, several updates without a
+    recompute): there is no pi_old to compare with the engine, so a TIS/MIS weight is refused
+    (the PPO clip bounds pi / pi_rollout itself), and the `mismatch/*` metrics compare the
+    current logprobs, detached, with the engine's.
     """
     valid = _valid(mask)
     _check_same_shape(
@@ -588,7 +594,15 @@ def policy_loss_and_metrics(
         return aggregate_loss(x, valid, config.loss_agg, global_count, config.loss_norm_tokens)
 
     imp = config.importance
-    weights = importance_weights(old, rollout, valid, imp.mode, imp.cap, imp.threshold, imp.level)
+    if old_is_rollout and imp.mode != "none":
+        raise ValueError(
+            f"importance.mode {imp.mode!r} needs pi_old, and the old logprobs given are the "
+            "rollout engine's own: recompute them, or set importance.mode to none"
+        )
+    trained = logprobs.detach() if old_is_rollout else old  # the trainer's side of the mismatch
+    weights = importance_weights(
+        trained, rollout, valid, imp.mode, imp.cap, imp.threshold, imp.level
+    )
     if config.policy_loss == "ppo":
         pg, stats = ppo_policy_loss(
             logprobs, old, advantages, config.clip_low, config.clip_high, config.dual_clip
@@ -635,9 +649,9 @@ def policy_loss_and_metrics(
         if kl_in_loss:
             loss = loss + config.kl.coef * kl_loss
         m["kl/ref"] = kl_loss
-    m.update(mismatch_metrics(old, rollout, valid))
+    m.update(mismatch_metrics(trained, rollout, valid))
     # What TIS and MIS would do at this batch, reported whichever correction is on.
-    is_ratio = _importance_ratio(old, rollout, valid, imp.level)  # [B, T]
+    is_ratio = _importance_ratio(trained, rollout, valid, imp.level)  # [B, T]
     outside = (is_ratio > imp.threshold) | (is_ratio < 1.0 / imp.threshold)  # [B, T]
     m["mismatch/weight_mean"] = masked_mean(weights, valid)
     m["mismatch/truncated_frac"] = masked_mean((is_ratio > imp.cap).to(ratio.dtype), valid)

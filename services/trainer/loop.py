@@ -732,6 +732,7 @@ class Trainer:
                 ref_logprobs=a.get("ref_logprobs"),
                 entropy=ent,
                 global_count=global_count,
+                old_is_rollout=use_rollout_as_old,
             )
             return loss * ws, m
 

@@ -109,7 +109,13 @@ def _ppo_with_critic(out_dir: Path, model_dir: Path) -> None:
                 "publish_weights": False,
                 "resume": False,
                 "checkpoint_dir": str(out_dir / "ppo-ckpt"),
-                "algorithm": {"advantage": "gae", "gamma": 0.99, "lam": 0.95, "ppo_epochs": 2},
+                "algorithm": {
+                    "advantage": "gae",
+                    "gamma": 0.99,
+                    "lam": 0.95,
+                    "ppo_epochs": 2,
+                    "importance": {"mode": "none"},  # bypass: old logprobs are the rollout's
+                },
             },
         }
     )

@@ -431,6 +431,33 @@ def test_mis_removes_dropped_tokens_from_the_loss_and_reports_the_fraction() -> 
     assert m["mismatch/masked_frac"] == 0.5
 
 
+def test_bypass_ratio_is_against_the_engine_and_mismatch_compares_current_logprobs() -> None:
+    # old = the engine's logprobs (several updates, no recompute): the PPO ratio is pi / pi_rollout
+    # = [1.5, 0.5, 1.1, 3.5] as in ppo_example, so the loss is its 0.355 (clip 0.2/0.28, dual 3);
+    # mismatch/* compare the current logprobs with the engine's: ratio_max 3.5, not 1.
+    logprobs, rollout, adv = ppo_example()
+    cfg = config(clip_low=0.2, clip_high=0.28, dual_clip=3.0, importance={"mode": "none"})
+    loss, m = policy_loss_and_metrics(
+        cfg, logprobs, rollout, rollout, adv, torch.ones(1, 4), old_is_rollout=True
+    )
+    assert (loss.item(), m["mismatch/ratio_max"]) == pytest.approx((0.355, 3.5), abs=1e-6)
+
+
+def test_bypass_refuses_a_tis_weight_it_cannot_compute() -> None:
+    logprobs, rollout, adv = ppo_example()
+    with pytest.raises(ValueError, match="needs pi_old"):
+        policy_loss_and_metrics(
+            config(), logprobs, rollout, rollout, adv, torch.ones(1, 4), old_is_rollout=True
+        )
+
+
+@pytest.mark.parametrize("mode", ["tis", "mis"])
+def test_a_job_with_several_updates_and_tis_or_mis_must_recompute_old_logprobs(mode) -> None:
+    with pytest.raises(ValueError, match="recompute_old_logprobs: true"):
+        config(ppo_epochs=2, importance={"mode": mode})
+    assert config(ppo_epochs=2, mini_batches=2, recompute_old_logprobs=True).ppo_epochs == 2
+
+
 def test_mismatch_metrics_give_kl_and_ratio_percentiles_over_the_mask() -> None:
     # ratios [1, 2, 4, 8, 16] (+ a padded 1000 that must not count)
     # p50 = 4; p90 at rank 0.9*4 = 3.6 -> 8 + 0.6*8 = 12.8; p99 at 3.96 -> 8 + 0.96*8 = 15.68
