@@ -95,6 +95,11 @@ def trained_lineage(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def trained_counts(lineage: dict[str, Any]) -> Counter[str]:
+    """How many steps of the lineage trained each group key (prompt@epoch)."""
+    return Counter(g["key"] for row in lineage["steps"].values() for g in row.get("groups", []))
+
+
 def read_buffer_state(
     redis_url: str, job: str, password: str | None = None, timeout: float = 60.0
 ) -> dict[str, Any]:
@@ -165,7 +170,7 @@ def prompt_accounting(buffer: dict[str, Any], lineage: dict[str, Any]) -> dict[s
             never_leased.add(key)
         else:
             requeued_waiting.add(key)
-    trained = Counter(g["key"] for row in lineage["steps"].values() for g in row.get("groups", []))
+    trained = trained_counts(lineage)
     discarded = {g["key"] for row in lineage["discarded"] for g in row.get("groups", [])}
     in_stream = set(buffer["group_keys"])
     classes: dict[str, list[str]] = {

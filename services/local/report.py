@@ -14,7 +14,10 @@ Definitions used in summary.json:
 - `prompts_lost`: leases (train and eval) still outstanding once every replica has drained,
   i.e. prompts handed out that came back neither in a group nor released;
 - `groups_duplicated`: groups the buffer refused as a second group for the same prompt and epoch
-  (`train:duplicate` + `eval:duplicate`).
+  (`train:duplicate` + `eval:duplicate`);
+- `groups_trained_twice` (added by the supervisor): group keys (prompt@epoch) that more than one
+  step of the final weights' lineage trained, replayed from the trainer's `trained.jsonl`
+  (`kuberl.local.accounting.trained_lineage`; a step a resume discarded does not count).
 """
 
 from __future__ import annotations

@@ -757,6 +757,10 @@ class Supervisor:
             ]
         except Exception:  # plots are a convenience; the summary must still be written
             log.exception("report.plots_failed")
+        from kuberl.local import accounting
+
+        lineage = accounting.trained_lineage(accounting.read_rows(self.run_dir / "trained.jsonl"))
+        twice = sum(n > 1 for n in accounting.trained_counts(lineage).values())
         summary = build_summary(
             job=self.config.job.name,
             status=status,
@@ -782,6 +786,7 @@ class Supervisor:
                 "rollout_replicas": self.local.rollout_replicas,
                 "trainer_processes": self.local.trainer_processes,
                 "plots": plots,
+                "groups_trained_twice": twice,
             },
         )
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -96,6 +96,46 @@ def test_the_plain_line_shows_step_eta_and_versions() -> None:
     assert line.startswith("[1m05s] RL | step 4/10 eta 12s") and "rollout-0=v4" in line
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_plain_lines_are_the_default_unless_stdout_is_a_terminal() -> None:
+    def plain(out: io.StringIO) -> bool:
+        return Progress("t", max_staleness=1, out=out).plain
+
+    assert (plain(io.StringIO()), plain(_Terminal())) == (True, False)
+
+
+def test_the_plain_line_shows_reward_accuracy_buffer_staleness_rates_and_sync() -> None:
+    clock = [10.0]
+    progress = _progress(clock)
+    progress.set_phase("RL", 10)
+    progress.add_rows([{**r, "reward/accuracy": 0.75} for r in _rl_rows(4)])
+    progress.add_rows([{"kind": "eval", "eval/accuracy": 0.4}])
+    progress.add_snapshot(
+        Snapshot(
+            time=0.0,
+            buffer={"groups_pending": 7, "prompts_leased": 3, "policy_version": 4},
+            replicas={"rollout-0": {"policy_version": 4, "generated_tokens": 0}},
+            sync_seconds={"engine_update": (0.1, 2.0)},
+        )
+    )
+    progress.add_snapshot(
+        Snapshot(
+            time=1.0,
+            buffer={"groups_pending": 7, "prompts_leased": 3, "policy_version": 4},
+            replicas={"rollout-0": {"policy_version": 4, "generated_tokens": 500}},
+            sync_seconds={"engine_update": (0.16, 3.0)},
+        )
+    )
+    line = progress.line()
+    expected = ["reward 0.50 acc 0.75", "eval 0.40", "gen 500", "train 150", "buffer 7"]
+    expected += ["stale 1", "rollout-0=v4", "sync 60ms"]
+    assert [part for part in expected if part not in line] == [], line
+
+
 def test_the_rich_panel_renders_without_a_terminal() -> None:
     out = io.StringIO()
     progress = Progress("kuberl run t", max_staleness=1, plain=False, out=out)

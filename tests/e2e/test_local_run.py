@@ -3,8 +3,8 @@
 One run of examples/demo.yaml cut down to a 5-step warm start and 3 GRPO steps (small groups, a
 few eval prompts) must finish with every service having reported SERVING, every rollout replica
 having loaded a newer policy, nothing lost or duplicated, every trained group within
-`max_staleness`, and a complete run folder. A second run is interrupted with SIGINT once its
-services are up: it must stop everything it started and say so in its summary.
+`max_staleness`, and a complete run folder. A second run is interrupted with SIGINT after its
+first RL step: it must stop everything it started, lose no prompt and say so in its summary.
 """
 
 from __future__ import annotations
@@ -130,7 +130,32 @@ def test_the_policy_version_advanced_on_every_rollout_replica(
 @pytest.mark.slow
 def test_no_prompt_was_lost_and_no_group_duplicated(finished_run: dict[str, Any]) -> None:
     s = finished_run["summary"]
-    assert (s["prompts_lost"], s["groups_duplicated"], s["prompts_leased"] > 0) == (0, 0, True)
+    assert (s["prompts_lost"], s["groups_duplicated"], s["groups_trained_twice"]) == (0, 0, 0)
+
+
+@pytest.mark.slow
+def test_the_summary_holds_the_required_figures(finished_run: dict[str, Any]) -> None:
+    s = finished_run["summary"]
+    # 3 steps of 4 groups of 4; every train prompt leased at least once; two eval rounds
+    assert {
+        "steps": s["steps"],
+        "trajectories_trained": s["trajectories_trained"],
+        "prompts_leased>=12": s["prompts_leased"] >= 12,
+        "wall_seconds>0": s["wall_seconds"] > 0,
+        "eval_accuracy_start": type(s["eval_accuracy_start"]),
+        "eval_accuracy_end": type(s["eval_accuracy_end"]),
+        "prompts_lost": s["prompts_lost"],
+        "groups_duplicated": s["groups_duplicated"],
+    } == {
+        "steps": 3,
+        "trajectories_trained": 48,
+        "prompts_leased>=12": True,
+        "wall_seconds>0": True,
+        "eval_accuracy_start": float,
+        "eval_accuracy_end": float,
+        "prompts_lost": 0,
+        "groups_duplicated": 0,
+    }
 
 
 @pytest.mark.slow
@@ -168,14 +193,22 @@ def test_the_run_folder_holds_logs_metrics_checkpoints_and_plots(
     assert (missing, not_png) == ([], [])
 
 
+def _first_rl_step(run_dir: Path) -> bool:
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.exists() and '"kind": "rl"' in metrics.read_text()
+
+
 @pytest.mark.slow
-def test_sigint_stops_every_process_of_the_run(tmp_path: Path) -> None:
+def test_sigint_while_training_stops_every_process_and_loses_no_prompt(tmp_path: Path) -> None:
+    job = _short_job(tmp_path, warm_start=False)
+    doc = yaml.safe_load(job.read_text())
+    doc["trainer"]["total_steps"] = 1000  # still training when the SIGINT comes
+    job.write_text(yaml.safe_dump(doc))
     run_dir = tmp_path / "run"
-    proc = _kuberl_run(_short_job(tmp_path, warm_start=False), run_dir)
+    proc = _kuberl_run(job, run_dir)
     try:
         deadline = time.monotonic() + 150
-        ready = run_dir / "logs" / "rollout-1.ports.json"
-        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+        while not _first_rl_step(run_dir) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         alive_before = _processes_mentioning(str(run_dir))
         proc.send_signal(signal.SIGINT)
@@ -184,12 +217,16 @@ def test_sigint_stops_every_process_of_the_run(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert len(alive_before) >= 5, alive_before  # redis, buffer, reward, weight-sync, rollouts
-    assert (proc.returncode, summary["status"], _processes_mentioning(str(run_dir))) == (
-        130,
-        "interrupted",
-        [],
-    ), output[-3000:]
+    # redis, buffer, reward, weight-sync, 2 rollouts, torchrun and the trainer
+    assert len(alive_before) >= 8, alive_before
+    assert (
+        proc.returncode,
+        summary["status"],
+        summary["steps"] >= 1,
+        summary["prompts_lost"],
+        summary["groups_duplicated"],
+        _processes_mentioning(str(run_dir)),
+    ) == (130, "interrupted", True, 0, 0, []), output[-3000:]
 
 
 @pytest.mark.slow

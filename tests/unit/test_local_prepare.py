@@ -1,0 +1,72 @@
+"""What `kuberl run` makes of the job file and its flags before any process starts.
+
+`Supervisor._prepare` resolves the job (the demo's, with its locally built model) into the run
+folder's job.yaml; the trainer's command line comes from it. No service is started here, so the
+`--device cuda` rewrite is checked on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kuberl.local.supervisor import RunOptions, Supervisor
+from tests.support import REPO
+
+
+def _prepared(tmp_path: Path, **flags: object) -> Supervisor:
+    doc = yaml.safe_load((REPO / "examples" / "demo.yaml").read_text())
+    doc["job"]["run_dir"] = str(tmp_path / "runs")
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    supervisor = Supervisor(RunOptions(job_file=job, plain=True, **flags), out=io.StringIO())  # type: ignore[arg-type]
+    supervisor._prepare()
+    return supervisor
+
+
+@pytest.fixture(scope="module")
+def on_cuda(tmp_path_factory: pytest.TempPathFactory) -> Supervisor:
+    return _prepared(tmp_path_factory.mktemp("cuda"), device="cuda", trainer_processes=2)
+
+
+def test_device_cuda_colocates_one_torch_engine_with_the_trainer_on_gpu_0(
+    on_cuda: Supervisor,
+) -> None:
+    written = yaml.safe_load((on_cuda.run_dir / "job.yaml").read_text())
+    assert (
+        on_cuda.local.device,
+        on_cuda.local.rollout_replicas,
+        written["rollout"]["engine"]["device"],
+        written["weight_sync"]["transports"],
+        "CUDA_VISIBLE_DEVICES" in on_cuda._base_env(),
+    ) == ("cuda", 1, "cuda:0", ["cuda_ipc", "shm", "snapshot"], False)
+
+
+def test_device_cuda_keeps_rollout_replicas_given_on_the_command_line(tmp_path: Path) -> None:
+    supervisor = _prepared(tmp_path, device="cuda", rollout_replicas=3)
+    assert supervisor.local.rollout_replicas == 3
+
+
+def test_on_cpu_every_process_has_cuda_hidden(tmp_path: Path) -> None:
+    supervisor = _prepared(tmp_path)
+    assert supervisor._base_env()["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_trainer_processes_become_torchrun_processes_with_c10d_rendezvous(
+    on_cuda: Supervisor,
+) -> None:
+    argv = on_cuda._trainer_argv(on_cuda.run_dir / "job.yaml")
+    assert argv[1:9] == [
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:0",
+    ]
+    assert argv[9:] == ["-m", "kuberl.cli", "serve", "trainer", "--config", argv[-1]]
