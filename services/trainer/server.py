@@ -115,11 +115,10 @@ class TrainerService(Service):
         # Weight-sync is not waited for: training goes on without it and a publish that
         # failed is retried (tests/reliability/test_trainer_publish_retry.py).
         buffer = buffer_endpoint(self.config)
-        info, *_ = await asyncio.gather(
-            asyncio.to_thread(init_distributed),
-            *([wait_serving_async(buffer, DEPENDENCY_WAIT_SECONDS)] if buffer else []),
-        )
-        trainer = Trainer(self.config, info)
+        joining = asyncio.ensure_future(asyncio.to_thread(init_distributed))
+        if buffer:
+            await wait_serving_async(buffer, DEPENDENCY_WAIT_SECONDS)
+        trainer = Trainer(self.config, await joining)
         self.trainer = trainer
         await asyncio.to_thread(trainer.setup)
         self._thread = threading.Thread(target=self._train, name="trainer", daemon=True)
