@@ -303,7 +303,10 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             if assignment is not None and assignment.version == request.version:
                 seconds = time.monotonic() - assignment.started
                 self.metrics.update_seconds.labels(transport).observe(seconds)
-                if assignment.transport in (pb.TRANSPORT_SHM, pb.TRANSPORT_SNAPSHOT):
+                # Broadcasts are counted by the relay's sender and snapshots by StreamSnapshot
+                # (which serves other downloads too); shm and CUDA IPC move no bytes through
+                # the service, so the engine's report is where they are known to have arrived.
+                if assignment.transport in (pb.TRANSPORT_SHM, pb.TRANSPORT_CUDA_IPC):
                     self._count_out(transport, self._version_bytes(request.version), seconds)
             log.info(
                 "engine.loaded", engine_id=engine.engine_id, version=request.version,

@@ -293,16 +293,31 @@ def test_gloo_broadcast_from_a_trainer_process_to_three_engines_is_bit_identical
 ) -> None:
     names = ["e0", "e1", "e2"]
     engines = [_engine(service, tmp_path, n) for n in names]
+    gloo_out = 'kuberl_weight_sync_bytes_total{direction="out",transport="gloo"}'
+    nbytes = plan([(k, t.dtype, t.shape) for k, t in make_tensors(11).items()], MB).total_bytes
     try:
         _wait(lambda: len(_status(service).engines) == 3, "3 engines registered", service)
         v = _next_version(service)
+        out_before = _metric(service, gloo_out)
         sent = _publish(service, tmp_path, version=v, seed=11)
         _wait(lambda: _holding(service, v) >= set(names), "all engines at v", service)
         results = {n: (_history(tmp_path, n), _bit_identical(tmp_path, n, v, 11)) for n in names}
+        # The relay's three senders count their bytes when each broadcast returns.
+        _wait(
+            lambda: _metric(service, gloo_out) - out_before >= 3 * nbytes,
+            "3 sends counted",
+            service,
+        )
+        counted = _metric(service, gloo_out) - out_before
+        bandwidth = _metric(
+            service,
+            'kuberl_weight_sync_bandwidth_bytes_per_second{direction="out",transport="gloo"}',
+        )
     finally:
         _stop(*engines)
     assert sent["transport"] == "snapshot"  # trainer -> relay upload; relay -> engines by gloo
     assert results == {n: ([(v, "gloo")], True) for n in names}
+    assert (counted, bandwidth > 0) == (3 * nbytes, True)
 
 
 def test_an_engine_joining_mid_job_gets_the_current_version_by_snapshot_then_the_next_by_broadcast(
@@ -484,6 +499,55 @@ def test_versions_stay_monotonic_under_concurrent_publishes(
     accepted = [v for v, r in outcomes if r == "ok"]
     assert len(outcomes) == 24 and accepted
     assert seen == sorted(seen) and final == max(accepted)
+
+
+def test_a_version_below_one_announced_is_refused_and_bytes_of_a_superseded_one_never_commit(
+    service: ServiceProcess,
+) -> None:
+    # The deterministic half of monotonic versions: v+1's upload is under way (its first chunk
+    # sent: checked at commit, or at that chunk if it arrives late) when a later trainer
+    # announces and commits v+2; v+1's last bytes then arrive.
+    v = _next_version(service)
+    go = threading.Event()
+    codes: dict[str, grpc.StatusCode] = {}
+
+    def slow_upload(chunks: list[pb.SnapshotChunk]) -> Iterator[pb.SnapshotChunk]:
+        yield chunks[0]
+        go.wait(30)
+        yield from chunks[1:]
+
+    with sync_channel(service.address) as channel:
+        stub = pb_grpc.WeightSyncServiceStub(channel)
+
+        def call(name: str, fn, *args) -> None:  # type: ignore[no-untyped-def]
+            try:
+                fn(*args, timeout=30)
+                codes[name] = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                codes[name] = exc.code()
+
+        def publish(version: int) -> pb.PublishRequest:
+            return pb.PublishRequest(version=version, transports=[pb.TRANSPORT_SNAPSHOT])
+
+        call("announce v+1", stub.Publish, publish(v + 1))
+        late = threading.Thread(
+            target=call, args=("upload v+1", stub.UploadSnapshot, slow_upload(_chunks(v + 1)))
+        )
+        late.start()
+        time.sleep(0.3)  # its first chunk reaches the service
+        call("announce v", stub.Publish, publish(v))
+        call("announce v+2", stub.Publish, publish(v + 2))
+        call("upload v+2", stub.UploadSnapshot, iter(_chunks(v + 2)))
+        go.set()
+        late.join(30)
+        call("announce v+2 again", stub.Publish, publish(v + 2))
+        current = stub.GetVersion(pb.GetVersionRequest(), timeout=5).version
+    refused, ok = grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OK
+    assert codes == {
+        "announce v+1": ok, "announce v": refused, "announce v+2": ok, "upload v+2": ok,
+        "upload v+1": refused, "announce v+2 again": refused,
+    }  # fmt: skip
+    assert current == v + 2
 
 
 def test_a_service_sigkilled_and_restarted_keeps_its_version_and_hands_it_to_a_new_engine(

@@ -279,7 +279,9 @@ class EngineClient:
                     )  # fmt: skip
                 with self._receive_lock:
                     manifest, flat = receiver.receive(instruction, self._buffers)
-                    self._deliver(instruction.version, manifest, flat)
+                    # `sync_now` may have loaded a newer version meanwhile: never go back.
+                    if instruction.version > self._version:
+                        self._deliver(instruction.version, manifest, flat)
             ok, error = True, ""
         except Exception as exc:  # any failure is reported; the service retries by snapshot
             ok, error = False, f"{type(exc).__name__}: {exc}"
