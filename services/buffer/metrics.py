@@ -41,6 +41,12 @@ PROMPTS_RELEASED_TOTAL = metrics.counter(
 LEASES_REFUSED_TOTAL = metrics.counter(
     "kuberl_buffer_leases_refused_total", "LeasePrompts refused by backpressure", ["kind"]
 )
+LEASE_WAIT_SECONDS = metrics.histogram(
+    "kuberl_buffer_lease_wait_seconds",
+    "Time a LeasePrompts call was held at the buffer for room in the in-flight window "
+    "(wait_seconds; 0 when there was room at once)",
+    ["kind"],
+)
 GROUPS_PUT_TOTAL = metrics.counter(
     "kuberl_buffer_groups_put_total",
     "Groups put, by result (accepted, duplicate, rejected)",

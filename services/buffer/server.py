@@ -315,7 +315,9 @@ class BufferService(Service):
             )
         n = min(request.max_prompts, MAX_LEASE)
         wait = _wait_seconds("LeasePrompts", request.wait_seconds)
-        deadline = time.monotonic() + wait
+        arrived = time.monotonic()
+        deadline = arrived + wait
+        held = 0.0  # seconds spent waiting for room (not in Redis)
         while True:
             # While the window is full, look again whenever this replica frees room and every
             # LEASE_POLL_SECONDS (another replica's Ack), counting one refusal at the end only.
@@ -323,7 +325,10 @@ class BufferService(Service):
             res = await self.db.lease(kind, n, request.consumer, count_refusal=last)
             if not res.busy or last:
                 break
-            await self._room.wait(min(LEASE_POLL_SECONDS, deadline - time.monotonic()))
+            pause = time.monotonic()
+            await self._room.wait(min(LEASE_POLL_SECONDS, deadline - pause))
+            held += time.monotonic() - pause
+        m.LEASE_WAIT_SECONDS.labels(kind).observe(held)
         if res.busy:
             m.LEASES_REFUSED_TOTAL.labels(kind).inc()
             retry = self.cfg.backpressure_retry_seconds

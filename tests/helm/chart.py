@@ -79,6 +79,15 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "mutual-tls": {
         "tls": {"enabled": True, "secretName": "kuberl-grpc-tls"},
     },
+    # examples/gsm8k-qwen.yaml as its header says to install it: the job file as `job`, and a
+    # cluster's model and data volumes, SGLang engines and GPU trainer nodes.
+    "gsm8k-qwen-example": {
+        "job": yaml.safe_load((REPO / "examples" / "gsm8k-qwen.yaml").read_text()),
+        "model": {"path": "/models/Qwen2.5-1.5B-Instruct", "volume": _MODELS},
+        "data": {"volume": _DATA},
+        "rollout": {"replicas": 2, "sglang": {"enabled": True}},
+        "trainer": {"nodes": 1, "gpusPerNode": 4},
+    },
     "cpu-only": {
         "rollout": {"sglang": {"enabled": False}},
         "model": {"path": ""},

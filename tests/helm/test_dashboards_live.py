@@ -80,7 +80,9 @@ def _job(workdir: Path) -> Path:
         "data": {
             "train": [{"path": str(DATA), "columns": columns, "limit": 48}],
             "eval": [{"path": str(DATA), "name": "eval", "columns": columns, "limit": 4}],
-            "num_epochs": 10,
+            # Epochs enough that the data never runs out before the queries are answered (10 did
+            # once the lease long poll kept the trainer fed: 180 steps in 70 s, then done).
+            "num_epochs": 1000,
         },
         # A small in-flight limit so backpressure happens; a filter that drops some groups.
         "buffer": {
@@ -99,6 +101,8 @@ def _job(workdir: Path) -> Path:
             "group_size": 2,
             "prompts_per_batch": 2,
             "batches_in_flight": 1,
+            # Short enough that some held leases run out and are refused (the refusal panel).
+            "lease_wait_seconds": 0.05,
         },
         "trainer": {
             "total_steps": 1000,

@@ -462,9 +462,16 @@ def test_a_waiting_lease_starts_as_soon_as_training_frees_room(
 ) -> None:
     # The window is full; a lease with wait_seconds is held at the buffer (not refused) and
     # answered right after the Ack, without counting a refusal.
-    async def scenario() -> tuple[bool, int, float, int]:
+    from prometheus_client import REGISTRY
+
+    def held_seconds() -> float:
+        labels = {"kind": "train"}
+        return REGISTRY.get_sample_value("kuberl_buffer_lease_wait_seconds_sum", labels) or 0.0
+
+    async def scenario() -> tuple[bool, int, float, int, float]:
         async with buffer(redis_url, tmp_path, prompts=10, max_inflight_groups=3) as svc:
             batch_id = await _full_window(svc)
+            before = held_seconds()
             waiting = asyncio.create_task(lease(svc, 3, wait=30))
             await asyncio.sleep(0.5)
             held = not waiting.done()
@@ -473,11 +480,12 @@ def test_a_waiting_lease_starts_as_soon_as_training_frees_room(
             got = await asyncio.wait_for(waiting, 10)
             seconds = time.monotonic() - acked
             refused = (await stats(svc)).counters.get("train:lease_refused", 0)
-            return held, len(got.prompts), seconds, refused
+            return held, len(got.prompts), seconds, refused, held_seconds() - before
 
-    held, granted, seconds, refused = run(scenario())
+    held, granted, seconds, refused, metered = run(scenario())
     assert (held, granted, refused) == (True, 3, 0)
     assert seconds < 0.5, f"the lease started {seconds:.2f}s after the Ack"
+    assert 0.4 <= metered < 1.0  # kuberl_buffer_lease_wait_seconds saw the ~0.5 s it was held
 
 
 def test_a_lease_that_waits_in_vain_is_refused_once_with_the_retry_hint(
