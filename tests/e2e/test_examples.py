@@ -17,7 +17,7 @@ from tests.support import REPO
 EXAMPLES = REPO / "examples"
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "gsm8k-qwen.yaml"])
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
 def test_kuberl_config_check_accepts_the_example(name: str) -> None:
     check = subprocess.run(
         [sys.executable, "-m", "kuberl.cli", "config", "check", str(EXAMPLES / name)],
