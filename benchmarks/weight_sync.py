@@ -298,15 +298,29 @@ def gpu_part(gb: float, repeat: int) -> dict[str, object]:
     )  # fmt: skip
     engine = json.loads(out.stdout.strip().splitlines()[-1])
     del flat_buckets
+    return gpu_summary(
+        torch.cuda.get_device_name(),
+        manifest.total_bytes,
+        copy_s,
+        engine["receive"],
+        engine["receive_and_load"],
+    )
+
+
+def gpu_summary(
+    device: str, nbytes: int, copy_s: float, receive_s: float, receive_and_load_s: float
+) -> dict[str, object]:
+    """The GPU part's figures (benchmarks/report.py reads `cuda_ipc_update_seconds`: the update
+    that the goal compares with one device-to-device copy of the same bytes)."""
     return {
-        "device": torch.cuda.get_device_name(),
-        "bytes": manifest.total_bytes,
+        "device": device,
+        "bytes": nbytes,
         "d2d_copy_seconds": copy_s,
-        "cuda_ipc_receive_seconds": engine["receive"],
-        "cuda_ipc_receive_and_load_into_params_seconds": engine["receive_and_load"],
-        "ratio_vs_d2d_copy": engine["receive"] / copy_s,
-        "ratio_with_load_vs_d2d_copy": engine["receive_and_load"] / copy_s,
-        "goal_2x_met": engine["receive"] / copy_s <= 2.0,
+        "cuda_ipc_update_seconds": receive_s,
+        "cuda_ipc_receive_and_load_into_params_seconds": receive_and_load_s,
+        "ratio_vs_d2d_copy": receive_s / copy_s,
+        "ratio_with_load_vs_d2d_copy": receive_and_load_s / copy_s,
+        "goal_2x_met": receive_s / copy_s <= 2.0,
     }
 
 
