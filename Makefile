@@ -58,7 +58,7 @@ protos: setup
 	$(PY) protos/generate.py
 
 # The end-to-end demo (docs/local.md): every service as its own process, live progress, a run
-# folder under runs/ with summary.json and plots. About 10-15 minutes on a 2-core CPU.
+# folder under runs/ with summary.json and plots. About 3-6 minutes on a 2-core CPU.
 demo: setup
 	$(PY) -m kuberl.cli run examples/demo.yaml
 

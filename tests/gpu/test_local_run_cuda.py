@@ -28,6 +28,8 @@ from tests.support import REPO
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    # The run may take up to its own 900 s subprocess timeout; pytest's global limit is 300 s.
+    pytest.mark.timeout(960),
 ]
 
 
