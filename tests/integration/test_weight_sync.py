@@ -485,6 +485,13 @@ def test_versions_stay_monotonic_under_concurrent_publishes(
                 seen.append(pub.current_version())
                 time.sleep(0.01)
 
+    # An engine in the pool meanwhile: what it loads must only go up, ending at the last version.
+    loaded: list[int] = []
+    engine = EngineClient(
+        service.address, load=lambda tensors, v: loaded.append(v), engine_id="concurrent",
+        transports=["snapshot"],
+    )  # fmt: skip
+    engine.start()
     threads = [threading.Thread(target=publisher, args=(s,)) for s in (0, 1, 2, 3)]
     watch = threading.Thread(target=watcher)
     watch.start()
@@ -496,9 +503,12 @@ def test_versions_stay_monotonic_under_concurrent_publishes(
     watch.join(10)
     with WeightPublisher(service.address) as pub:
         final = pub.current_version()
+    engine.wait_for_version(final, timeout=30)
+    engine.stop()
     accepted = [v for v, r in outcomes if r == "ok"]
     assert len(outcomes) == 24 and accepted
     assert seen == sorted(seen) and final == max(accepted)
+    assert loaded == sorted(set(loaded)) and loaded[-1] == final
 
 
 def test_a_version_below_one_announced_is_refused_and_bytes_of_a_superseded_one_never_commit(
