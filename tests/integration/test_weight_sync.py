@@ -520,6 +520,13 @@ def test_a_version_below_one_announced_is_refused_and_bytes_of_a_superseded_one_
     v = _next_version(service)
     go = threading.Event()
     codes: dict[str, grpc.StatusCode] = {}
+    reasons = ("stale_version", "not_announced", "superseded")
+
+    def rejected() -> list[float]:
+        metric = "kuberl_weight_sync_rejected_total"
+        return [_metric(service, f'{metric}{{reason="{r}"}}') for r in reasons]
+
+    rejected_before = rejected()
 
     def slow_upload(chunks: list[pb.SnapshotChunk]) -> Iterator[pb.SnapshotChunk]:
         yield chunks[0]
@@ -552,12 +559,18 @@ def test_a_version_below_one_announced_is_refused_and_bytes_of_a_superseded_one_
         late.join(30)
         call("announce v+2 again", stub.Publish, publish(v + 2))
         current = stub.GetVersion(pb.GetVersionRequest(), timeout=5).version
+    stale, unannounced, superseded = (
+        a - b for a, b in zip(rejected(), rejected_before, strict=True)
+    )
     refused, ok = grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OK
     assert codes == {
         "announce v+1": ok, "announce v": refused, "announce v+2": ok, "upload v+2": ok,
         "upload v+1": refused, "announce v+2 again": refused,
     }  # fmt: skip
     assert current == v + 2
+    # Every refusal counted: two stale announcements, and v+1's bytes (refused at their first
+    # chunk if it came after v+2's announcement, else at commit).
+    assert (stale, unannounced + superseded) == (2, 1)
 
 
 def test_a_service_sigkilled_and_restarted_keeps_its_version_and_hands_it_to_a_new_engine(
