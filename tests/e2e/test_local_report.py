@@ -114,22 +114,16 @@ def test_the_plain_line_shows_reward_accuracy_buffer_staleness_rates_and_sync() 
     progress.set_phase("RL", 10)
     progress.add_rows([{**r, "reward/accuracy": 0.75} for r in _rl_rows(4)])
     progress.add_rows([{"kind": "eval", "eval/accuracy": 0.4}])
-    progress.add_snapshot(
-        Snapshot(
-            time=0.0,
-            buffer={"groups_pending": 7, "prompts_leased": 3, "policy_version": 4},
-            replicas={"rollout-0": {"policy_version": 4, "generated_tokens": 0}},
-            sync_seconds={"engine_update": (0.1, 2.0)},
+    # 500 tokens generated in 1 s; one engine update of 60 ms
+    for t, (generated, updates) in enumerate([(0, (0.1, 2.0)), (500, (0.16, 3.0))]):
+        progress.add_snapshot(
+            Snapshot(
+                time=float(t),
+                buffer={"groups_pending": 7, "prompts_leased": 3, "policy_version": 4},
+                replicas={"rollout-0": {"policy_version": 4, "generated_tokens": generated}},
+                sync_seconds={"engine_update": updates},
+            )
         )
-    )
-    progress.add_snapshot(
-        Snapshot(
-            time=1.0,
-            buffer={"groups_pending": 7, "prompts_leased": 3, "policy_version": 4},
-            replicas={"rollout-0": {"policy_version": 4, "generated_tokens": 500}},
-            sync_seconds={"engine_update": (0.16, 3.0)},
-        )
-    )
     line = progress.line()
     expected = ["reward 0.50 acc 0.75", "eval 0.40", "gen 500", "train 150", "buffer 7"]
     expected += ["stale 1", "rollout-0=v4", "sync 60ms"]

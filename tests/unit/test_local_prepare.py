@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from kuberl.local.supervisor import RunOptions, Supervisor
+from tests.integration.test_trainer_rl import TORCHRUN
 from tests.support import REPO
 
 
@@ -59,14 +60,6 @@ def test_trainer_processes_become_torchrun_processes_with_c10d_rendezvous(
     on_cuda: Supervisor,
 ) -> None:
     argv = on_cuda._trainer_argv(on_cuda.run_dir / "job.yaml")
-    assert argv[1:9] == [
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        "127.0.0.1:0",
-    ]
+    # TORCHRUN: torch.distributed.run, 2 processes per node, c10d rendezvous on loopback
+    assert argv[:9] == TORCHRUN
     assert argv[9:] == ["-m", "kuberl.cli", "serve", "trainer", "--config", argv[-1]]
