@@ -103,6 +103,8 @@ class ScriptedService(pb_grpc.WeightSyncServiceServicer):
     def ReportLoaded(self, request, context):  # type: ignore[no-untyped-def]
         with self.reported:
             self.reports.append((request.version, request.ok, request.error))
+            if self.offered is not None and request.version >= self.offered.version:
+                self.offered = None  # the update is over, as the service ends an assignment
             self.reported.notify_all()
         return pb.ReportLoadedResponse()
 
