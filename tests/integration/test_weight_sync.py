@@ -8,6 +8,7 @@ test_weight_sync engine|trainer ...`), so what runs in them is visible next to t
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ import threading
 import time
 import urllib.request
 import uuid
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -613,6 +615,38 @@ def test_a_service_sigkilled_and_restarted_keeps_its_version_and_hands_it_to_a_n
         shutil.rmtree(shm_dir, ignore_errors=True)
     assert (restored, refused, identical) == (7, [6, 7], True)
     assert history == [(7, "snapshot"), (8, "shm")]
+
+
+def _tensors_alive_while_publishing(address: str, version: int) -> list[int]:
+    """Publish 8 tensors of 1 MiB from a generator; at each of its steps, how many tensors it
+    yielded two or more steps earlier are still alive (held by the publisher)."""
+    refs: list[weakref.ref[torch.Tensor]] = []
+    alive: list[int] = []
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for i in range(8):
+            gc.collect()
+            alive.append(sum(r() is not None for r in refs[:-1]))
+            tensor = torch.full((256 * 1024,), float(i))
+            refs.append(weakref.ref(tensor))
+            yield f"w{i}", tensor
+            del tensor
+
+    with WeightPublisher(address) as pub:
+        pub.publish(version, tensors())
+    return alive
+
+
+def test_the_trainer_client_sends_each_tensor_before_it_takes_the_next(
+    service: ServiceProcess, tmp_path: Path
+) -> None:
+    # A trainer feeds ZeRO-3-gathered parameters one bucket at a time: the publisher must let go
+    # of each before asking for more, over the gRPC upload and over shared memory alike.
+    uploaded = _tensors_alive_while_publishing(service.address, _next_version(service))
+    for svc in _service(tmp_path, ["shm", "snapshot"]):
+        shm = _tensors_alive_while_publishing(svc.address, 1)
+        sent = "event=publish.committed version=1 transport=shm" in svc.log()
+    assert (uploaded, shm, sent) == ([0] * 8, [0] * 8, True)
 
 
 def _upload(channel: grpc.Channel, version: int, chunks: list[pb.SnapshotChunk]) -> None:
