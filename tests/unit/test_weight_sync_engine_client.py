@@ -49,6 +49,8 @@ def _damage(chunks: list[pb.SnapshotChunk], how: str) -> list[pb.SnapshotChunk]:
         chunks[-1].data = bytes(data)
     elif how == "truncated":  # the stream ends before its last chunk
         chunks = chunks[:-1]
+    elif how == "no manifest":  # a download carries it on its first chunk
+        chunks[0].ClearField("manifest")
     else:  # a chunk missing in the middle
         del chunks[1]
     return chunks
@@ -120,7 +122,7 @@ def _serve(service: ScriptedService) -> tuple[grpc.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
-@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "missing chunk"])
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "missing chunk", "no manifest"])
 def test_a_damaged_snapshot_never_reaches_the_engine_which_keeps_its_version_whole(
     damage: str,
 ) -> None:

@@ -55,7 +55,7 @@ import torch.distributed.distributed_c10d as c10d
 from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
 from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
 from kuberl.common.channels import DEFAULT_MAX_MESSAGE_BYTES, sync_channel
-from kuberl.common.weights.chunks import DEFAULT_CHUNK_BYTES, ChunkReceiver
+from kuberl.common.weights.chunks import DEFAULT_CHUNK_BYTES, ChunkReceiver, CorruptSnapshot
 from kuberl.common.weights.manifest import Manifest
 
 TRANSPORT_NAMES: dict[str, int] = {
@@ -492,6 +492,8 @@ def download_snapshot(
         state["np"] = state["flat"].numpy()
 
     def write(offset: int, data: bytes) -> None:
+        if "np" not in state:  # the buffer is sized by the manifest, which must come first
+            raise CorruptSnapshot(f"data at offset {offset} before the manifest (first chunk)")
         state["np"][offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
 
     receiver = ChunkReceiver(write, on_manifest=on_manifest)
