@@ -13,7 +13,10 @@ buffer accepted, or through `ReleasePrompts` (generation failed, scoring or putt
 network partition: the release fails too, and the prompts are counted `abandoned`) leaves
 leases behind, and the buffer re-delivers those after its lease timeout. Transient errors
 (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED) are retried with exponential backoff; a
-refused lease (backpressure) waits for the `retry-after-seconds` trailer.
+refused lease (backpressure) waits for the `retry-after-seconds` trailer. A batch whose every
+prompt failed in the rollout function or the tokenizer releases its prompts at once and then
+holds its slot for the same exponential backoff (reset by the next group made), so a function
+that fails at once does not spin through the prompt stream.
 
 Modes (`rollout.mode`): `rl` puts training groups (and serves the EVAL stream first when the job
 has eval data); `eval` leases and puts only EVAL groups; `rejection_sampling` leases training
@@ -170,6 +173,9 @@ class RolloutWorker:
         self._generating: set[_Generation] = set()
         self._gen_changed = asyncio.Condition()
         self._update_lock = asyncio.Lock()
+        # Prompts in a row whose group could not be made (rollout function or tokenizer errors):
+        # a batch that yields nothing for this reason backs off before its slot frees.
+        self._gen_errors = 0
         # True while a weight update holds the engine paused to load (resume must not undo it);
         # a `finish` update waiting for generations does not, and needs the engine running.
         self._loading = False
@@ -286,6 +292,7 @@ class RolloutWorker:
     async def _process_batch(self, kind: str, prompts: Sequence[tpb.Prompt]) -> None:
         leased_at = time.monotonic()
         lease_ids = [p.lease_id for p in prompts]
+        failed = False
         try:
             m.BATCH_SIZE.observe(len(prompts) * self.rc.group_size)
             items = []
@@ -295,6 +302,7 @@ class RolloutWorker:
                 except Exception as exc:
                     log.error("prompt.tokenize_failed", prompt_id=p.prompt_id, error=repr(exc))
                     m.FAILURES.labels("tokenize").inc()
+                    self._gen_errors += 1
                     continue  # released in `finally`
                 items.append(
                     PromptItem(
@@ -312,6 +320,7 @@ class RolloutWorker:
             results = await asyncio.gather(*(self._generate_group(i, leased_at) for i in items))
             done = [r for r in results if r is not None]
             if not done:
+                failed = self._gen_errors > 0
                 return
             try:
                 rewards, score_seconds = await self._score(done)
@@ -325,6 +334,12 @@ class RolloutWorker:
             left = [lid for lid in lease_ids if lid in self._inflight]
             if left:
                 await asyncio.shield(self._release(kind, left))
+            if failed:
+                # Released first (another replica may succeed), then hold this batch's slot so a
+                # function that fails at once does not spin through the prompt stream.
+                delay = self._backoff(self._gen_errors)
+                log.warning("batch.generate_failed", errors=self._gen_errors, retry_in=delay)
+                await self._sleep(delay)
 
     async def _generate_group(self, item: PromptItem, leased_at: float) -> _Done | None:
         """The group of one prompt, regenerated after aborts; None when it was released."""
@@ -349,6 +364,7 @@ class RolloutWorker:
             except Exception as exc:
                 m.REQUESTS.labels("error").inc()
                 m.FAILURES.labels("generate").inc()
+                self._gen_errors += 1
                 log.error(
                     "prompt.generate_failed", prompt_id=item.prompt_id, error=f"{exc!r}"[:500]
                 )
@@ -375,6 +391,7 @@ class RolloutWorker:
                 m.PROMPTS.labels(item.kind, "requeued").inc()
                 continue
             m.REQUESTS.labels("ok").inc()
+            self._gen_errors = 0
             tokens = sum(
                 len(s.token_ids) if s.loss_mask is None else int(sum(s.loss_mask)) for s in samples
             )

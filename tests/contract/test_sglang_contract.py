@@ -1,8 +1,9 @@
 """Every HTTP request the `sglang` engine sends, checked against SGLang 0.5.23's own source.
 
 SGLang cannot run here and its request classes cannot be imported without its dependencies
-(its config package imports torchvision), so this test reads the pinned package's source
-(`pip install --no-deps sglang==0.5.23`) with `ast`: the routes and HTTP methods of
+(`import sglang.srt.managers.io_struct` stops at `sglang/srt/utils/common.py` importing
+orjson, and behind it wait a CUDA torch and its kernel packages), so this test reads the pinned
+package's source (`pip install --no-deps sglang==0.5.23`) with `ast`: the routes and HTTP methods of
 `srt/entrypoints/http_server.py`, the request class each route binds, that class's fields in
 `srt/managers/io_struct.py` (which are required, which have defaults), and the launch_server
 flags of `srt/arg_groups/fields/`. The client is driven through every method, each request it

@@ -59,6 +59,20 @@ async def two_call_rollout(context: Any, prompt: Any) -> list[Any]:
     ]
 
 
+# Prompt ids `failing_rollout` raised for, in order (the test in this process reads it).
+FAILED_CALLS: list[str] = []
+
+
+async def failing_rollout(context: Any, prompt: Any) -> list[Any]:
+    """The default rollout, except that it raises at once for prompt `train:0`."""
+    from kuberl.rollout.functions import default_rollout
+
+    if prompt.prompt_id == "train:0":
+        FAILED_CALLS.append(prompt.prompt_id)
+        raise RuntimeError("this rollout function fails for train:0")
+    return await default_rollout(context, prompt)
+
+
 class _Sample:
     def __init__(self, response: str) -> None:
         self.response = response

@@ -47,7 +47,7 @@ from kuberl.rollout.testing import build_tokenizer
 from kuberl.rollout.tools import format_tool_response
 from kuberl.rollout.worker import RolloutWorker
 from tests.integration.sglang_standin import SGLangStandIn
-from tests.integration.test_rollout_plugins import BETWEEN_CALLS, MARKER_ENV
+from tests.integration.test_rollout_plugins import BETWEEN_CALLS, FAILED_CALLS, MARKER_ENV
 from tests.support import ServiceProcess
 from tests.unit.test_rollout_multiturn import CALL as TOOL_CALL
 from tests.unit.test_rollout_multiturn import FINAL as TOOL_FINAL
@@ -779,6 +779,42 @@ def test_resume_frees_a_finish_update_that_waits_on_generations_paused_in_place(
 
     assert asyncio.run(go()) == (1, "running", 1.0)
     assert len(buffer.take_all(2)) == 2
+
+
+def test_a_prompt_whose_function_fails_is_released_and_retried_with_backoff(env, job) -> None:
+    # One prompt per batch; the function raises at once for train:0. The replica puts the other
+    # groups, releases train:0 each time (it comes back: nothing lost), and backs off between
+    # failures (retry_initial_seconds 0.2, doubling up to 0.8) instead of spinning.
+    config, buffer, address = job(
+        prompts=3,
+        rollout={
+            "rollout_function": f"{PLUGINS}:failing_rollout",
+            "prompts_per_batch": 1,
+            "batches_in_flight": 1,
+            "retry_initial_seconds": 0.2,
+            "retry_max_seconds": 0.8,
+        },
+    )
+    FAILED_CALLS.clear()
+    errors = ("kuberl_rollout_failures_total", {"stage": "generate"})
+
+    async def go() -> tuple[int, float, float]:
+        before = _metric(errors[0], **errors[1])
+        async with Loop(env, config, address) as worker:
+            await _until(lambda: worker.groups_put == 2, 60, "the two good groups")
+            started = time.monotonic()
+            seen = len(FAILED_CALLS)
+            await asyncio.sleep(3.0)
+            rate = (len(FAILED_CALLS) - seen) / (time.monotonic() - started)
+            return worker.groups_put, rate, _metric(errors[0], **errors[1]) - before
+
+    put, failures_per_second, counted = asyncio.run(go())
+    stats = buffer.stub.GetStats(bpb.GetStatsRequest(), timeout=10)
+    # Backing off at 0.8 s allows at most ~1.25 failures/s (a spinning replica makes dozens).
+    assert (put, failures_per_second <= 1.6, counted >= 3) == (2, True, True)
+    assert stats.counters["train:released"] >= 3 and "train:0" not in {
+        g.prompt_id for g in buffer.take_all(2)
+    }
 
 
 def test_an_abort_update_regenerates_a_group_caught_between_engine_calls(env, job) -> None:

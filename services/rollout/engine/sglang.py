@@ -465,6 +465,10 @@ class SGLangEngine(Engine):
         load_format: str | None = None,
         flush_cache: bool = True,
     ) -> None:
+        """One bucket of a broadcast session, nothing more: a version arrives in several buckets,
+        so the session (`begin_weight_update` ... `end_weight_update`) and the loaded version
+        belong to the caller, which sets them once every bucket is in (`apply_broadcast` is that
+        caller). Not retried: a bucket half-received cannot be asked for again."""
         body: dict[str, Any] = {
             "names": list(names),
             "dtypes": list(dtypes),
