@@ -114,6 +114,10 @@ def _worker(phase: str, root: Path, model_dir: Path) -> None:
                 result["moved"] = max((after[k] - before[k]).abs().max().item() for k in after)
             (root / f"stage{stage}-{phase}.json").write_text(json.dumps(result))
         del engine
+    # Leave together: a rank still in gloo while the other exits was aborted once under load
+    # ("terminate called without an active exception", exit -6).
+    barrier(info)
+    dist.destroy_process_group()
 
 
 def _torchrun(phase: str, root: Path, model_dir: Path) -> None:
