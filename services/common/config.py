@@ -68,8 +68,9 @@ class LocalModeConfig(Section):
     device: Literal["cpu", "cuda"] = Field(
         "cpu",
         description="cpu: every process on CPU (CUDA hidden). cuda: the trainer and the torch "
-        "rollout engines share GPU 0 (`--device cuda` alone also means one rollout replica) and "
-        "weight-sync offers CUDA IPC first (`--device`).",
+        "rollout engines share GPU 0 and weight-sync offers CUDA IPC first (`--device`); one "
+        "rollout replica unless `--rollout-replicas` is given or, with `device: cuda` in the "
+        "file, `rollout_replicas` is set beside it.",
     )
     max_restarts: int = Field(
         2, ge=0, description="Times a crashed service is restarted before the run fails."

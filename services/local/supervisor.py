@@ -214,8 +214,13 @@ class Supervisor:
 
             # Every planned kill may hit one process (a rollout fault picks any replica).
             local["max_restarts"] += PROFILES[opts.chaos].kills_per_kind + 1
-        if opts.device == "cuda" and opts.rollout_replicas is None:
-            local["rollout_replicas"] = 1  # one GPU: the trainer and one colocated engine
+        # One GPU: the trainer and one colocated engine, unless replicas are asked for beside the
+        # device (`--device cuda` overrides a CPU job file, whose replica count was for CPU).
+        file_replicas = (
+            opts.device is None and "rollout_replicas" in config.job.local.model_fields_set
+        )
+        if local["device"] == "cuda" and opts.rollout_replicas is None and not file_replicas:
+            local["rollout_replicas"] = 1
         doc = config.model_dump(mode="json")
         doc["job"]["local"] = local
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.started_unix))

@@ -18,9 +18,14 @@ from tests.integration.test_trainer_rl import TORCHRUN
 from tests.support import REPO
 
 
-def _prepared(tmp_path: Path, **flags: object) -> Supervisor:
+def _prepared(
+    tmp_path: Path, local: dict[str, object] | None = None, **flags: object
+) -> Supervisor:
+    """The demo job prepared with these flags (and, given `local`, that `job.local` section)."""
     doc = yaml.safe_load((REPO / "examples" / "demo.yaml").read_text())
     doc["job"]["run_dir"] = str(tmp_path / "runs")
+    if local is not None:
+        doc["job"]["local"] = local
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(doc))
     supervisor = Supervisor(RunOptions(job_file=job, plain=True, **flags), out=io.StringIO())  # type: ignore[arg-type]
@@ -49,6 +54,21 @@ def test_device_cuda_colocates_one_torch_engine_with_the_trainer_on_gpu_0(
 def test_device_cuda_keeps_rollout_replicas_given_on_the_command_line(tmp_path: Path) -> None:
     supervisor = _prepared(tmp_path, device="cuda", rollout_replicas=3)
     assert supervisor.local.rollout_replicas == 3
+
+
+def test_device_cuda_in_the_job_file_is_the_flag(tmp_path: Path) -> None:
+    supervisor = _prepared(tmp_path, local={"device": "cuda"})
+    written = yaml.safe_load((supervisor.run_dir / "job.yaml").read_text())
+    assert (
+        supervisor.local.rollout_replicas,
+        written["rollout"]["engine"]["device"],
+        written["weight_sync"]["transports"][0],
+    ) == (1, "cuda:0", "cuda_ipc")
+
+
+def test_device_cuda_in_the_job_file_keeps_the_replicas_set_beside_it(tmp_path: Path) -> None:
+    supervisor = _prepared(tmp_path, local={"device": "cuda", "rollout_replicas": 2})
+    assert supervisor.local.rollout_replicas == 2
 
 
 def test_on_cpu_every_process_has_cuda_hidden(tmp_path: Path) -> None:
