@@ -130,16 +130,49 @@ def test_the_plain_line_shows_reward_accuracy_buffer_staleness_rates_and_sync() 
     assert [part for part in expected if part not in line] == [], line
 
 
-def test_the_rich_panel_renders_without_a_terminal() -> None:
+def test_the_rich_panel_shows_every_live_figure() -> None:
     out = io.StringIO()
-    progress = Progress("kuberl run t", max_staleness=1, plain=False, out=out)
+    progress = Progress("kuberl run t", max_staleness=1, plain=False, out=out, clock=lambda: 5.0)
     progress.set_phase("RL", 10)
-    progress.add_rows(_rl_rows(3))
+    progress.add_rows([{**r, "reward/accuracy": 0.75} for r in _rl_rows(4)])
+    # 500 tokens generated in 1 s over two replicas; one engine update of 60 ms
+    for t, (generated, updates) in enumerate([(0, (0.1, 2.0)), (250, (0.16, 3.0))]):
+        progress.add_snapshot(
+            Snapshot(
+                time=float(t),
+                buffer={"groups_pending": 7, "prompts_leased": 3, "policy_version": 4},
+                replicas={
+                    "rollout-0": {"policy_version": 4, "generated_tokens": generated},
+                    "rollout-1": {"policy_version": 3, "generated_tokens": generated},
+                },
+                sync_seconds={"engine_update": updates},
+            )
+        )
     progress.set_services({"buffer": "serving", "trainer": "starting"}, restarts=1)
     progress.render()
     progress.close()
     text = out.getvalue()
-    assert "step 3/10" in text and "restarts 1" in text and "staleness" in text
+    expected = ["step 4/10", "ETA 12s", "mean 0.500", "accuracy 0.750", "generated 500"]
+    expected += ["trained 150", "7 groups pending", "staleness 1 (max 1)", "rollout-0 v4"]
+    expected += ["rollout-1 v3", "engine update 60 ms", "restarts 1"]
+    assert [part for part in expected if part not in text] == [], text
+
+
+def test_plain_mode_prints_a_line_at_most_every_plain_every_seconds() -> None:
+    clock, out = [0.0], io.StringIO()
+    progress = Progress(
+        "t", max_staleness=1, plain=True, plain_every=10.0, out=out, clock=lambda: clock[0]
+    )
+    for now in (0.0, 4.0, 9.9, 10.0, 15.0, 21.0):
+        clock[0] = now
+        progress.render()
+    progress.close()  # the final line, whenever it comes
+    assert [line.split("]")[0] for line in out.getvalue().splitlines()] == [
+        "[0s",
+        "[10s",
+        "[21s",
+        "[21s",
+    ]
 
 
 def test_metrics_tail_returns_only_complete_new_lines(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -141,21 +142,41 @@ def test_the_summary_holds_the_required_figures(finished_run: dict[str, Any]) ->
         "steps": s["steps"],
         "trajectories_trained": s["trajectories_trained"],
         "prompts_leased>=12": s["prompts_leased"] >= 12,
-        "wall_seconds>0": s["wall_seconds"] > 0,
-        "eval_accuracy_start": type(s["eval_accuracy_start"]),
-        "eval_accuracy_end": type(s["eval_accuracy_end"]),
+        "0<wall_seconds<600": 0 < s["wall_seconds"] < 600,
+        "eval_accuracy_start in [0, 1]": _fraction(s["eval_accuracy_start"]),
+        "eval_accuracy_end in [0, 1]": _fraction(s["eval_accuracy_end"]),
         "prompts_lost": s["prompts_lost"],
         "groups_duplicated": s["groups_duplicated"],
     } == {
         "steps": 3,
         "trajectories_trained": 48,
         "prompts_leased>=12": True,
-        "wall_seconds>0": True,
-        "eval_accuracy_start": float,
-        "eval_accuracy_end": float,
+        "0<wall_seconds<600": True,
+        "eval_accuracy_start in [0, 1]": True,
+        "eval_accuracy_end in [0, 1]": True,
         "prompts_lost": 0,
         "groups_duplicated": 0,
     }
+
+
+def _fraction(value: object) -> bool:
+    return isinstance(value, float) and 0.0 <= value <= 1.0
+
+
+# One plain progress line with every live figure (kuberl.local.progress.Progress.line).
+PLAIN_LINE = re.compile(
+    r"^\[\S+\] RL \| step 3/3 eta \S+ \| reward \S+ acc \S+ \| eval \S+ \| "
+    r"tok/s gen \S+ train \S+ \| buffer \S+ stale \S+ \| rollout-0=v\S+ rollout-1=v\S+ \| "
+    r"sync \S+ms$",
+    re.MULTILINE,
+)
+
+
+@pytest.mark.slow
+def test_progress_is_plain_lines_when_stdout_is_not_a_terminal(
+    finished_run: dict[str, Any],
+) -> None:
+    assert PLAIN_LINE.search(finished_run["output"]), finished_run["output"][-3000:]
 
 
 @pytest.mark.slow
