@@ -14,7 +14,7 @@ help:
 	@echo "make lint    - ruff (lint + format check) and mypy on services/"
 	@echo "make format  - apply ruff's formatting and fixes"
 	@echo "make protos  - regenerate the gRPC Python code from protos/"
-	@echo "make demo    - a real local RL job that learns (about 3-6 min on 2 CPU cores)"
+	@echo "make demo    - a real local RL job that learns (about 2-6 min on 2 CPU cores)"
 	@echo "make chaos   - the long fault-injection run (31 faults, 10+ min; docs/reliability.md)"
 	@echo "make bench   - every CPU benchmark, then docs/benchmarks.md (15-25 min)"
 
@@ -58,7 +58,8 @@ protos: setup
 	$(PY) protos/generate.py
 
 # The end-to-end demo (docs/local.md): every service as its own process, live progress, a run
-# folder under runs/ with summary.json and plots. About 3-6 minutes on a 2-core CPU.
+# folder under runs/ with summary.json and plots. About 2-6 minutes on a 2-core CPU (141 s idle
+# in the latest recorded run, up to 354 s under load: docs/local.md), plus setup on a fresh clone.
 demo: setup
 	$(PY) -m kuberl.cli run examples/demo.yaml
 
