@@ -246,8 +246,9 @@ def test_sigint_while_training_stops_every_process_and_loses_no_prompt(tmp_path:
         summary["steps"] >= 1,
         summary["prompts_lost"],
         summary["groups_duplicated"],
+        summary["groups_trained_twice"],
         _processes_mentioning(str(run_dir)),
-    ) == (130, "interrupted", True, 0, 0, []), output[-3000:]
+    ) == (130, "interrupted", True, 0, 0, 0, []), output[-3000:]
 
 
 @pytest.mark.slow
