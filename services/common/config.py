@@ -853,7 +853,13 @@ class WeightSyncConfig(Section):
         description="Broadcast bucket size: tensors are packed back to back into buckets of at "
         "most this many bytes (a larger tensor travels alone), one broadcast per bucket.",
     )
-    heartbeat_seconds: float = Field(2.0, gt=0)
+    heartbeat_seconds: float = Field(
+        2.0,
+        gt=0,
+        description="Heartbeat period the service tells each engine when it registers (a "
+        "heartbeat is a long poll answered at once when an update is pending); an engine silent "
+        "for heartbeat_seconds x missed_heartbeats is dropped from the pool.",
+    )
     missed_heartbeats: int = Field(3, ge=1, description="Drop an engine after this many.")
     broadcast_timeout_seconds: float = Field(
         60.0,
@@ -861,7 +867,12 @@ class WeightSyncConfig(Section):
         description="An engine that has not received and loaded a version within this is timed "
         "out of that version (it catches up later by snapshot); nobody else waits for it.",
     )
-    snapshot_chunk_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024)
+    snapshot_chunk_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=64 * 1024,
+        description="Chunk size of snapshot downloads when the engine asks for none (capped by "
+        "the server's max_message_bytes less 64 KiB); each chunk is checked before it is used.",
+    )
     snapshot_dir: str = Field(
         ".kuberl/snapshots",
         description="Where versions are kept when shm_dir is unusable (no /dev/shm).",
