@@ -547,6 +547,13 @@ class MultiTurnConfig(Section):
         default_factory=lambda: ["calculator"],
         description="Built-in tool names (calculator, python) or module:function.",
     )
+    describe_tools: bool = Field(
+        True,
+        description="With model.chat_template, pass the tools' JSON schemas to the tokenizer's "
+        "chat template (`tools=`), which tells the model the tools and the <tool_call> format "
+        "(Qwen2.5 and Hermes templates do); off, or without a chat template, the prompt text "
+        "must describe them.",
+    )
     tool_timeout_seconds: float = Field(5.0, gt=0, description="Wall time of one tool call.")
     max_tool_output_chars: int = Field(
         1024, ge=16, description="Tool output is truncated to this before tokenization."

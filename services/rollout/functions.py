@@ -123,11 +123,20 @@ def load_rollout_function(config: JobConfig) -> RolloutFn:
     return default_rollout
 
 
-def encode_prompt(tokenizer: Any, text: str, chat_template: bool) -> list[int]:
-    """The prompt's token ids: the chat template with one user turn, or the plain text."""
+def encode_prompt(
+    tokenizer: Any,
+    text: str,
+    chat_template: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """The prompt's token ids: the chat template with one user turn (and the tools' schemas,
+    which the template renders, when given), or the plain text."""
     if chat_template and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            [{"role": "user", "content": text}],
+            tools=tools or None,
+            add_generation_prompt=True,
+            tokenize=True,
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer versions
             ids = ids["input_ids"]

@@ -15,7 +15,10 @@ Built-in tools:
   them, rlimits and a scrubbed environment, everything it started killed at the timeout; stdout
   and the last line of stderr come back truncated.
 Custom tools are `module:function` taking the `arguments` dict and returning a string (or an
-`async def` doing so, cancelled at the timeout).
+`async def` doing so, cancelled at the timeout). With `model.chat_template` and
+`multi_turn.describe_tools`, every tool's schema (`tool_schema`: a custom function may carry its
+own as a `tool_schema` attribute) goes to the tokenizer's chat template as `tools=`, which is how
+Qwen2.5 / Hermes templates tell the model the tools and the `<tool_call>` format.
 """
 
 from __future__ import annotations
@@ -268,6 +271,61 @@ def _truncate(text: str, limit: int) -> str:
 BUILTIN_TOOLS: dict[str, ToolFn] = {"calculator": calculator_tool}
 
 
+def _schema(name: str, description: str, arguments: dict[str, str]) -> dict[str, Any]:
+    """A tool in the OpenAI function format that chat templates render (`tools=` of
+    `apply_chat_template`): every argument a required string."""
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    k: {"type": "string", "description": v} for k, v in arguments.items()
+                },
+                "required": list(arguments),
+            },
+        },
+    }
+
+
+BUILTIN_SCHEMAS: dict[str, dict[str, Any]] = {
+    "calculator": _schema(
+        "calculator",
+        "Evaluate an arithmetic expression (numbers, + - * / // % ** and parentheses) and "
+        "return its value.",
+        {"expression": "The expression, e.g. (12 + 7) * 3"},
+    ),
+    "python": _schema(
+        "python",
+        "Run a Python program (standard library only, no network) and return what it prints "
+        "(and the last line of the error when it fails).",
+        {"code": "The program; print the result."},
+    ),
+}
+
+
+def tool_schema(name: str, fn: Any) -> dict[str, Any]:
+    """The schema a chat template shows the model for one tool: a built-in's own, a custom
+    function's `tool_schema` attribute when it has one, else its name and docstring with free-form
+    arguments."""
+    if name in BUILTIN_SCHEMAS:
+        return BUILTIN_SCHEMAS[name]
+    schema = getattr(fn, "tool_schema", None)
+    if isinstance(schema, dict):
+        return schema
+    doc = inspect.getdoc(fn) or f"The {name} tool."
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": doc.split("\n\n")[0].replace("\n", " "),
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+
+
 class ToolRegistry:
     """The tools of a job (`rollout.multi_turn.tools`), run with a timeout and output limit.
 
@@ -310,6 +368,10 @@ class ToolRegistry:
             max_output_chars=config.max_tool_output_chars,
             sandbox=config.sandbox,
         )
+
+    def schemas(self) -> list[dict[str, Any]]:
+        """Every tool's schema, in the job's order (`tool_schema`)."""
+        return [tool_schema(name, fn) for name, fn in self.tools.items()]
 
     async def start(self) -> None:
         """Probe the python tool's sandbox (when the job uses it) before the first call."""

@@ -140,6 +140,10 @@ class RolloutWorker:
             from kuberl.rollout.tools import ToolRegistry
 
             tools = ToolRegistry.from_config(self.rc.multi_turn)
+        #: Shown to the model by its chat template (`multi_turn.describe_tools`).
+        self._tool_schemas = (
+            tools.schemas() if tools is not None and self.rc.multi_turn.describe_tools else None
+        )
         self.ctx = RolloutContext(
             engine=engine,
             tokenizer=tokenizer,
@@ -298,7 +302,9 @@ class RolloutWorker:
             items = []
             for p in prompts:
                 try:
-                    ids = encode_prompt(self.tokenizer, p.text, self.config.model.chat_template)
+                    ids = encode_prompt(
+                        self.tokenizer, p.text, self.config.model.chat_template, self._tool_schemas
+                    )
                 except Exception as exc:
                     log.error("prompt.tokenize_failed", prompt_id=p.prompt_id, error=repr(exc))
                     m.FAILURES.labels("tokenize").inc()

@@ -41,6 +41,23 @@ def test_the_gpu_example_is_qwen_on_gsm8k_with_sglang_and_zero2() -> None:
     ) == ("/models/Qwen2.5-1.5B-Instruct", "sglang", 2, ["/data/gsm8k/train.jsonl"], "nccl", "cuda")
 
 
+def test_the_tools_example_calls_the_calculator_and_python_tools_it_describes_to_qwen() -> None:
+    from kuberl.rollout.tools import ToolRegistry
+
+    config = load_job_config(EXAMPLES / "gsm8k-tools.yaml", env={})
+    mt = config.rollout.multi_turn
+    registry = ToolRegistry.from_config(mt)
+    names = [s["function"]["name"] for s in registry.schemas()]
+    registry.close()
+    assert (mt.enabled, mt.describe_tools, config.model.chat_template, names) == (
+        True,
+        True,
+        True,
+        ["calculator", "python"],
+    )
+    assert config.rollout.on_weight_update == "abort"  # a sample's turns share one version
+
+
 def test_the_demo_data_files_are_the_generators_output(tmp_path: Path) -> None:
     arith.write(tmp_path, arith.generate())
     names = ("train.jsonl", "eval.jsonl", "sft.jsonl")

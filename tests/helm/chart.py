@@ -88,6 +88,14 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "rollout": {"replicas": 2, "sglang": {"enabled": True}},
         "trainer": {"nodes": 1, "gpusPerNode": 4},
     },
+    # examples/gsm8k-tools.yaml the same way: multi-turn tool calling with the python sandbox.
+    "gsm8k-tools-example": {
+        "job": yaml.safe_load((REPO / "examples" / "gsm8k-tools.yaml").read_text()),
+        "model": {"path": "/models/Qwen2.5-1.5B-Instruct", "volume": _MODELS},
+        "data": {"volume": _DATA},
+        "rollout": {"replicas": 2, "sglang": {"enabled": True}},
+        "trainer": {"nodes": 1, "gpusPerNode": 4},
+    },
     "cpu-only": {
         "rollout": {"sglang": {"enabled": False}},
         "model": {"path": ""},

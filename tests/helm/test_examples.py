@@ -1,6 +1,7 @@
-"""examples/gsm8k-qwen.yaml installed as its header and docs/kubernetes.md say: the job file as the
-chart's `job` value beside a cluster's values (value set `gsm8k-qwen-example` in chart.py, whose
-every manifest tests/helm/test_manifests.py validates strictly).
+"""examples/gsm8k-qwen.yaml and examples/gsm8k-tools.yaml installed as their headers and
+docs/kubernetes.md say: the job file as the chart's `job` value beside a cluster's values (value
+sets `gsm8k-qwen-example` and `gsm8k-tools-example` in chart.py, whose every manifest
+tests/helm/test_manifests.py validates strictly).
 
 The chart must hand the services the example's training as written and change only the wiring a
 cluster needs, and the workloads must be the ones the example was written for.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import yaml
 
 from kuberl.common.config import parse_job_config
@@ -42,9 +44,11 @@ def _resolved(doc: dict[str, Any], source: str) -> dict[str, Any]:
     return _leaves(parse_job_config(doc, env={}, source=source).model_dump(mode="json"))
 
 
-def test_the_chart_changes_only_the_wiring_of_the_gsm8k_example() -> None:
-    rendered = render("gsm8k-qwen-example").get("ConfigMap", "job")["data"]["job.yaml"]
-    example = _resolved(yaml.safe_load(EXAMPLE.read_text()), str(EXAMPLE))
+@pytest.mark.parametrize("name", ["gsm8k-qwen", "gsm8k-tools"])
+def test_the_chart_changes_only_the_wiring_of_the_gsm8k_examples(name: str) -> None:
+    path = REPO / "examples" / f"{name}.yaml"
+    rendered = render(f"{name}-example").get("ConfigMap", "job")["data"]["job.yaml"]
+    example = _resolved(yaml.safe_load(path.read_text()), str(path))
     served = _resolved(yaml.safe_load(rendered), "job ConfigMap")
     changed = {
         "endpoints" if path.startswith("endpoints.") else path

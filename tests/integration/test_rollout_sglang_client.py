@@ -410,3 +410,108 @@ def test_an_sglang_replica_offers_cuda_ipc_only_with_one_tensor_parallel_rank(
     replica.service.config.rollout.engine.tp_size = tp_size  # type: ignore[union-attr]
     run(replica.service._join_weight_sync())
     assert (registered["transports"], registered["ranks"]) == (offered, tp_size)
+
+
+# -- launch: true --------------------------------------------------------------------------------
+# SGLang cannot run here, so `python -m sglang.launch_server` resolves to a STAND-IN package put
+# first on PYTHONPATH: its launch_server records its argv, then serves the SGLang API stand-in on
+# --host/--port (or exits with the code in KUBERL_FAKE_LAUNCH_EXIT). The engine's own Popen,
+# health wait, exit detection and shutdown run for real.
+FAKE_LAUNCH_SERVER = """\
+import argparse, json, os, sys
+sys.path.insert(0, {repo!r})
+code = int(os.environ.get("KUBERL_FAKE_LAUNCH_EXIT", "-1"))
+with open(os.environ["KUBERL_FAKE_LAUNCH_ARGV"], "w") as f:
+    json.dump({{"argv": sys.argv[1:], "pid": os.getpid()}}, f)
+if code >= 0:
+    sys.exit(code)
+parser = argparse.ArgumentParser()
+parser.add_argument("--host")
+parser.add_argument("--port", type=int)
+args, _ = parser.parse_known_args()
+from tests.integration.sglang_standin import SGLangStandIn
+SGLangStandIn(port=args.port, vocab_size=100)._server.serve_forever()
+"""
+
+
+@pytest.fixture
+def fake_launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    from tests.support import REPO
+
+    package = tmp_path / "standin" / "sglang"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text('"""STAND-IN sglang package (tests only)."""\n')
+    (package / "launch_server.py").write_text(FAKE_LAUNCH_SERVER.format(repo=str(REPO)))
+    monkeypatch.setenv("PYTHONPATH", str(package.parent))
+    argv = tmp_path / "argv.json"
+    monkeypatch.setenv("KUBERL_FAKE_LAUNCH_ARGV", str(argv))
+    return argv
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_launch_starts_the_server_waits_until_it_generates_and_stops_it_on_close(
+    fake_launch: Path,
+) -> None:
+    import json
+    import os
+
+    port = _free_port()
+    config = SGLangEngineConfig(
+        url=f"http://127.0.0.1:{port}",
+        launch=True,
+        launch_args=["--context-length", "4096"],
+        startup_timeout_seconds=60,
+    )
+    engine = SGLangEngine(config, model_path="/models/tiny")
+
+    async def go() -> tuple[list[int], Any]:
+        await engine.start()
+        process = engine._process
+        out = await engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        await engine.close()
+        return out[0][0].token_ids, process
+
+    tokens, process = run(go())
+    launched = json.loads(fake_launch.read_text())
+    assert tokens == _expected([1, 2, 3], 0, 4)  # served by the launched process
+    argv = launched["argv"]
+    flags = dict(zip(argv[::2], argv[1::2], strict=False))
+    assert (flags["--model-path"], flags["--host"], flags["--port"]) == (
+        "/models/tiny",
+        "127.0.0.1",
+        str(port),
+    )
+    assert argv[-2:] == ["--context-length", "4096"] and launched["pid"] == process.pid
+    assert process.poll() is not None and engine._process is None  # stopped and reaped
+    with pytest.raises(ProcessLookupError):
+        os.kill(launched["pid"], 0)
+
+
+def test_a_launched_server_that_exits_fails_the_start_with_its_exit_code(
+    fake_launch: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KUBERL_FAKE_LAUNCH_EXIT", "3")
+    config = SGLangEngineConfig(
+        url=f"http://127.0.0.1:{_free_port()}", launch=True, startup_timeout_seconds=60
+    )
+    engine = SGLangEngine(config, model_path="/models/tiny")
+    started = time.monotonic()
+    with pytest.raises(EngineUnavailable, match="sglang.launch_server exited with 3"):
+        run(_with(engine, engine.start()))
+    assert time.monotonic() - started < 30  # noticed at once, not at startup_timeout_seconds
+
+
+def test_launch_without_a_model_path_is_refused_before_anything_starts(fake_launch: Path) -> None:
+    from kuberl.rollout.engine.base import EngineError
+
+    engine = SGLangEngine(SGLangEngineConfig(url="http://127.0.0.1:9", launch=True))
+    with pytest.raises(EngineError, match="needs the model path"):
+        run(_with(engine, engine.start()))
+    assert engine._process is None and not fake_launch.exists()

@@ -105,6 +105,44 @@ def test_prompts_use_the_chat_template_only_when_asked() -> None:
     assert tokenizer.decode(chat) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 
 
+# A chat template that renders tools= (as Qwen2.5's and Hermes' do, in our own words).
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}"
+    "\nCall one as <tool_call>{...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_the_tools_schemas_reach_the_chat_template_of_a_multi_turn_replica() -> None:
+    from kuberl.rollout.worker import RolloutWorker
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = TOOLS_TEMPLATE
+
+    def prompt(**multi_turn: Any) -> str:
+        config = parse_job_config(
+            {"model": {"chat_template": True}, "rollout": {"multi_turn": multi_turn}}, env={}
+        )
+        worker = RolloutWorker(
+            config,
+            None,
+            tokenizer,
+            buffer=None,
+            reward=None,
+            replica_id="r0",  # type: ignore[arg-type]
+        )
+        ids = encode_prompt(tokenizer, "Hi", True, worker._tool_schemas)
+        return str(tokenizer.decode(ids))
+
+    chat = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    described = prompt(enabled=True, tools=["calculator"])
+    assert described.startswith("<|im_start|>system\nTools:{") and described.endswith(chat)
+    assert '"name": "calculator"' in described and '"required": ["expression"]' in described
+    assert prompt(enabled=True, tools=["calculator"], describe_tools=False) == chat
+    assert prompt(enabled=False) == chat  # no tools without multi-turn
+
+
 def test_sampling_parameters_come_from_the_job_with_the_group_size_as_n() -> None:
     config = parse_job_config(
         {"rollout": {"group_size": 4, "sampling": {"top_k": 5, "stop": ["\n\n"]}}}, env={}

@@ -152,3 +152,35 @@ def test_a_tool_that_cannot_be_loaded_fails_at_start() -> None:
 
 def test_the_tool_response_format_is_documented() -> None:
     assert format_tool_response("84") == "\n<tool_response>\n84\n</tool_response>\n"
+
+
+def lookup_tool(arguments: dict) -> str:
+    """Look a word up in the dictionary.
+
+    Arguments: {"word": ...}."""
+    return "a definition"
+
+
+def schema_tool(arguments: dict) -> str:
+    return "ok"
+
+
+schema_tool.tool_schema = {  # type: ignore[attr-defined]
+    "type": "function",
+    "function": {"name": "schema_tool", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+def test_every_tool_has_a_schema_a_chat_template_can_render() -> None:
+    registry = ToolRegistry(["calculator", "python", f"{MOD}:lookup_tool", f"{MOD}:schema_tool"])
+    schemas = registry.schemas()
+    registry.close()
+    functions = [s["function"] for s in schemas]
+    assert [f["name"] for f in functions] == ["calculator", "python", "lookup_tool", "schema_tool"]
+    assert functions[0]["parameters"]["required"] == ["expression"]
+    assert functions[1]["parameters"]["required"] == ["code"]
+    # A custom function's first docstring paragraph; its own `tool_schema` when it has one.
+    assert functions[2]["description"] == "Look a word up in the dictionary."
+    assert schemas[3] is schema_tool.tool_schema  # type: ignore[attr-defined]
+    # The built-ins' argument names are the ones the tools read.
+    assert calculator_tool({"expression": "6*7"}) == "42"
