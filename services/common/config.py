@@ -644,6 +644,15 @@ class KLConfig(Section):
         description="k1 = log(pi/pi_ref); k2 = (log(pi/pi_ref))^2 / 2; "
         "k3 = pi_ref/pi - 1 - log(pi_ref/pi) (unbiased and >= 0).",
     )
+    offload_reference: bool = Field(
+        False,
+        description="Keep the frozen reference policy's weights in CPU memory between uses. "
+        "With zero_stage 3 it is DeepSpeed's offload_param (each rank's partition lives in CPU "
+        "memory; layers are fetched to the device for their forward); with stages 0-2 the whole "
+        "reference moves to the device for each reference pass and back to CPU after it. Frees "
+        "the reference's device memory for training at the price of a host-to-device copy per "
+        "step; nothing changes on a CPU trainer.",
+    )
     in_reward: bool = Field(
         False,
         description="Subtract coef * KL from the reward (per token for reinforce_pp and gae, "

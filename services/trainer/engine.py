@@ -326,25 +326,56 @@ class FrozenModel:
 
     With ZeRO-3 it is partitioned like the policy (DeepSpeed inference engine with ZeRO-3, as
     OpenRLHF does); otherwise it is a plain module on the trainer's device, which is cheapest
-    for small models. It is never offloaded to the CPU (no ZeRO `offload_param`).
+    for small models. With `offload` its weights live in CPU memory between uses: under ZeRO-3
+    by DeepSpeed's `offload_param` (layers fetched to the device for their forward), otherwise
+    the whole module is moved to the device for a reference pass (`resident`) and back after.
     """
 
     def __init__(
-        self, module: PolicyModel, trainer: TrainerConfig, dist_info: DistInfo, dtype: torch.dtype
+        self,
+        module: PolicyModel,
+        trainer: TrainerConfig,
+        dist_info: DistInfo,
+        dtype: torch.dtype,
+        *,
+        offload: bool = False,
     ) -> None:
         module.requires_grad_(False)
         module.eval()
         self.engine: Any = None
+        self.device = dist_info.device
+        # Only the stage 0-2 form moves the module itself; under ZeRO-3 DeepSpeed does it.
+        self.offloaded = offload and trainer.zero_stage != 3
         if trainer.zero_stage == 3:
             import deepspeed
 
+            config = deepspeed_config(trainer, dtype, train=False)
+            if offload:
+                config["zero_optimization"]["offload_param"] = {
+                    "device": "cpu",
+                    "pin_memory": dist_info.device.type == "cuda",
+                }
             module = module.to(device=dist_info.device, dtype=dtype)
-            self.engine, *_ = deepspeed.initialize(
-                model=module, config=deepspeed_config(trainer, dtype, train=False)
-            )
+            self.engine, *_ = deepspeed.initialize(model=module, config=config)
             self.module: nn.Module = self.engine.module
         else:
-            self.module = module.to(device=dist_info.device, dtype=dtype)
+            home = torch.device("cpu") if self.offloaded else dist_info.device
+            self.module = module.to(device=home, dtype=dtype)
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """Around a reference pass: an offloaded stage 0-2 reference is on the device inside
+        and back in CPU memory after (its device memory freed); otherwise nothing moves."""
+        if not self.offloaded or self.device.type == "cpu":
+            yield
+            return
+        self.module.to(self.device)
+        try:
+            yield
+        finally:
+            self.module.to("cpu")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     @torch.no_grad()
     def forward(self, *args: Any) -> Any:

@@ -222,7 +222,9 @@ class Trainer:
             ref = PolicyModel(
                 load_causal_lm(self.model_dir, dtype), self.tc.logprob_chunk_size, temperature
             )
-            self.reference = FrozenModel(ref, self.tc, self.dist, dtype)
+            self.reference = FrozenModel(
+                ref, self.tc, self.dist, dtype, offload=alg.kl.offload_reference
+            )
         if alg.advantage == "gae" and self.tc.mode == "rl":
             backbone = load_causal_lm(self.model_dir, dtype).get_decoder()
             critic = ValueModel(backbone, int(hf.config.hidden_size))
@@ -627,9 +629,10 @@ class Trainer:
         if alg.recompute_old_logprobs:
             old_lp = self._forward_all(samples, lambda o: split_outputs(o)[0], self.engine.forward)
         if self.reference is not None:
-            ref_lp = self._forward_all(
-                samples, lambda o: split_outputs(o)[0], self.reference.forward
-            )
+            with self.reference.resident():
+                ref_lp = self._forward_all(
+                    samples, lambda o: split_outputs(o)[0], self.reference.forward
+                )
         if self.critic is not None:
             values = self._forward_all(samples, lambda o: o, self.critic.forward)
         sampling_lp = old_lp if old_lp is not None else rollout_lp

@@ -5,13 +5,13 @@ The trainer runs as two torchrun ranks with ZeRO-3 on gloo (rank 0 serves and ta
 services; both train). The test plays rollout: it leases six prompts, puts five groups of four
 samples (token ids of the tiny model's vocabulary, engine logprobs, rewards), the oldest of them
 with token ids outside the vocabulary, and one group of two kept samples on the SFT stream (as
-rejection sampling does). The trainer takes one SFT warm-start step on that stream, evaluates
-(the test answers the eval prompts it queues, as rollout would), then takes three RL steps (GRPO,
-PPO with two epochs over two mini-batches, old logprobs recomputed, KL to a frozen reference,
-TIS), leaving out and counting the unusable group, acknowledges each batch after its optimizer
-step, advances the buffer's policy version, publishes every version to weight-sync, checkpoints
-at the end and exits 0 after a second evaluation. The weights weight-sync holds for the last
-version are exactly the trainer's exported weights.
+rejection sampling does). The trainer takes one SFT warm-start step on that stream, evaluates (the
+test answers the eval prompts it queues, as rollout would), then takes three RL steps (GRPO, PPO
+with two epochs over two mini-batches, old logprobs recomputed, KL to a frozen reference offloaded
+to CPU memory (DeepSpeed's offload_param), TIS), leaving out and counting the unusable group,
+acknowledges each batch after its optimizer step, advances the buffer's policy version, publishes
+every version to weight-sync, checkpoints at the end and exits 0 after a second evaluation. The
+weights weight-sync holds for the last version are exactly the trainer's exported weights.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
                     "ppo_epochs": 2,
                     "mini_batches": 2,
                     "recompute_old_logprobs": True,
-                    "kl": {"coef": 0.01},
+                    "kl": {"coef": 0.01, "offload_reference": True},
                     "importance": {"mode": "tis", "cap": 2.0},
                 },
             }

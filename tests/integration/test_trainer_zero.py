@@ -88,6 +88,37 @@ def _worker(out_dir: Path, model_dir: Path) -> None:
             result = {"loss": loss.item(), "grad_norm": grad_norm, "micro_batches": len(mbs)}
             (out_dir / f"stage{stage}.json").write_text(json.dumps(result))
     _ppo_with_critic(out_dir, model_dir)
+    _reference(out_dir, model_dir, info)
+
+
+def _reference(out_dir: Path, model_dir: Path, info) -> None:  # type: ignore[no-untyped-def]
+    """The frozen KL reference under ZeRO-3, in device memory and offloaded to CPU memory
+    (DeepSpeed's offload_param), each forward over the same micro-batch on both ranks."""
+    import torch
+    from safetensors.torch import save_file
+
+    from kuberl.common.config import TrainerConfig
+    from kuberl.trainer.batching import collate
+    from kuberl.trainer.engine import FrozenModel, PolicyModel, load_causal_lm
+
+    mb = collate(_samples(), 0, info.device)
+    outputs, offloaded = {}, {}
+    for offload in (False, True):
+        ref = FrozenModel(
+            PolicyModel(load_causal_lm(model_dir, torch.float32)),
+            TrainerConfig(zero_stage=3),
+            info,
+            torch.float32,
+            offload=offload,
+        )
+        with ref.resident():
+            outputs[f"offload{int(offload)}"] = ref.forward(mb.input_ids, mb.attention_mask)
+        offloaded[str(offload)] = bool(ref.engine.zero_offload_param())
+        partitions = {p.ds_tensor.device.type for p in ref.module.parameters()}
+        offloaded[f"{offload}-partitions"] = sorted(partitions)
+    if info.is_main:
+        save_file(outputs, str(out_dir / "reference.safetensors"))
+        (out_dir / "reference.json").write_text(json.dumps(offloaded))
 
 
 def _ppo_with_critic(out_dir: Path, model_dir: Path) -> None:
@@ -229,3 +260,28 @@ def test_zero_stage_step_on_two_gloo_ranks_matches_plain_torch(runs, stage: int)
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         _worker(Path(sys.argv[2]), Path(sys.argv[3]))
+
+
+def test_a_zero3_reference_offloaded_to_cpu_memory_gives_the_plain_models_logprobs(runs) -> None:  # type: ignore[no-untyped-def]
+    import torch
+    from safetensors.torch import load_file
+
+    from kuberl.trainer.batching import collate
+    from kuberl.trainer.engine import PolicyModel, load_causal_lm
+
+    root, _ = runs
+    model = PolicyModel(load_causal_lm(root / "model", torch.float32))
+    mb = collate(_samples(), 0, torch.device("cpu"))
+    with torch.no_grad():
+        expected = model(mb.input_ids, mb.attention_mask)
+    got = load_file(str(root / "reference.safetensors"))
+    # DeepSpeed took the offload config (on CPU the partitions are in host memory either way).
+    assert json.loads((root / "reference.json").read_text()) == {
+        "False": False,
+        "True": True,
+        "False-partitions": ["cpu"],
+        "True-partitions": ["cpu"],
+    }
+    valid = mb.attention_mask[:, 1:].bool()
+    for name in ("offload0", "offload1"):
+        torch.testing.assert_close(got[name][valid], expected[valid], rtol=1e-5, atol=1e-5)
