@@ -804,7 +804,13 @@ class TrainerConfig(Section):
     batch_wait_seconds: float = Field(
         10.0, gt=0, description="How long one GetBatch call waits for a full batch."
     )
-    publish_every: int = Field(1, ge=1, description="Publish weights every k optimizer steps.")
+    publish_every: int = Field(
+        1,
+        ge=1,
+        description="Publish weights when the policy version is a multiple of k; the current "
+        "version is also published before each eval round and at the job's end, so evals and "
+        "the engines' final weights are never behind.",
+    )
     publish_weights: bool = Field(
         True, description="Publish to weight-sync (endpoints.weight_sync); off for SFT-only jobs."
     )

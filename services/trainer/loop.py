@@ -187,6 +187,8 @@ class Trainer:
         self._sft_samples: list[Sample] = []
         self.stopped = False
         self._publish_failed_at: float | None = None  # rank 0: the last publish failed then
+        #: The policy version last handed to `_publish` (every rank; failures are retried apart).
+        self._published_version = -1
         self.vocab_size = 0
 
     # ------------------------------------------------------------------ setup
@@ -278,9 +280,10 @@ class Trainer:
         if path is None:
             return
         assert self.engine is not None
-        self.engine.load(path / "policy", path.name)
-        if self.critic is not None:
-            self.critic.load(path / "critic", path.name)
+        if self.tc.mode != "eval":  # eval mode needs only the cursor: the engines hold weights
+            self.engine.load(path / "policy", path.name)
+            if self.critic is not None:
+                self.critic.load(path / "critic", path.name)
         self.cursor = ckpt.read_cursor(path, self.dist.rank)
         # Versions published after this checkpoint belong to weights that are now lost: jump
         # past them, so the checkpoint's weights go out under a new, higher version.
@@ -347,6 +350,8 @@ class Trainer:
         if tc.mode == "rl" and not tc.eval_every:
             self._evaluate()
         done = self.cursor.step >= tc.total_steps
+        if self.cursor.policy_version > 0:
+            self._publish_current()  # the engines end on the final weights
         if done and tc.checkpoint_every and self._checkpointed_step != self.cursor.step:
             self._checkpoint()
         log.info("trainer.finished", step=self.cursor.step, version=self.cursor.policy_version)
@@ -794,10 +799,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ eval
 
+    def _publish_current(self) -> None:
+        """Publish the current version unless it was already (with `publish_every` > 1 the
+        versions between are skipped, but an eval round and the job's end need the newest
+        weights on the engines). Collective."""
+        if self._published_version != self.cursor.policy_version:
+            self._publish()
+
     def _evaluate(self) -> None:
         """Queue an eval round in the buffer and read its groups back (rank 0 only)."""
         if not self.config.data.eval:
             return
+        if self.cursor.policy_version > 0:
+            self._publish_current()  # the round evaluates this version's weights
         if self.dist.is_main:
             self._flush_ack()
         round_ = self.cursor.eval_round
@@ -864,6 +878,7 @@ class Trainer:
         if not self.tc.publish_weights or self.tc.mode == "eval":
             return
         version = self.cursor.policy_version
+        self._published_version = version
         buckets = self.engine.full_parameters(self.config.weight_sync.bucket_bytes, "hf.")
         if not self.dist.is_main:
             for _ in buckets:

@@ -10,13 +10,15 @@ test answers the eval prompts it queues, as rollout would), then takes three RL 
 with two epochs over two mini-batches, old logprobs recomputed, KL to a frozen reference offloaded
 to CPU memory (DeepSpeed's offload_param), TIS), leaving out and counting the unusable group,
 acknowledges each batch after its optimizer step, advances the buffer's policy version, publishes
-every version to weight-sync, checkpoints at the end and exits 0 after a second evaluation. The
-weights weight-sync holds for the last version are exactly the trainer's exported weights.
+every other version to weight-sync (and the current one before each eval round and at the end),
+checkpoints at the end and exits 0 after a second evaluation. The weights weight-sync holds for the
+last version are exactly the trainer's exported weights.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 import uuid
@@ -131,6 +133,7 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
                 "groups_per_step": 2,
                 "micro_batch_tokens": 40,
                 "checkpoint_every": 2,
+                "publish_every": 2,
                 "checkpoint_dir": str(tmp / "ckpt"),
                 "linger_seconds": 0.2,
                 "max_staleness": -1,
@@ -162,6 +165,26 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
             stats = client.stats()
             version, manifest, flat = download_snapshot(ws.address)
             published = {k: v.clone() for k, v in manifest.views(flat).items()}
+            # Then `mode: eval` from the same checkpoint folder: one eval round and exit.
+            doc["trainer"].update(mode="eval", zero_stage=0)
+            eval_job = tmp / "eval.yaml"
+            eval_job.write_text(yaml.safe_dump(doc))
+            eval_jsonl = tmp / "eval-metrics.jsonl"
+            evaluator = ServiceProcess.kuberl(
+                "trainer",
+                eval_job,
+                tmp,
+                name="evaluator",
+                env={"KUBERL_METRICS_JSONL": str(eval_jsonl)},
+            )
+            try:
+                eval_only_rounds = _play_eval_rollout(client, evaluator)
+                eval_code = evaluator.proc.wait(120)
+                eval_log = evaluator.log_path.read_text(errors="replace")
+            finally:
+                evaluator.stop()
+            eval_stats = client.stats()
+            eval_version = download_snapshot(ws.address)[0]
     return {
         "tmp": tmp,
         "code": code,
@@ -171,6 +194,14 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
         "version": version,
         "published": published,
         "eval_rounds": eval_rounds,
+        "eval_only": {
+            "code": eval_code,
+            "log": eval_log,
+            "rows": _rows(eval_jsonl) if eval_jsonl.exists() else [],
+            "rounds": eval_only_rounds,
+            "stats": eval_stats,
+            "version": eval_version,
+        },
     }
 
 
@@ -212,6 +243,15 @@ def test_weight_sync_holds_the_trainers_final_weights(run) -> None:  # type: ign
     assert all((published[k] == exported[k]).all() for k in exported)
 
 
+def test_every_other_version_is_published_and_the_current_one_before_evals_and_at_the_end(
+    run,
+) -> None:  # type: ignore[no-untyped-def]
+    # publish_every 2: SFT makes version 1 (published for the first eval round), RL steps make
+    # 2 (published), 3 (skipped) and 4 (published; the last eval and the end find it there).
+    published = re.findall(r"event=weights\.published version=(\d+)", run["log"])  # the publisher's
+    assert [int(v) for v in published] == [1, 2, 4], published
+
+
 def test_an_sft_warm_start_trains_on_the_buffers_rejection_sampling_stream(run) -> None:  # type: ignore[no-untyped-def]
     sft = [r for r in run["rows"] if r.get("kind") == "sft"]
     assert [(r["step"], r["policy_version"], r["batch/sequences"]) for r in sft] == [(0, 1, 2.0)]
@@ -224,3 +264,14 @@ def test_eval_rounds_at_start_and_end_report_accuracy_per_dataset(run) -> None: 
     assert [r["round"] for r in evals] == [0, 1]
     assert all(r["eval/eval/accuracy"] == 0.25 and r["eval/accuracy"] == 0.25 for r in evals)
     assert all(r["eval/eval/pass_at_n"] == 1.0 and r["eval/missing_groups"] == 0 for r in evals)
+
+
+def test_eval_mode_runs_one_round_from_the_checkpoint_and_trains_and_publishes_nothing(run) -> None:  # type: ignore[no-untyped-def]
+    ev = run["eval_only"]
+    rows = ev["rows"]
+    assert ev["code"] == 0, ev["log"][-3000:]
+    # The checkpoint's cursor had two rounds behind it: this is round 2, on version 4's weights.
+    assert ev["rounds"] == [2] and [(r["kind"], r["round"]) for r in rows] == [("eval", 2)]
+    assert rows[0]["eval/accuracy"] == 0.25 and rows[0]["eval/missing_groups"] == 0
+    assert (ev["stats"].policy_version, ev["stats"].batches_unacked, ev["version"]) == (4, 0, 4)
+    assert "event=weights.published" not in ev["log"]
