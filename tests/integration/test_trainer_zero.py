@@ -11,10 +11,12 @@ updated weight (gathered bucket by bucket from the ZeRO-3 partitions).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,6 +29,7 @@ LR = 1e-2
 # flip with summation order. A larger eps makes the update smooth in g, so weights can be compared.
 EPS = 1e-4
 BUDGET = 24
+GATHER_BUCKET = 64 * 1024  # bytes per weight-export bucket
 
 
 def _samples():  # type: ignore[no-untyped-def]
@@ -81,11 +84,13 @@ def _worker(out_dir: Path, model_dir: Path) -> None:
         loss = torch.tensor([sum(m["loss_share"] for m, _ in records)])
         dist.all_reduce(loss)
         weights = {}
-        for bucket in iter_full_parameters(engine.module, 64 * 1024, info, "hf."):
-            weights.update(dict(bucket))
+        with _watch_gathers(engine.module) as gathered:
+            for bucket in iter_full_parameters(engine.module, GATHER_BUCKET, info, "hf."):
+                weights.update(dict(bucket))
         if info.is_main:
             save_file(weights, str(out_dir / f"stage{stage}.safetensors"))
             result = {"loss": loss.item(), "grad_norm": grad_norm, "micro_batches": len(mbs)}
+            result["gathered"] = gathered
             (out_dir / f"stage{stage}.json").write_text(json.dumps(result))
     _ppo_with_critic(out_dir, model_dir)
     _reference(out_dir, model_dir, info)
@@ -119,6 +124,46 @@ def _reference(out_dir: Path, model_dir: Path, info) -> None:  # type: ignore[no
     if info.is_main:
         save_file(outputs, str(out_dir / "reference.safetensors"))
         (out_dir / "reference.json").write_text(json.dumps(offloaded))
+
+
+@contextlib.contextmanager
+def _watch_gathers(module):  # type: ignore[no-untyped-def]
+    """Record, at every ZeRO-3 gather the weight export opens, how many bytes of the module's
+    parameters are gathered (whole) at that moment, whoever asked for them."""
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    real = deepspeed.zero.GatheredParameters
+    record: dict[str, Any] = {"calls": 0, "max_bytes": 0, "model_bytes": 0, "largest": 0}
+    params = list(module.parameters())
+    for p in params:
+        nbytes = int(getattr(p, "ds_numel", p.numel())) * p.element_size()
+        record["model_bytes"] += nbytes
+        record["largest"] = max(record["largest"], nbytes)
+
+    class Watched:
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            self.inner = real(*args, **kw)
+
+        def __enter__(self) -> Any:
+            out = self.inner.__enter__()
+            whole = [
+                p for p in params if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE
+            ]
+            record["calls"] += 1
+            record["max_bytes"] = max(
+                record["max_bytes"], sum(p.ds_numel * p.element_size() for p in whole)
+            )
+            return out
+
+        def __exit__(self, *exc: Any) -> Any:
+            return self.inner.__exit__(*exc)
+
+    deepspeed.zero.GatheredParameters = Watched
+    try:
+        yield record
+    finally:
+        deepspeed.zero.GatheredParameters = real
 
 
 def _ppo_with_critic(out_dir: Path, model_dir: Path) -> None:
@@ -285,3 +330,11 @@ def test_a_zero3_reference_offloaded_to_cpu_memory_gives_the_plain_models_logpro
     valid = mb.attention_mask[:, 1:].bool()
     for name in ("offload0", "offload1"):
         torch.testing.assert_close(got[name][valid], expected[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_zero3_weight_export_gathers_one_bucket_at_a_time_never_the_whole_model(runs) -> None:  # type: ignore[no-untyped-def]
+    root, _ = runs
+    g = json.loads((root / "stage3.json").read_text())["gathered"]
+    # Each gather holds at most one bucket (or one tensor larger than a bucket), never the model.
+    assert g["calls"] > 5 and g["max_bytes"] > 0
+    assert g["max_bytes"] <= max(GATHER_BUCKET, g["largest"]) < g["model_bytes"], g
