@@ -47,7 +47,9 @@ def _samples():  # type: ignore[no-untyped-def]
     ]
 
 
-def _worker(out_dir: Path, model_dir: Path) -> None:
+def _worker(
+    out_dir: Path, model_dir: Path, stages: tuple[int, ...] = STAGES, extras: bool = True
+) -> None:
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -67,7 +69,7 @@ def _worker(out_dir: Path, model_dir: Path) -> None:
     info = init_distributed()
     samples = _samples()
     total = sum(int(s.loss_mask.sum()) for s in samples)
-    for stage in STAGES:
+    for stage in stages:
         cfg = TrainerConfig(
             zero_stage=stage,
             micro_batch_tokens=BUDGET,
@@ -90,10 +92,12 @@ def _worker(out_dir: Path, model_dir: Path) -> None:
         if info.is_main:
             save_file(weights, str(out_dir / f"stage{stage}.safetensors"))
             result = {"loss": loss.item(), "grad_norm": grad_norm, "micro_batches": len(mbs)}
+            result["world_size"] = info.world_size
             result["gathered"] = gathered
             (out_dir / f"stage{stage}.json").write_text(json.dumps(result))
-    _ppo_with_critic(out_dir, model_dir)
-    _reference(out_dir, model_dir, info)
+    if extras:
+        _ppo_with_critic(out_dir, model_dir)
+        _reference(out_dir, model_dir, info)
 
 
 def _reference(out_dir: Path, model_dir: Path, info) -> None:  # type: ignore[no-untyped-def]
@@ -302,11 +306,6 @@ def test_zero_stage_step_on_two_gloo_ranks_matches_plain_torch(runs, stage: int)
     assert worst < 1e-5, f"max weight difference {worst}"
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:
-        _worker(Path(sys.argv[2]), Path(sys.argv[3]))
-
-
 def test_a_zero3_reference_offloaded_to_cpu_memory_gives_the_plain_models_logprobs(runs) -> None:  # type: ignore[no-untyped-def]
     import torch
     from safetensors.torch import load_file
@@ -338,3 +337,10 @@ def test_zero3_weight_export_gathers_one_bucket_at_a_time_never_the_whole_model(
     # Each gather holds at most one bucket (or one tensor larger than a bucket), never the model.
     assert g["calls"] > 5 and g["max_bytes"] > 0
     assert g["max_bytes"] <= max(GATHER_BUCKET, g["largest"]) < g["model_bytes"], g
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        # --worker OUT MODEL [STAGE]: every stage and the extras, or one stage's step alone.
+        only = tuple(int(a) for a in sys.argv[4:5])
+        _worker(Path(sys.argv[2]), Path(sys.argv[3]), only or STAGES, extras=not only)

@@ -1,0 +1,121 @@
+"""The trainer across two nodes: two torchrun agents (one process each, gloo), as two pods would
+run them, rendezvous and take the same ZeRO-2 step as plain torch (the step of
+tests/integration/test_trainer_zero.py, compared the same way).
+
+Two launches: the chart's own commands (`multi-node-trainer` value set rendered with the real Helm
+engine at two nodes: the master pod's `torchrun --node-rank=0 ...` and the worker pod's
+`/bin/sh -c 'exec torchrun --node-rank=$((POD_INDEX + 1)) "$@"'`, static rendezvous at the master
+pod, with only the address, port, processes per node and the program swapped for local ones), and
+torchrun's c10d rendezvous (`--rdzv-backend c10d --rdzv-endpoint host:port`), for users who
+launch the trainer themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_trainer_zero import _plain_torch_step
+from tests.support import REPO
+
+STAGE = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _chart_commands(port: int, program: list[str]) -> list[list[str]]:
+    """The master's and the first worker's command lines from the rendered chart, made local."""
+    from tests.helm.chart import pod_spec, render
+
+    rendered = render("multi-node-trainer", trainer={"nodes": 2, "gpusPerNode": 1})
+    commands = []
+    for name in ("trainer", "trainer-worker"):
+        container = pod_spec(rendered.get("StatefulSet", name))["containers"][0]
+        args = []
+        for arg in container["args"]:
+            if arg == "-m":
+                break  # the program: `-m kuberl.cli serve trainer ...` becomes the test's
+            if arg.startswith("--master-addr="):
+                arg = "--master-addr=127.0.0.1"
+            elif arg.startswith("--master-port="):
+                arg = f"--master-port={port}"
+            elif arg.startswith("--nproc-per-node="):
+                arg = "--nproc-per-node=1"
+            args.append(arg)
+        command = [c.replace("$$", "$") for c in container["command"]]  # Kubernetes' escape
+        commands.append(command + args + program)
+    return commands
+
+
+def _c10d_commands(port: int, program: list[str]) -> list[list[str]]:
+    agent = [
+        "torchrun",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=kuberl-test",
+    ]
+    return [agent + program, agent + program]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kuberl.common.modelbuild import build_model
+
+    return build_model(tmp_path_factory.mktemp("multinode") / "model", tokenizer="digits", seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path):  # type: ignore[no-untyped-def]
+    return _plain_torch_step(model_dir)
+
+
+@pytest.mark.parametrize("launch", ["chart_static", "c10d"])
+def test_two_nodes_rendezvous_and_take_the_plain_torch_step(  # type: ignore[no-untyped-def]
+    launch: str, model_dir: Path, reference, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    port = _free_port()
+    program = ["-m", "tests.integration.test_trainer_zero", "--worker"]
+    program += [str(tmp_path), str(model_dir), str(STAGE)]
+    build = _chart_commands if launch == "chart_static" else _c10d_commands
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "POD_INDEX": "0",  # the worker StatefulSet's first pod: node rank 1
+    }
+    procs = [
+        subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for cmd in build(port, program)
+    ]
+    outputs = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        outputs.append(out.decode(errors="replace")[-3000:])
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
+
+    ref_loss, ref_norm, ref_weights, _ = reference
+    result = json.loads((tmp_path / f"stage{STAGE}.json").read_text())
+    weights = load_file(str(tmp_path / f"stage{STAGE}.safetensors"))
+    worst = max((weights[k] - ref_weights[k]).abs().max().item() for k in weights)
+    assert result["world_size"] == 2  # one rank on each "node", each with half the batch
+    assert result["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    assert result["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
+    assert worst < 1e-5, f"max weight difference {worst}"
