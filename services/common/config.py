@@ -823,7 +823,12 @@ class TrainerConfig(Section):
         True, description="Write an HF safetensors folder (hf/) inside each checkpoint."
     )
     resume: bool = Field(True, description="Resume from the latest checkpoint in checkpoint_dir.")
-    eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0 = start and end).")
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="Evaluate at the start, every N steps, and at the end when the last step "
+        "was not a multiple of N (0 = start and end only).",
+    )
     eval_correct_threshold: float = Field(
         0.5, description="An eval sample counts as correct when its reward is >= this."
     )

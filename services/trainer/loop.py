@@ -347,8 +347,8 @@ class Trainer:
         if self.stopped:
             log.info("trainer.stopped", step=self.cursor.step)
             return
-        if tc.mode == "rl" and not tc.eval_every:
-            self._evaluate()
+        if tc.mode == "rl" and (not tc.eval_every or self.cursor.step % tc.eval_every):
+            self._evaluate()  # the final weights' round, unless the last step just had one
         done = self.cursor.step >= tc.total_steps
         if self.cursor.policy_version > 0:
             self._publish_current()  # the engines end on the final weights
@@ -819,7 +819,7 @@ class Trainer:
         self.cursor.eval_round = round_ + 1
         if result:
             self.status.metrics.update(result)
-            self._write_jsonl({"kind": "eval", "round": round_, **result})
+            self._write_jsonl({"kind": "eval", "round": round_, "step": self.cursor.step, **result})
         barrier(self.dist)
 
     def _eval_round(self, round_: int) -> dict[str, float]:

@@ -133,7 +133,8 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
                 "groups_per_step": 2,
                 "micro_batch_tokens": 40,
                 "checkpoint_every": 2,
-                "publish_every": 2,
+                "publish_every": 3,
+                "eval_every": 2,
                 "checkpoint_dir": str(tmp / "ckpt"),
                 "linger_seconds": 0.2,
                 "max_staleness": -1,
@@ -243,13 +244,14 @@ def test_weight_sync_holds_the_trainers_final_weights(run) -> None:  # type: ign
     assert all((published[k] == exported[k]).all() for k in exported)
 
 
-def test_every_other_version_is_published_and_the_current_one_before_evals_and_at_the_end(
+def test_every_third_version_is_published_and_the_current_one_before_evals_and_at_the_end(
     run,
 ) -> None:  # type: ignore[no-untyped-def]
-    # publish_every 2: SFT makes version 1 (published for the first eval round), RL steps make
-    # 2 (published), 3 (skipped) and 4 (published; the last eval and the end find it there).
+    # publish_every 3: SFT makes version 1 (published for the first eval round), RL steps make
+    # 2 (skipped), 3 (published; the eval after step 2 finds it there) and 4 (published for the
+    # final eval round).
     published = re.findall(r"event=weights\.published version=(\d+)", run["log"])  # the publisher's
-    assert [int(v) for v in published] == [1, 2, 4], published
+    assert [int(v) for v in published] == [1, 3, 4], published
 
 
 def test_an_sft_warm_start_trains_on_the_buffers_rejection_sampling_stream(run) -> None:  # type: ignore[no-untyped-def]
@@ -260,8 +262,9 @@ def test_an_sft_warm_start_trains_on_the_buffers_rejection_sampling_stream(run) 
 
 def test_eval_rounds_at_start_and_end_report_accuracy_per_dataset(run) -> None:  # type: ignore[no-untyped-def]
     evals = [r for r in run["rows"] if r.get("kind") == "eval"]
-    assert run["eval_rounds"] == [0, 1]
-    assert [r["round"] for r in evals] == [0, 1]
+    # eval_every 2 of 3 steps: at the start, after step 2, and for the final weights.
+    assert run["eval_rounds"] == [0, 1, 2]
+    assert [(r["round"], r["step"]) for r in evals] == [(0, 0), (1, 2), (2, 3)]
     assert all(r["eval/eval/accuracy"] == 0.25 and r["eval/accuracy"] == 0.25 for r in evals)
     assert all(r["eval/eval/pass_at_n"] == 1.0 and r["eval/missing_groups"] == 0 for r in evals)
 
@@ -270,8 +273,8 @@ def test_eval_mode_runs_one_round_from_the_checkpoint_and_trains_and_publishes_n
     ev = run["eval_only"]
     rows = ev["rows"]
     assert ev["code"] == 0, ev["log"][-3000:]
-    # The checkpoint's cursor had two rounds behind it: this is round 2, on version 4's weights.
-    assert ev["rounds"] == [2] and [(r["kind"], r["round"]) for r in rows] == [("eval", 2)]
+    # The checkpoint's cursor had three rounds behind it: this is round 3, on version 4's weights.
+    assert ev["rounds"] == [3] and [(r["kind"], r["round"]) for r in rows] == [("eval", 3)]
     assert rows[0]["eval/accuracy"] == 0.25 and rows[0]["eval/missing_groups"] == 0
     assert (ev["stats"].policy_version, ev["stats"].batches_unacked, ev["version"]) == (4, 0, 4)
     assert "event=weights.published" not in ev["log"]
