@@ -86,6 +86,18 @@ def _play_eval_rollout(client: Client, trainer: ServiceProcess, timeout: float =
     return rounds
 
 
+def _until_exit(
+    client: Client, trainer: ServiceProcess, timeout: float
+) -> tuple[list[int], int, str]:
+    """Play eval rollout until the trainer exits: the eval rounds, its exit code and its log."""
+    try:
+        rounds = _play_eval_rollout(client, trainer)
+        code = trainer.proc.wait(timeout)
+        return rounds, code, trainer.log_path.read_text(errors="replace")
+    finally:
+        trainer.stop()
+
+
 def _rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -157,12 +169,7 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
                 "trainer",
                 env={"KUBERL_METRICS_JSONL": str(jsonl)},
             )
-            try:
-                eval_rounds = _play_eval_rollout(client, trainer)
-                code = trainer.proc.wait(240)
-                log = trainer.log_path.read_text(errors="replace")
-            finally:
-                trainer.stop()
+            eval_rounds, code, log = _until_exit(client, trainer, 240)
             stats = client.stats()
             version, manifest, flat = download_snapshot(ws.address)
             published = {k: v.clone() for k, v in manifest.views(flat).items()}
@@ -178,12 +185,7 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
                 name="evaluator",
                 env={"KUBERL_METRICS_JSONL": str(eval_jsonl)},
             )
-            try:
-                eval_only_rounds = _play_eval_rollout(client, evaluator)
-                eval_code = evaluator.proc.wait(120)
-                eval_log = evaluator.log_path.read_text(errors="replace")
-            finally:
-                evaluator.stop()
+            eval_only_rounds, eval_code, eval_log = _until_exit(client, evaluator, 120)
             eval_stats = client.stats()
             eval_version = download_snapshot(ws.address)[0]
     return {
