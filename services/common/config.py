@@ -538,6 +538,9 @@ class SGLangEngineConfig(Section):
 EngineConfig = Annotated[TorchEngineConfig | SGLangEngineConfig, Field(discriminator="kind")]
 
 
+TOOL_RESPONSE_TEMPLATE = "\n<tool_response>\n{output}\n</tool_response>\n"
+
+
 class MultiTurnConfig(Section):
     """Built-in multi-turn tool calling: `<tool_call>{json}</tool_call>` runs a tool."""
 
@@ -561,12 +564,29 @@ class MultiTurnConfig(Section):
     max_total_tokens: int = Field(
         0, ge=0, description="Response budget over all turns (0 = sampling.max_new_tokens)."
     )
+    tool_response_template: str = Field(
+        TOOL_RESPONSE_TEMPLATE,
+        description="Text appended after a tool call, {output} standing for the tool's output "
+        "(tokenized on its own, loss mask 0). The default keeps the model's turn open; a chat "
+        "model may want its template's tool turn, e.g. for ChatML (Qwen2.5): "
+        '"<|im_end|>\\n<|im_start|>user\\n<tool_response>\\n{output}\\n</tool_response>'
+        '<|im_end|>\\n<|im_start|>assistant\\n".',
+    )
     sandbox: SandboxConfig = Field(
         default_factory=SandboxConfig,
         description="Where the `python` tool runs model-written code: a separate process per "
         "call with its own network namespace, private /tmp and dedicated uid where the host "
         "allows it (see docs/rollout.md); unused unless `tools` lists python.",
     )
+
+    @model_validator(mode="after")
+    def _one_output_slot(self) -> MultiTurnConfig:
+        if self.tool_response_template.count("{output}") != 1:
+            raise ValueError(
+                "tool_response_template must contain {output} exactly once (where the tool's "
+                f"output goes): got {self.tool_response_template!r}"
+            )
+        return self
 
 
 class RolloutConfig(Section):

@@ -4,10 +4,11 @@ Each of the n samples of a prompt is a loop of at most `multi_turn.max_turns` mo
 turn generates until the model closes a tool call (`</tool_call>` is added to the stop strings),
 stops, or runs out of budget. When the turn contains `<tool_call>{json}</tool_call>` the tool
 runs (`kuberl.rollout.tools`) and its output is appended as
-`\\n<tool_response>\\n{output}\\n</tool_response>\\n`, tokenized on its own, and the next turn
-continues from the whole context. The sample's response is the concatenation of model tokens
-(loss mask 1, with the engine's logprobs) and tool tokens (loss mask 0, logprob 0): the model is
-trained on what it wrote, never on what the tools wrote, and model tokens are never re-tokenized.
+`multi_turn.tool_response_template` (default `\\n<tool_response>\\n{output}\\n</tool_response>\\n`),
+tokenized on its own, and the next turn continues from the whole context. The sample's response
+is the concatenation of model tokens (loss mask 1, with the engine's logprobs) and tool tokens
+(loss mask 0, logprob 0): the model is trained on what it wrote, never on what the tools wrote,
+and model tokens are never re-tokenized.
 
 A sample ends with the finish reason of its last turn when that turn calls no tool, "length"
 when the response budget (`multi_turn.max_total_tokens`, default `sampling.max_new_tokens`) is
@@ -80,7 +81,8 @@ async def _one_sample(ctx: RolloutContext, tools: ToolRegistry, prompt: PromptIt
             break
         output, outcome = await tools.run(call)
         calls.append({"turn": turn, "name": call.name, "outcome": outcome})
-        tool_ids = ctx.encode(format_tool_response(output))[: max(0, budget - len(tokens))]
+        response = format_tool_response(output, mt.tool_response_template)
+        tool_ids = ctx.encode(response)[: max(0, budget - len(tokens))]
         tokens += tool_ids
         logprobs += [0.0] * len(tool_ids)
         mask += [0] * len(tool_ids)

@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kuberl.common.config import MultiTurnConfig, SandboxConfig
+from kuberl.common.config import TOOL_RESPONSE_TEMPLATE, MultiTurnConfig, SandboxConfig
 from kuberl.common.logs import get_logger
 from kuberl.common.plugins import load_plugin
 from kuberl.common.sandbox import Sandbox, SandboxError
@@ -80,9 +80,10 @@ def parse_tool_call(text: str) -> ToolCall | None:
     return ToolCall(data["name"], arguments)
 
 
-def format_tool_response(output: str) -> str:
-    """The text appended after the model's `</tool_call>` (masked out of the loss)."""
-    return f"\n<tool_response>\n{output}\n</tool_response>\n"
+def format_tool_response(output: str, template: str = TOOL_RESPONSE_TEMPLATE) -> str:
+    """The text appended after the model's `</tool_call>` (masked out of the loss): the job's
+    `multi_turn.tool_response_template` with the output in place of `{output}`."""
+    return template.replace("{output}", output)
 
 
 # -- calculator --------------------------------------------------------------------------------

@@ -56,6 +56,11 @@ def test_the_tools_example_calls_the_calculator_and_python_tools_it_describes_to
         ["calculator", "python"],
     )
     assert config.rollout.on_weight_update == "abort"  # a sample's turns share one version
+    # Qwen's own tool turn (ChatML): the assistant turn closes, the output comes as the user's.
+    assert mt.tool_response_template.replace("{output}", "84") == (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n84\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
 
 
 def test_the_demo_data_files_are_the_generators_output(tmp_path: Path) -> None:

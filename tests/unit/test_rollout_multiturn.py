@@ -117,6 +117,28 @@ def test_the_calculator_turn_is_appended_and_masked_out_of_the_loss(model, token
         )
 
 
+def test_the_tool_turn_follows_the_jobs_template(model, tokenizer) -> None:
+    # A chat-style tool turn: the model's turn is closed and a new one opened around the output.
+    template = (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n{output}\n</tool_response><|im_end|>\n"
+    )
+    template += "<|im_start|>assistant\n"
+    samples = _rollout(model, tokenizer, tool_response_template=template)
+    call = _ids(tokenizer, CALL)
+    tool = _ids(tokenizer, template.replace("{output}", "84"))
+    assert tokenizer.decode(tool).startswith("<|im_end|>")  # the special tokens are whole
+    for s in samples:  # what the memorised model writes after an unfamiliar turn does not matter
+        assert s.token_ids[: len(call) + len(tool)] == call + tool
+        assert s.loss_mask[: len(call) + len(tool)] == [1] * len(call) + [0] * len(tool)
+        assert set(s.loss_mask[len(call) + len(tool) :]) <= {1}
+
+
+@pytest.mark.parametrize("template", ["no slot", "{output} twice {output}"])
+def test_a_tool_response_template_needs_one_output_slot(template: str) -> None:
+    with pytest.raises(ValueError, match="exactly once"):
+        parse_job_config({"rollout": {"multi_turn": {"tool_response_template": template}}}, env={})
+
+
 def test_logprobs_are_the_engines_on_model_tokens_and_zero_on_tool_tokens(model, tokenizer) -> None:
     s = _rollout(model, tokenizer)[0]
     prompt = tokenizer(PROMPT)["input_ids"]
