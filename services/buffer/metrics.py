@@ -82,3 +82,13 @@ STALENESS = metrics.histogram(
     ["kind"],
     buckets=STALENESS_BUCKETS,
 )
+PAYLOAD_CACHE_TOTAL = metrics.counter(
+    "kuberl_buffer_payload_cache_total",
+    "Group bytes a batch found in this replica's cache of the groups it accepted (hit) or read "
+    "from Redis (miss), and cached bytes evicted unread for room (evicted)",
+    ["result"],
+)
+PAYLOAD_CACHE_BYTES = metrics.gauge(
+    "kuberl_buffer_payload_cache_bytes",
+    "Bytes of accepted groups this replica holds in memory until a batch takes them",
+)

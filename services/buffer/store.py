@@ -47,6 +47,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kuberl.buffer import scripts
+from kuberl.buffer.cache import Payload, PayloadCache
 from kuberl.buffer.datasets import PromptRow, epoch_order
 from kuberl.common.config import JobConfig
 from kuberl.common.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -153,7 +154,7 @@ class StoredGroup:
     version: int
     zero_variance: bool
     payload_key: str  # its field in the payloads hash
-    payload: bytes = b""  # the serialized Group; b"" if it is missing
+    payload: Payload = b""  # the serialized Group; b"" if it is missing
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,7 @@ class BufferStore:
         requeue_stale: bool,
         acked_batch_ttl_seconds: float,
         retry_seconds: float = 30.0,
+        payload_cache_bytes: int = 0,
     ) -> None:
         self.r = client
         self.keys = Keys(job)
@@ -226,6 +228,8 @@ class BufferStore:
         self.requeue_stale = requeue_stale
         self.acked_batch_ttl_ms = max(1, int(acked_batch_ttl_seconds * 1000))
         self.retry_seconds = retry_seconds
+        # The bytes of groups this replica accepted, until a batch here takes them (cache.py).
+        self.cache = PayloadCache(payload_cache_bytes)
         self._scripts = {
             name: client.register_script(getattr(scripts, name))
             for name in (
@@ -279,6 +283,7 @@ class BufferStore:
             requeue_stale=cfg.requeue_stale,
             acked_batch_ttl_seconds=cfg.acked_batch_ttl_seconds,
             retry_seconds=config.redis.connect_timeout_seconds,
+            payload_cache_bytes=cfg.payload_cache_mib * 2**20,
         )
 
     async def close(self) -> None:
@@ -546,11 +551,13 @@ class BufferStore:
             self.keys.payloads(kind),
         ]
         sha = self._scripts["PUT"].sha
+        stored: list[str] = []  # the fields of the attempt whose reply came back
 
         async def op() -> Any:
             # Fresh fields on every attempt: if an attempt was applied but its reply lost, the
             # retry's copies are the duplicates the script removes, not the accepted ones.
             fields = [uuid.uuid4().hex if it.payload else "" for it in items]
+            stored[:] = fields
             args: list[Any] = [kind, lease_kind(kind), len(items)]
             for it, f in zip(items, fields, strict=True):
                 zv = "1" if it.zero_variance else "0"
@@ -583,7 +590,14 @@ class BufferStore:
                 f"groups[{i}]: lease {items[i].lease_id} is for prompt {_s(res[2])!r} epoch "
                 f"{_s(res[3])}, not {items[i].prompt_id!r} epoch {items[i].epoch}"
             )
-        return [int(x) == 1 for x in res[1:]]
+        accepted = [int(x) == 1 for x in res[1:]]
+        whole = all(accepted)
+        for it, key, ok in zip(items, stored, accepted, strict=True):
+            if ok:
+                # A slice of the request's bytes keeps all of them alive: copied unless the
+                # whole request is kept anyway.
+                self.cache.add(key, it.payload if whole else bytes(it.payload))
+        return accepted
 
     async def take(
         self,
@@ -620,12 +634,24 @@ class BufferStore:
         return Taken(ack=int(res[1]), last_id=head, groups=_groups_from(res[2:]))
 
     async def payloads(self, kind: str, groups: list[StoredGroup]) -> list[StoredGroup]:
-        """The groups with their bytes read from the payloads hash (one HMGET)."""
-        if not groups:
+        """The groups with their bytes: from this replica's cache, else read from the payloads
+        hash (one HMGET)."""
+        groups = self._from_cache(groups)
+        unread = [g for g in groups if not g.payload]
+        if not unread:
             return groups
-        fields = [g.payload_key for g in groups]
+        fields = [g.payload_key for g in unread]
         raw = await self._retry(lambda: self.r.hmget(self.keys.payloads(kind), fields), "payloads")
-        return self._attach(kind, groups, raw)
+        read = iter(self._attach(kind, unread, raw))
+        return [g if g.payload else next(read) for g in groups]
+
+    def _from_cache(self, groups: list[StoredGroup]) -> list[StoredGroup]:
+        """The groups, those without bytes given the cached ones (which leave the cache)."""
+        out = []
+        for g in groups:
+            payload = None if g.payload else self.cache.take(g.payload_key)
+            out.append(g if payload is None else replace(g, payload=payload))
+        return out
 
     @staticmethod
     def _attach(kind: str, groups: list[StoredGroup], raw: Sequence[Any]) -> list[StoredGroup]:
@@ -644,6 +670,8 @@ class BufferStore:
         Returns (groups issued, kept with their bytes)."""
         finalize = self._finalize_call(kind, batch_id, [g.entry_id for g in kept])
         drop = self._drop_call(kind, drops) if drops else None
+        self._forget(drops)
+        kept = self._from_cache(kept)
         unread = [g for g in kept if not g.payload]
         scripts = self._scripts
 
@@ -686,7 +714,13 @@ class BufferStore:
 
     async def drop(self, kind: str, drops: Sequence[Drop]) -> None:
         """Remove dropped groups from the stream (stale ones may re-queue their prompt)."""
+        self._forget(drops)
         await self._script("DROP", *self._drop_call(kind, drops))
+
+    def _forget(self, drops: Sequence[Drop]) -> None:
+        """Dropped groups' bytes leave the cache (DROP deletes them in Redis)."""
+        for d in drops:
+            self.cache.discard(d.group.payload_key)
 
     def _drop_call(self, kind: str, drops: Sequence[Drop]) -> tuple[list[str], list[Any]]:
         """KEYS and ARGV of the DROP script for `drops`."""

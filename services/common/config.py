@@ -296,6 +296,13 @@ class BufferConfig(Section):
     backpressure_retry_seconds: float = Field(
         1.0, gt=0, description="retry-after hint sent with RESOURCE_EXHAUSTED on LeasePrompts."
     )
+    payload_cache_mib: int = Field(
+        256,
+        ge=0,
+        description="Memory (MiB) for the bytes of groups this replica accepted, kept until a "
+        "batch of this replica takes them so it need not read them back from Redis (oldest "
+        "evicted first; a miss reads Redis; 0 = off). Counts against the pod's memory limit.",
+    )
     acked_batch_ttl_seconds: float = Field(
         7 * 24 * 3600.0,
         gt=0,

@@ -768,3 +768,66 @@ def test_no_group_bytes_are_left_behind_by_acks_drops_duplicates_or_rejections(
             return stored, redis.Redis.from_url(redis_url).hlen(svc.db.keys.payloads("train"))
 
     assert run(scenario()) == (3, 0)
+
+
+def _cache_count(result: str) -> float:
+    from prometheus_client import REGISTRY
+
+    sample = REGISTRY.get_sample_value("kuberl_buffer_payload_cache_total", {"result": result})
+    return sample or 0.0
+
+
+def test_a_batch_takes_what_its_replica_accepted_from_memory_and_the_rest_from_redis(
+    redis_url: str, tmp_path: Path
+) -> None:
+    import redis
+
+    job = f"t{uuid.uuid4().hex[:10]}"
+
+    async def scenario() -> tuple[dict[str, bytes], list[bytes], tuple[float, float], int, int]:
+        async with (
+            buffer(redis_url, tmp_path, prompts=5, job=job) as a,
+            buffer(redis_url, tmp_path, prompts=5, job=job) as b,
+        ):
+            ps = (await lease(a, 5)).prompts
+            await complete(a, ps[:2])
+            await complete(b, ps[2:4])
+            with pytest.raises(AlreadyExists):
+                await complete(a, ps[:1])  # a duplicate is not kept
+            # Redis' bytes of each prompt's group, to compare with what the batch carries.
+            stored = {
+                tpb.Group.FromString(v).prompt_id: v
+                for v in redis.Redis.from_url(redis_url).hvals(a.db.keys.payloads("train"))
+            }
+            assert (len(a.db.cache), len(b.db.cache)) == (2, 2)
+            hits, misses = _cache_count("hit"), _cache_count("miss")
+            batch = await get(a, 4)
+            counts = (_cache_count("hit") - hits, _cache_count("miss") - misses)
+            await complete(a, ps[4:], version=0)  # dropped as stale: it leaves the cache
+            assert len(a.db.cache) == 1
+            dropped = await get(a, 1, version=3, staleness=0)
+            assert dropped.dropped["stale"] == 1
+            # b never hands out the two it accepted: they stay until evicted (harmless).
+            return (
+                stored,
+                [g.SerializeToString() for g in batch.groups],
+                counts,
+                len(a.db.cache),
+                len(b.db.cache),
+            )
+
+    stored, sent, counts, left_a, left_b = run(scenario())
+    assert sorted(sent) == sorted(stored.values())  # the bytes Redis holds, byte for byte
+    assert counts == (2, 2)  # a's own two from memory, b's two from Redis
+    assert (left_a, left_b) == (0, 2)
+
+
+def test_without_the_cache_every_batch_reads_redis(redis_url: str, tmp_path: Path) -> None:
+    async def scenario() -> tuple[int, float, int]:
+        async with buffer(redis_url, tmp_path, prompts=3, payload_cache_mib=0) as svc:
+            await complete(svc, (await lease(svc, 3)).prompts)
+            hits = _cache_count("hit")
+            batch = await get(svc, 3)
+            return len(svc.db.cache), _cache_count("hit") - hits, len(batch.groups)
+
+    assert run(scenario()) == (0, 0.0, 3)
