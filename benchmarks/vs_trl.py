@@ -29,7 +29,9 @@ Wall time of a side runs from launching its process (imports, model loading and,
 the embedded Redis and every service's start-up included) to the end of its last optimizer
 step. The figures: wall time, trained samples per second, accuracy at the end, accuracy of both
 at equal wall time (the shorter run's end), and the headline: the wall time kuberl needs to
-reach TRL's final accuracy, as a ratio to TRL's wall time (goal: at most 0.7).
+reach TRL's final accuracy, as a ratio to TRL's wall time (goal: at most 0.7). It runs
+`--repeat` such pairs (default 4, the order of the two sides alternated), pair i seeded with the
+job's seed + i on both sides, and reports the medians over the pairs with every pair's figures.
 
     .venv/bin/python benchmarks/vs_trl.py            # the full demo (200 RL steps), ~10-15 min
     .venv/bin/python benchmarks/vs_trl.py --quick    # a smoke test of every stage, ~2-3 min
@@ -338,9 +340,13 @@ def run_kuberl(
     out: Path,
     timeout: float,
     replicas: int | None = None,
+    seed: int | None = None,
 ) -> dict[str, Any]:
-    """`kuberl run` on the demo job from `model`; step times and the checkpoints it left."""
+    """`kuberl run` on the demo job from `model` (with `job.seed` = seed when given); step
+    times and the checkpoints it left."""
     job = copy.deepcopy(doc)
+    if seed is not None:
+        job.setdefault("job", {})["seed"] = seed
     tc = job["trainer"]
     tc.update(
         total_steps=steps,
@@ -644,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         "--rollout-replicas", type=int, help="kuberl's rollout replicas (default: the job's)"
     )
     parser.add_argument(
-        "--repeat", type=int, help="TRL/kuberl pairs, order alternated (default 2; quick 1)"
+        "--repeat", type=int, help="TRL/kuberl pairs, order alternated (default 4; quick 1)"
     )
     parser.add_argument("--warm-start", type=Path, help="reuse this warm-start HF folder")
     parser.add_argument("--out", type=Path, help="work folder (default: a temporary one)")
@@ -662,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     rl_steps = args.rl_steps or (quick["rl_steps"] if args.quick else settings["rl_steps"])
     sft_steps = args.sft_steps or (quick["sft_steps"] if args.quick else settings["sft_steps"])
     every = args.eval_every or (quick["eval_every"] if args.quick else 10)
-    repeat = args.repeat or (1 if args.quick else 2)
+    repeat = args.repeat or (1 if args.quick else 4)
     settings.update(rl_steps=rl_steps, sft_steps=sft_steps, eval_every=every)
     where = machine()
     started = time.time()
@@ -679,11 +685,16 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(repeat):
             # Alternate which side goes first, so a change in the machine's load hits both.
             order = ("trl", "kuberl") if i % 2 == 0 else ("kuberl", "trl")
+            # Each pair is a replicate on both sides: its own seed (TRL's sampler, init of its
+            # RNGs; kuberl's epoch order). One seed for all pairs would repeat TRL's run exactly
+            # (it is synchronous) while kuberl's asynchronous runs vary, comparing one TRL draw
+            # with several kuberl draws.
+            seed = settings["seed"] + i
             runs: dict[str, dict[str, Any]] = {}
             for side in order:
                 load = os.getloadavg()[0]
                 if side == "trl":
-                    spec = {**settings, "model": str(model)}
+                    spec = {**settings, "model": str(model), "seed": seed}
                     runs[side] = run_trl(spec, out / f"trl-{i}", args.trl_threads, args.timeout)
                 else:
                     runs[side] = run_kuberl(
@@ -694,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
                         out / f"kuberl-{i}",
                         args.timeout,
                         args.rollout_replicas,
+                        seed,
                     )
                 runs[side]["load"] = [round(load, 1), round(os.getloadavg()[0], 1)]
                 print(
@@ -705,6 +717,7 @@ def main(argv: list[str] | None = None) -> int:
             kub_curve = ev.curve(runs["kuberl"]["snapshots"], start_acc)
             pair = figures(runs["trl"], runs["kuberl"], trl_curve, kub_curve)
             pair["order"] = list(order)
+            pair["seed"] = seed
             pairs.append(pair)
         result = {
             "benchmark": "vs_trl",

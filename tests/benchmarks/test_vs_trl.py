@@ -210,3 +210,43 @@ def test_the_headline_is_the_median_over_pairs_with_never_reached_counting_as_in
         two["ratio_kuberl_time_to_trl_final_over_trl_wall"],
         two["goal_met"],
     ) == (0.8, False, [0.6, None, 0.8], None, False)
+
+
+def test_each_pair_seeds_both_sides_with_the_jobs_seed_plus_its_index(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Stand-ins for the three heavy stages (training both sides and evaluating): this checks
+    # only which seed each side of each pair is given.
+    seeds: dict[str, list[int]] = {"trl": [], "kuberl": []}
+
+    def trl(spec: dict[str, Any], out: Path, threads: int, timeout: float) -> dict[str, Any]:
+        seeds["trl"].append(spec["seed"])
+        return {**_side(10.0), "snapshots": []}
+
+    def kuberl(doc: dict[str, Any], *args: Any) -> dict[str, Any]:
+        seeds["kuberl"].append(args[-1])
+        return {**_side(10.0), "snapshots": []}
+
+    class Evaluator:
+        def __init__(self, *args: Any) -> None:
+            pass
+
+        def accuracy(self) -> float:
+            return 0.5
+
+        def curve(self, snapshots: list[Any], start: float) -> list[dict[str, Any]]:
+            return _curve([(0, 0.0, start)])
+
+    monkeypatch.setattr(vs_trl, "run_trl", trl)
+    monkeypatch.setattr(vs_trl, "run_kuberl", kuberl)
+    monkeypatch.setattr(vs_trl, "Evaluator", Evaluator)
+    argv = ["--repeat", "3", "--warm-start", str(tmp_path), "--out", str(tmp_path / "out")]
+    assert vs_trl.main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    base = vs_trl.rl_settings(vs_trl.load_demo(vs_trl.DEMO))["seed"]
+    expected = [base, base + 1, base + 2]
+    assert (seeds["trl"], seeds["kuberl"], [p["seed"] for p in result["pairs"]]) == (
+        expected,
+        expected,
+        expected,
+    )
