@@ -651,6 +651,14 @@ class RolloutConfig(Section):
         "a lease waits at the buffer up to this long for room and starts as soon as the trainer "
         "frees some; 0 takes the refusal at once and sleeps the buffer's retry-after hint.",
     )
+    version_wait_seconds: float = Field(
+        10.0,
+        ge=0,
+        description="A leased training prompt is not generated on weights too old to be "
+        "trained: while the engine's version is below the buffer's policy version minus "
+        "trainer.max_staleness (the group would be dropped as stale), its batch waits up to "
+        "this long for the weight update, then generates anyway; 0 = never wait.",
+    )
     weight_sync: bool = Field(
         True,
         description="Register with the weight-sync service (endpoints.weight_sync), catch up "

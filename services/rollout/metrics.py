@@ -68,6 +68,12 @@ RPC_RETRIES = metrics.counter(
     "Retried buffer / reward calls by method and status code",
     ["method", "code"],
 )
+VERSION_WAITS = metrics.counter(
+    "kuberl_rollout_version_waits_total",
+    "Leased training batches held for a weight update because the engine's weights were too "
+    "old for the group to be trained, by outcome (loaded, timed_out)",
+    ["outcome"],
+)
 BACKPRESSURE = metrics.counter(
     "kuberl_rollout_backpressure_total", "LeasePrompts refused with RESOURCE_EXHAUSTED"
 )

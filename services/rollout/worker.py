@@ -113,6 +113,13 @@ def retry_after(exc: grpc.aio.AioRpcError, default: float) -> float:
     return default
 
 
+def oldest_trainable_version(policy_version: int, max_staleness: int, publish_every: int) -> int:
+    """The oldest weights whose groups the trainer, now at `policy_version`, will still train
+    (`max_staleness` >= 0), capped at the newest version it has published (one in every
+    `publish_every`)."""
+    return min(policy_version - max_staleness, policy_version // publish_every * publish_every)
+
+
 class RolloutWorker:
     """One replica's loop. `run()` until `drain()`; control calls come from the RPC servicer."""
 
@@ -177,6 +184,7 @@ class RolloutWorker:
         self._generating: set[_Generation] = set()
         self._gen_changed = asyncio.Condition()
         self._update_lock = asyncio.Lock()
+        self._version_changed = asyncio.Condition()  # notified after every weight update
         # Prompts in a row whose group could not be made (rollout function or tokenizer errors):
         # a batch that yields nothing for this reason backs off before its slot frees.
         self._gen_errors = 0
@@ -222,12 +230,12 @@ class RolloutWorker:
                 self._slots.release()
                 await self._sleep(self.rc.idle_poll_seconds)
                 continue
-            kind, prompts = got
+            kind, prompts, version = got
             if self._stopping:  # the drain began while this lease was in flight
                 await self._release(kind, [p.lease_id for p in prompts])
                 self._slots.release()
                 break
-            task = asyncio.create_task(self._process_batch(kind, prompts))
+            task = asyncio.create_task(self._process_batch(kind, prompts, version))
             self._batches.add(task)
             task.add_done_callback(self._batch_done)
 
@@ -258,7 +266,8 @@ class RolloutWorker:
     def _backoff(self, attempt: int) -> float:
         return min(self.rc.retry_max_seconds, self.rc.retry_initial_seconds * 2 ** (attempt - 1))
 
-    async def _lease(self) -> tuple[str, list[tpb.Prompt]] | None:
+    async def _lease(self) -> tuple[str, list[tpb.Prompt], int] | None:
+        """(kind, prompts, the job's policy version) of a lease; None when nothing was leased."""
         exhausted = True
         for kind in self.lease_kinds:
             request = bpb.LeasePromptsRequest(
@@ -284,7 +293,7 @@ class RolloutWorker:
                     self._inflight[p.lease_id] = kind
                 m.PROMPTS.labels(kind, "leased").inc(len(answer.prompts))
                 m.IN_FLIGHT.set(len(self._inflight))
-                return kind, list(answer.prompts)
+                return kind, list(answer.prompts), answer.policy_version
             exhausted = exhausted and answer.exhausted
         if exhausted and not self.exhausted:
             log.info("lease.exhausted", kinds=",".join(self.lease_kinds))
@@ -293,11 +302,15 @@ class RolloutWorker:
 
     # -- one batch ----------------------------------------------------------------------------
 
-    async def _process_batch(self, kind: str, prompts: Sequence[tpb.Prompt]) -> None:
+    async def _process_batch(
+        self, kind: str, prompts: Sequence[tpb.Prompt], policy_version: int = 0
+    ) -> None:
         leased_at = time.monotonic()
         lease_ids = [p.lease_id for p in prompts]
         failed = False
         try:
+            if kind == "train":
+                await self._await_trainable_weights(policy_version)
             m.BATCH_SIZE.observe(len(prompts) * self.rc.group_size)
             items = []
             for p in prompts:
@@ -581,6 +594,42 @@ class RolloutWorker:
         self._lease_gate.set()
         log.info("replica.resumed")
 
+    async def _await_trainable_weights(self, policy_version: int) -> None:
+        """Hold a training batch while the engine's weights are too old for its groups to be
+        trained: the trainer is at `policy_version` or later when it takes them, and drops a
+        group older than `trainer.max_staleness` versions (never asking for a version newer
+        than the last one `trainer.publish_every` lets the trainer publish). Waits for the
+        weight update up to `rollout.version_wait_seconds`, then generates anyway (weights that
+        never come must not stall the replica: the buffer drops and re-queues what turns out
+        stale)."""
+        tc = self.config.trainer
+        timeout = self.rc.version_wait_seconds
+        if tc.max_staleness < 0 or timeout <= 0 or not (self.rc.weight_sync and tc.publish_weights):
+            return  # no bound, or no update is coming
+        need = oldest_trainable_version(policy_version, tc.max_staleness, tc.publish_every)
+        if self.engine.version >= need:
+            return
+        started = time.monotonic()
+        try:
+            async with self._version_changed:
+                await asyncio.wait_for(
+                    self._version_changed.wait_for(
+                        lambda: self.engine.version >= need or self._stopping
+                    ),
+                    timeout,
+                )
+            outcome = "loaded"
+        except TimeoutError:
+            outcome = "timed_out"
+        m.VERSION_WAITS.labels(outcome).inc()
+        log.debug(
+            "batch.waited_for_weights",
+            need=need,
+            engine=self.engine.version,
+            outcome=outcome,
+            seconds=round(time.monotonic() - started, 3),
+        )
+
     async def apply_weight_update(self, version: int, load: Callable[[], Awaitable[Any]]) -> None:
         """Pause generation, run `load` (which loads `version` into the engine), resume."""
         async with self._update_lock:
@@ -617,6 +666,8 @@ class RolloutWorker:
                 else:
                     self.state = previous
             m.ENGINE_VERSION.set(self.engine.version)
+            async with self._version_changed:
+                self._version_changed.notify_all()
             m.WEIGHT_UPDATE_SECONDS.observe(time.monotonic() - started)
             log.info(
                 "replica.weights_updated",
@@ -634,6 +685,8 @@ class RolloutWorker:
         self.state = "draining"
         self._stop.set()
         self._lease_gate.set()
+        async with self._version_changed:  # a batch waiting for weights goes on now
+            self._version_changed.notify_all()
         log.info("replica.draining", batches=len(self._batches), timeout=timeout)
         # A lease in flight either becomes a batch or is released before run() returns.
         with contextlib.suppress(TimeoutError):

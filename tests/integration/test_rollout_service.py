@@ -987,3 +987,38 @@ def test_a_reward_outage_is_retried_then_the_prompts_go_back_to_the_buffer(env, 
     assert retries._value.get() - before[0] >= 2 and failures._value.get() - before[1] >= 1
     assert sorted(p.prompt_id for p in again.prompts) == ["train:0", "train:1"]
     assert min(p.delivery_count for p in again.prompts) >= 2
+
+
+OUTCOMES = ("loaded", "timed_out")
+
+
+@pytest.mark.parametrize("update", [True, False])
+def test_a_batch_leased_on_weights_too_old_to_train_waits_for_the_update(env, job, update) -> None:
+    # The trainer is at version 3 and drops groups older than max_staleness (1) versions: an
+    # engine still at 0 would make groups that are only ever dropped. The batch waits for
+    # version 2 or later; without an update it goes ahead when version_wait_seconds are up.
+    wait = 30.0 if update else 1.0
+    config, buffer, address = job(
+        prompts=2,
+        rollout={"weight_sync": True, "batches_in_flight": 1, "version_wait_seconds": wait},
+    )
+    buffer.stub.SetPolicyVersion(bpb.SetPolicyVersionRequest(version=3), timeout=10)
+    new = _other_weights(env)
+
+    async def go() -> tuple[int, float, float]:
+        before = [_metric("kuberl_rollout_version_waits_total", outcome=o) for o in OUTCOMES]
+        async with Loop(env, config, address) as worker:
+            await _until(lambda: worker._inflight, what="a lease")
+            if update:
+                await asyncio.sleep(0.5)
+                assert (worker._generating, worker.groups_put) == (set(), 0)  # held
+                await worker.apply_weight_update(2, lambda: worker.engine.load_weights(new, 2))
+            await _until(lambda: worker.groups_put == 2, 60, "both groups")
+            after = [_metric("kuberl_rollout_version_waits_total", outcome=o) for o in OUTCOMES]
+            return worker.engine.version, after[0] - before[0], after[1] - before[1]
+
+    version, loaded, timed_out = asyncio.run(go())
+    starts = {t.policy_version_start for g in buffer.take_all(2) for t in g.trajectories}
+    assert (version, starts, loaded, timed_out) == (
+        (2, {2}, 1.0, 0.0) if update else (0, {0}, 0.0, 1.0)
+    )
