@@ -17,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from tests.integration.test_trainer_zero import _plain_torch_step
 from tests.support import REPO
 
 STAGE = 2
+_DIST_ENV = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
 
 def _free_port() -> int:
@@ -91,24 +93,33 @@ def test_two_nodes_rendezvous_and_take_the_plain_torch_step(  # type: ignore[no-
     program = ["-m", "tests.integration.test_trainer_zero", "--worker"]
     program += [str(tmp_path), str(model_dir), str(STAGE)]
     build = _chart_commands if launch == "chart_static" else _c10d_commands
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        "POD_INDEX": "0",  # the worker StatefulSet's first pod: node rank 1
-    }
-    procs = [
-        subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for cmd in build(port, program)
+    # The agents get a clean world: a distributed setting in this test process's environment
+    # (kuberl's init_distributed writes RANK, MASTER_PORT, ... into a process that trains
+    # in-process) must not reach them.
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env["POD_INDEX"] = "0"  # the worker StatefulSet's first pod: node rank 1
+    logs = [tmp_path / f"agent{i}.log" for i in range(2)]
+    procs = []
+    for cmd, log in zip(build(port, program), logs, strict=True):
+        with log.open("wb") as out:
+            procs.append(
+                subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+            )
+    # Both agents at once: one that fails ends the test at once (its peer would wait for it in
+    # a collective), and the failure shows both agents' output.
+    deadline = time.monotonic() + 240
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.returncode not in (None, 0) for p in procs):
+            break
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    outputs = [
+        f"--- agent {i}:\n" + log.read_text(errors="replace")[-3000:] for i, log in enumerate(logs)
     ]
-    outputs = []
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        outputs.append(out.decode(errors="replace")[-3000:])
     assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
 
     ref_loss, ref_norm, ref_weights, _ = reference
