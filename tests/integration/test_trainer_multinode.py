@@ -12,8 +12,10 @@ launch the trainer themselves.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -71,6 +73,47 @@ def _c10d_commands(port: int, program: list[str]) -> list[list[str]]:
     return [agent + program, agent + program]
 
 
+def _run_agents(commands: list[list[str]], folder: Path) -> tuple[list[int] | None, list[str]]:
+    """Run both agents at once, each in its own process group; (exit codes, or None when both
+    were still running at the deadline, and each agent's output). An agent that fails ends the
+    run at once (its peer would wait for it in a collective)."""
+    # The agents get a clean world: a distributed setting in this test process's environment
+    # (kuberl's init_distributed writes RANK, MASTER_PORT, ... into a process that trains
+    # in-process) must not reach them.
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env["POD_INDEX"] = "0"  # the worker StatefulSet's first pod: node rank 1
+    folder.mkdir(parents=True, exist_ok=True)
+    logs = [folder / f"agent{i}.log" for i in range(len(commands))]
+    procs = []
+    for cmd, log in zip(commands, logs, strict=True):
+        with log.open("wb") as out:
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=REPO,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # the agent and its workers: killed together
+                )
+            )
+    deadline = time.monotonic() + 240
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.returncode not in (None, 0) for p in procs):
+            break
+        time.sleep(0.2)
+    hung = all(p.poll() is None for p in procs)
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # leftover workers too
+        p.wait()
+    outputs = [
+        f"--- agent {i}:\n" + log.read_text(errors="replace")[-3000:] for i, log in enumerate(logs)
+    ]
+    return (None if hung else [p.returncode for p in procs]), outputs
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kuberl.common.modelbuild import build_model
@@ -89,38 +132,17 @@ def test_two_nodes_rendezvous_and_take_the_plain_torch_step(  # type: ignore[no-
 ) -> None:
     from safetensors.torch import load_file
 
-    port = _free_port()
     program = ["-m", "tests.integration.test_trainer_zero", "--worker"]
     program += [str(tmp_path), str(model_dir), str(STAGE)]
     build = _chart_commands if launch == "chart_static" else _c10d_commands
-    # The agents get a clean world: a distributed setting in this test process's environment
-    # (kuberl's init_distributed writes RANK, MASTER_PORT, ... into a process that trains
-    # in-process) must not reach them.
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    env["POD_INDEX"] = "0"  # the worker StatefulSet's first pod: node rank 1
-    logs = [tmp_path / f"agent{i}.log" for i in range(2)]
-    procs = []
-    for cmd, log in zip(build(port, program), logs, strict=True):
-        with log.open("wb") as out:
-            procs.append(
-                subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-            )
-    # Both agents at once: one that fails ends the test at once (its peer would wait for it in
-    # a collective), and the failure shows both agents' output.
-    deadline = time.monotonic() + 240
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if any(p.returncode not in (None, 0) for p in procs):
-            break
-        time.sleep(0.2)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    outputs = [
-        f"--- agent {i}:\n" + log.read_text(errors="replace")[-3000:] for i, log in enumerate(logs)
-    ]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
+    codes, outputs = _run_agents(build(_free_port(), program), tmp_path / "try1")
+    if codes is None:
+        # Both agents alive at the deadline. Seen once in a full parallel run of the suite (a
+        # 240 s hang of the static launch, never alone or beside CPU hogs): one more launch on a
+        # fresh port, the first one's output kept in the report.
+        print("\n".join(["first launch hung; launching again", *outputs]), file=sys.stderr)
+        codes, outputs = _run_agents(build(_free_port(), program), tmp_path / "try2")
+    assert codes == [0, 0], "\n".join(outputs)
 
     ref_loss, ref_norm, ref_weights, _ = reference
     result = json.loads((tmp_path / f"stage{STAGE}.json").read_text())
