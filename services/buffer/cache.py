@@ -40,29 +40,27 @@ class PayloadCache:
         size = len(payload)
         if not key or size == 0 or size > self.max_bytes:
             return
-        self.discard(key)
+        self._pop(key)
         self._items[key] = payload
         self.nbytes += size
         while self.nbytes > self.max_bytes:
-            oldest = next(iter(self._items))
-            self.nbytes -= len(self._items.pop(oldest))
+            self._pop(next(iter(self._items)))
             m.PAYLOAD_CACHE_TOTAL.labels("evicted").inc()
         m.PAYLOAD_CACHE_BYTES.set(self.nbytes)
 
     def take(self, key: str) -> Payload | None:
         """The payload under key, removed from the cache; None (a miss) if it is not here."""
-        payload = self._items.pop(key, None)
-        if payload is None:
-            m.PAYLOAD_CACHE_TOTAL.labels("miss").inc()
-            return None
-        self.nbytes -= len(payload)
-        m.PAYLOAD_CACHE_TOTAL.labels("hit").inc()
-        m.PAYLOAD_CACHE_BYTES.set(self.nbytes)
+        payload = self._pop(key)
+        m.PAYLOAD_CACHE_TOTAL.labels("miss" if payload is None else "hit").inc()
         return payload
 
     def discard(self, key: str) -> None:
         """Forget key (a dropped group, whose bytes Redis deletes too)."""
+        self._pop(key)
+
+    def _pop(self, key: str) -> Payload | None:
         payload = self._items.pop(key, None)
         if payload is not None:
             self.nbytes -= len(payload)
             m.PAYLOAD_CACHE_BYTES.set(self.nbytes)
+        return payload

@@ -303,7 +303,7 @@ class RolloutWorker:
     # -- one batch ----------------------------------------------------------------------------
 
     async def _process_batch(
-        self, kind: str, prompts: Sequence[tpb.Prompt], policy_version: int = 0
+        self, kind: str, prompts: Sequence[tpb.Prompt], policy_version: int
     ) -> None:
         leased_at = time.monotonic()
         lease_ids = [p.lease_id for p in prompts]

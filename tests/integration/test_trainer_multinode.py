@@ -126,6 +126,7 @@ def reference(model_dir: Path):  # type: ignore[no-untyped-def]
     return _plain_torch_step(model_dir)
 
 
+@pytest.mark.timeout(600)  # two launches of up to 240 s each
 @pytest.mark.parametrize("launch", ["chart_static", "c10d"])
 def test_two_nodes_rendezvous_and_take_the_plain_torch_step(  # type: ignore[no-untyped-def]
     launch: str, model_dir: Path, reference, tmp_path: Path
@@ -137,9 +138,9 @@ def test_two_nodes_rendezvous_and_take_the_plain_torch_step(  # type: ignore[no-
     build = _chart_commands if launch == "chart_static" else _c10d_commands
     codes, outputs = _run_agents(build(_free_port(), program), tmp_path / "try1")
     if codes is None:
-        # Both agents alive at the deadline. Seen once in a full parallel run of the suite (a
-        # 240 s hang of the static launch, never alone or beside CPU hogs): one more launch on a
-        # fresh port, the first one's output kept in the report.
+        # Both agents alive at the deadline: a hang seen in one full parallel run of the suite
+        # (the static launch, 240 s) and in 2 of 26 runs of this file after it, cause not found.
+        # One more launch on a fresh port; the first one's output is kept in the report.
         print("\n".join(["first launch hung; launching again", *outputs]), file=sys.stderr)
         codes, outputs = _run_agents(build(_free_port(), program), tmp_path / "try2")
     assert codes == [0, 0], "\n".join(outputs)
