@@ -60,6 +60,11 @@ CUT_SECONDS = float(os.environ.get("KUBERL_PARTITION_CUT_SECONDS", "8"))
 BEFORE_CUT = 8  # groups stored before the link is cut
 SETTLE_SECONDS = 1.0  # after the cut: a put the buffer had fully received may still land
 REPLICA = "replica-far"
+# A ReleasePrompts attempt that timed out (retried, or the last one): sent, maybe applied.
+_RELEASE_TIMEOUT = (
+    r"event=rpc\.retry method=ReleasePrompts code=DEADLINE_EXCEEDED"
+    r"|event=prompts\.release_failed .*ReleasePrompts: DEADLINE_EXCEEDED"
+)
 # Ports inside namespace a, where nothing else listens: every process can start at once.
 REDIS_PORT = 6379
 BUFFER_PORT = 50051
@@ -87,6 +92,7 @@ class Outcome:
     failed_codes: list[str]  # status codes of the replica's failed calls (its log)
     released_logged: int  # prompts the replica logged as released to the buffer
     abandoned_logged: int  # prompts it gave up on because the buffer could not be told
+    release_timeouts: int  # ReleasePrompts attempts that timed out: sent, maybe applied
     rollout_alive_at_end: bool
     rollout_exit: int
 
@@ -285,6 +291,7 @@ def _run(link: Link, work: Path, sockets: Path, started: list[Any]) -> Outcome:
         failed_codes=sorted(set(re.findall(r"code=([A-Z_]+)", log))),
         released_logged=sum(map(int, re.findall(r"event=prompts\.released prompts=(\d+)", log))),
         abandoned_logged=sum(map(int, re.findall(r"event=prompts\.abandoned prompts=(\d+)", log))),
+        release_timeouts=len(re.findall(_RELEASE_TIMEOUT, log)),
         rollout_alive_at_end=alive,
         rollout_exit=exit_code,
     )
@@ -386,8 +393,14 @@ def test_the_same_replica_reconnects_and_finishes_the_job(outcome: Outcome) -> N
 
 
 def test_the_replica_counts_as_released_only_what_the_buffer_took_back(outcome: Outcome) -> None:
-    # Releases sent during the cut fail: those prompts are abandoned (left to the lease timeout),
-    # and what the replica reports as released is exactly what the buffer received.
-    assert outcome.released_logged == outcome.counters.get("train:released", 0)
+    # Releases sent during the cut fail: those prompts are abandoned (left to the lease timeout).
+    # Every release the replica reports reached the buffer. The buffer may have applied more: a
+    # release that arrived just as the link went down, whose reply was lost (the call timed out
+    # and the replica abandoned those prompts); nothing beyond that.
+    released_by_buffer = outcome.counters.get("train:released", 0)
+    lost_replies = released_by_buffer - outcome.released_logged
+    assert 0 <= lost_replies <= outcome.abandoned_logged
+    if lost_replies:
+        assert outcome.release_timeouts > 0, "the buffer released prompts no release was sent for"
     assert outcome.abandoned_logged + outcome.released_logged >= len(outcome.held_at_cut)
     assert outcome.abandoned_logged > 0
