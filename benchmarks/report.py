@@ -260,6 +260,7 @@ def rows_vs_trl(r: dict[str, Any]) -> list[Row]:
             f"{t['final_accuracy']:.3f} (TRL)",
             f"{k['final_accuracy'] - t['final_accuracy']:+.3f}",
         ),
+        *_rows_learning_per_sample(r.get("learning_per_sample"), acc),
         Row(
             f"demo GRPO: {acc} at equal wall time ({r['equal_wall_time_seconds']:.0f} s)",
             f"{k['accuracy_at_equal_wall_time']:.3f}",
@@ -272,6 +273,23 @@ def rows_vs_trl(r: dict[str, Any]) -> list[Row]:
             f"{t['cpu_seconds']:.0f} s (TRL)",
             f"{r['ratio_cpu_seconds_kuberl_over_trl']:.2f}x",
         ),
+    ]
+
+
+def _rows_learning_per_sample(x: dict[str, Any] | None, acc: str) -> list[Row]:
+    """The second half's accuracy: the two sides after the same trained samples."""
+    if not x:
+        return []
+    kub, trl = x["second_half_accuracy"]["kuberl"], x["second_half_accuracy"]["trl"]
+    err = x.get("second_half_difference_stderr")
+    return [
+        Row(
+            f"demo GRPO: {acc} over the second half of training, same samples trained "
+            f"(mean of {len(kub)} pairs; one evaluation scatters by {x['eval_noise']:.3f})",
+            f"{sum(kub) / len(kub):.3f}",
+            f"{sum(trl) / len(trl):.3f} (TRL)",
+            f"{x['second_half_difference']:+.3f}" + (f" ± {err:.3f}" if err is not None else ""),
+        )
     ]
 
 

@@ -45,11 +45,14 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import itertools
 import json
+import math
 import os
 import platform
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -605,6 +608,58 @@ def _median(values: list[float | None]) -> float | None:
     return None if m == float("inf") else round(m, 3)
 
 
+def _second_half(curve: list[dict[str, Any]]) -> list[float]:
+    """The raw accuracies of the policies saved after half of the run's RL steps (the last
+    point's alone for a run that saved none after step 0)."""
+    half = curve[-1]["step"] / 2
+    return [float(p["accuracy"]) for p in curve if p["step"] > half] or [curve[-1]["accuracy"]]
+
+
+def _steps(curve: list[dict[str, Any]]) -> list[float]:
+    """Changes in accuracy from one saved policy to the next, in the run's second half."""
+    values = _second_half(curve)
+    return [b - a for a, b in itertools.pairwise(values)]
+
+
+def _mean_and_stderr(values: list[float]) -> tuple[float, float | None]:
+    mean = statistics.fmean(values)
+    stderr = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+    return round(mean, 4), (round(stderr, 4) if stderr is not None else None)
+
+
+def learning_per_sample(pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether the two sides learn alike per trained sample, from the same saved steps.
+
+    Both sides save a policy at the same RL steps, i.e. after the same number of trained samples.
+    Per pair, each side's mean accuracy over the policies of the run's second half (where both
+    plateau) and the paired difference kuberl - TRL; over the pairs, the mean difference and its
+    standard error, the same for the final accuracies (the mean of the last three evaluations,
+    the headline's target), and `eval_noise`: how much one evaluation of one policy scatters,
+    estimated as the standard deviation of the change between neighbouring saved policies of
+    the second half over sqrt(2) (neighbours differ by a few optimizer steps)."""
+    second = {
+        side: [statistics.fmean(_second_half(p[side]["curve"])) for p in pairs]
+        for side in ("trl", "kuberl")
+    }
+    late = [diff for p in pairs for side in ("trl", "kuberl") for diff in _steps(p[side]["curve"])]
+    diff, diff_err = _mean_and_stderr(
+        [k - t for k, t in zip(second["kuberl"], second["trl"], strict=True)]
+    )
+    final, final_err = _mean_and_stderr(
+        [p["kuberl"]["final_accuracy"] - p["trl"]["final_accuracy"] for p in pairs]
+    )
+    return {
+        "second_half_accuracy": {
+            side: [round(v, 4) for v in values] for side, values in second.items()
+        },
+        "second_half_difference": diff,
+        "second_half_difference_stderr": diff_err,
+        "final_accuracy_difference": final,
+        "final_accuracy_difference_stderr": final_err,
+        "eval_noise": round(statistics.stdev(late) / math.sqrt(2), 4) if len(late) > 1 else None,
+    }
+
+
 def summarize(pairs: list[dict[str, Any]]) -> dict[str, Any]:
     """The medians over the TRL/kuberl pairs (each pair's figures are in `pairs`)."""
     side_keys = (
@@ -633,6 +688,7 @@ def summarize(pairs: list[dict[str, Any]]) -> dict[str, Any]:
     ratio = out["ratio_kuberl_time_to_trl_final_over_trl_wall"]
     out["trl"]["version"] = pairs[0]["trl"]["version"]
     out["pair_ratios"] = [p["ratio_kuberl_time_to_trl_final_over_trl_wall"] for p in pairs]
+    out["learning_per_sample"] = learning_per_sample(pairs)
     out["goal"] = f"kuberl reaches TRL's final accuracy in <= {GOAL_RATIO}x TRL's wall time"
     out["goal_met"] = ratio is not None and ratio <= GOAL_RATIO
     return out
@@ -651,6 +707,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--repeat", type=int, help="TRL/kuberl pairs, order alternated (default 4; quick 1)"
+    )
+    parser.add_argument(
+        "--seed", type=int, help="seed of the first pair, pair i gets seed + i (default: the job's)"
     )
     parser.add_argument("--warm-start", type=Path, help="reuse this warm-start HF folder")
     parser.add_argument("--out", type=Path, help="work folder (default: a temporary one)")
@@ -689,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
             # RNGs; kuberl's epoch order). One seed for all pairs would repeat TRL's run exactly
             # (it is synchronous) while kuberl's asynchronous runs vary, comparing one TRL draw
             # with several kuberl draws.
-            seed = settings["seed"] + i
+            seed = (settings["seed"] if args.seed is None else args.seed) + i
             runs: dict[str, dict[str, Any]] = {}
             for side in order:
                 load = os.getloadavg()[0]

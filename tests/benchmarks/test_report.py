@@ -114,6 +114,12 @@ LINES: dict[str, dict[str, Any]] = {
         "ratio_samples_per_second_kuberl_over_trl": 0.643,
         "ratio_cpu_seconds_kuberl_over_trl": 2.105,
         "goal_met": False,
+        "learning_per_sample": {
+            "second_half_accuracy": {"trl": [0.9, 0.92], "kuberl": [0.89, 0.91]},
+            "second_half_difference": -0.01,
+            "second_half_difference_stderr": 0.004,
+            "eval_noise": 0.029,
+        },
     },
     "trainer_mfu": {"skipped": True, "reason": "no CUDA device"},
 }
@@ -162,6 +168,13 @@ def test_the_trl_headline_row_says_not_reached_when_kuberl_never_got_there() -> 
         "<= 0.7x",
         "**no**",
     ]
+
+
+def test_the_trl_rows_compare_both_sides_after_the_same_samples_trained() -> None:
+    text = report.render(_results(), {}, note="")
+    row = next(line for line in text.splitlines() if "second half of training" in line)
+    assert "mean of 2 pairs; one evaluation scatters by 0.029" in row
+    assert row.split(" | ")[1:4] == ["0.900", "0.910 (TRL)", "-0.010 ± 0.004"]
 
 
 def test_a_failed_benchmark_is_listed_with_its_error() -> None:

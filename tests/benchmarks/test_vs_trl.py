@@ -199,7 +199,8 @@ def test_the_headline_is_the_median_over_pairs_with_never_reached_counting_as_in
             "kuberl_seconds_to_trl_final_accuracy": None if ratio is None else ratio * wall,
             "equal_wall_time_seconds": wall,
         }
-        return {"trl": side, "kuberl": side, **ratios}
+        curve = _curve([(0, 0, 0.5), (10, 50, 0.8), (20, 100, 0.9)])
+        return {"trl": {**side, "curve": curve}, "kuberl": {**side, "curve": curve}, **ratios}
 
     three = vs_trl.summarize([pair(0.6, 100.0), pair(None, 100.0), pair(0.8, 100.0)])
     two = vs_trl.summarize([pair(0.6, 100.0), pair(None, 100.0)])
@@ -212,7 +213,39 @@ def test_the_headline_is_the_median_over_pairs_with_never_reached_counting_as_in
     ) == (0.8, False, [0.6, None, 0.8], None, False)
 
 
-def test_each_pair_seeds_both_sides_with_the_jobs_seed_plus_its_index(
+def test_learning_per_sample_compares_the_second_halves_pair_by_pair() -> None:
+    # Steps 0-40, so the second half is steps 30 and 40.
+    def pair(trl: tuple[float, float], kub: tuple[float, float], finals: tuple[float, float]):
+        def side(late: tuple[float, float], final: float) -> dict[str, Any]:
+            points = [
+                (0, 0, 0.5),
+                (10, 10, 0.7),
+                (20, 20, 0.8),
+                (30, 30, late[0]),
+                (40, 40, late[1]),
+            ]
+            return {"curve": _curve(points), "final_accuracy": final}
+
+        return {"trl": side(trl, finals[0]), "kuberl": side(kub, finals[1])}
+
+    result = vs_trl.learning_per_sample(
+        [pair((0.9, 0.8), (0.8, 0.8), (0.85, 0.80)), pair((0.9, 0.9), (1.0, 0.9), (0.9, 0.96))]
+    )
+    # Second halves: TRL 0.85 and 0.9, kuberl 0.8 and 0.95: differences -0.05 and +0.05, so a
+    # mean of 0 with standard error stdev(-0.05, 0.05) / sqrt(2) = 0.0707 / 1.414 = 0.05.
+    # Finals: -0.05 and +0.06: mean 0.005, stderr stdev / sqrt(2) = 0.0778 / 1.414 = 0.055.
+    # Neighbour changes in the second halves: -0.1, 0, 0, -0.1: stdev 0.0577, / sqrt(2) = 0.0408.
+    assert result == {
+        "second_half_accuracy": {"trl": [0.85, 0.9], "kuberl": [0.8, 0.95]},
+        "second_half_difference": pytest.approx(0.0, abs=1e-9),
+        "second_half_difference_stderr": pytest.approx(0.05),
+        "final_accuracy_difference": pytest.approx(0.005),
+        "final_accuracy_difference_stderr": pytest.approx(0.055),
+        "eval_noise": pytest.approx(0.0408),
+    }
+
+
+def test_each_pair_seeds_both_sides_with_the_first_seed_plus_its_index(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Stand-ins for the three heavy stages (training both sides and evaluating): this checks
@@ -250,3 +283,7 @@ def test_each_pair_seeds_both_sides_with_the_jobs_seed_plus_its_index(
         expected,
         expected,
     )
+    # --seed moves the first pair's seed (more replicates from the same warm start).
+    seeds = {"trl": [], "kuberl": []}
+    assert vs_trl.main([*argv, "--seed", "7"]) == 0
+    assert (seeds["trl"], seeds["kuberl"]) == ([7, 8, 9], [7, 8, 9])
