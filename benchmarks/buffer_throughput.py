@@ -297,7 +297,7 @@ def run_raw(redis_url: str, redis_pid: int, groups: int, producers: int) -> dict
     t0 = time.perf_counter()
     cpu0 = time.process_time()
     start.set()
-    got, acked = 0, []
+    got, acked = 0, list[Any]()
     while got < groups:
         # The previous batch's XACK/XDEL travel with the next read: one round trip per batch,
         # as the service's consumer acknowledges with its next GetBatch.
@@ -321,6 +321,31 @@ def run_raw(redis_url: str, redis_pid: int, groups: int, producers: int) -> dict
         p.join(60)
     client.delete(stream)
     return {"seconds": t1 - t0, "traj_per_s": groups * GROUP_SIZE / (t1 - t0), "cpu": cpu}
+
+
+def settle_redis(url: str, timeout: float = 120.0) -> None:
+    """Wait until Redis runs no AOF rewrite (or snapshot) in the background.
+
+    A round writes ~240 MB to the AOF, which sets off an automatic rewrite near its end; the
+    rewrite's child and the parent's copying of new writes to it would otherwise run on into the
+    next round and slow whichever side comes next."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info: dict[str, Any] = client.info("persistence")  # type: ignore[assignment]
+        if not info.get("aof_rewrite_in_progress") and not info.get("rdb_bgsave_in_progress"):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"Redis still rewriting its AOF after {timeout:.0f} s")
+
+
+def _forks(url: str) -> int:
+    import redis
+
+    stats: dict[str, Any] = redis.Redis.from_url(url).info("stats")  # type: ignore[assignment]
+    return int(stats["total_forks"])
 
 
 def _per_1k(cpu: dict[str, float], groups: int) -> dict[str, float]:
@@ -379,6 +404,8 @@ def main() -> int:
             # Alternate which goes first, so a load change mid-run hits both alike.
             order = ("raw", "service") if i % 2 == 0 else ("service", "raw")
             for what in order:
+                settle_redis(redis_server.url)
+                forks = _forks(redis_server.url)
                 if what == "raw":
                     raw.append(run_raw(redis_server.url, pid, args.groups, args.producers))
                 else:
@@ -388,6 +415,7 @@ def main() -> int:
                         )
                     )
                 last = (raw if what == "raw" else service)[-1]
+                last["redis_forks"] = _forks(redis_server.url) - forks
                 print(
                     f"round {i + 1} {what}: {last['traj_per_s']:.0f} trajectories/s "
                     f"(load {os.getloadavg()[0]:.1f})",
@@ -414,6 +442,11 @@ def main() -> int:
             "raw": [round(r["traj_per_s"]) for r in raw],
         },
         "service_leases_refused": [r["leases_refused"] for r in service],
+        # Background AOF rewrites Redis started during each round (part of that round's cost).
+        "redis_forks": {
+            "service": [r["redis_forks"] for r in service],
+            "raw": [r["redis_forks"] for r in raw],
+        },
         "cpu_ms_per_1k_traj": {
             "service": _median_cpu(service, args.groups),
             "raw": _median_cpu(raw, args.groups),

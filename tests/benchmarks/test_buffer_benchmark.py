@@ -1,0 +1,47 @@
+"""benchmarks/buffer_throughput.py: rounds start on a Redis that rewrites nothing in the
+background, and a small run prints both figures with each round's forks (real Redis, the real
+buffer service in a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from kuberl.common.redis_server import EmbeddedRedis
+from tests.benchmarks import load
+from tests.support import REPO
+
+bench = load("buffer_throughput")
+
+
+def test_settling_waits_for_a_running_aof_rewrite_to_end(tmp_path: Path) -> None:
+    with EmbeddedRedis(tmp_path / "redis", die_with_parent=True) as server:
+        client = redis.Redis.from_url(server.url)
+        client.set("k", b"x" * 1_000_000)
+        forks = bench._forks(server.url)
+        client.bgrewriteaof()
+        bench.settle_redis(server.url)
+        info = client.info("persistence")
+        assert (info["aof_rewrite_in_progress"], info["aof_last_bgrewrite_status"]) == (0, "ok")
+        assert bench._forks(server.url) == forks + 1
+
+
+def test_a_small_run_prints_both_figures_and_each_rounds_forks() -> None:
+    out = subprocess.run(
+        [sys.executable, "benchmarks/buffer_throughput.py", "--groups", "32", "--rounds", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["service_traj_per_s"] > 0 and result["raw_redis_traj_per_s"] > 0
+    ratio = result["service_traj_per_s"] / result["raw_redis_traj_per_s"]
+    assert result["ratio_service_to_raw"] == pytest.approx(ratio, abs=2e-3)
+    assert {k: len(v) for k, v in result["redis_forks"].items()} == {"service": 1, "raw": 1}
