@@ -4,11 +4,12 @@ Workload: groups of 8 trajectories with 2,048 response tokens each (int32 token 
 logprobs, uint8 loss mask, a 128-token prompt): 152 KB per group. Several producer processes act
 as rollout replicas and one consumer as the trainer, each in its own process.
 
-- service: producers LeasePrompts (16 at a time), then PutTrajectories (4 groups per request)
-  through one `kuberl serve buffer` process (a subprocess, as deployed); the consumer loops
+- service: producers LeasePrompts (8 at a time), then put the 8 groups in one PutTrajectories,
+  as a rollout replica with the default `rollout.prompts_per_batch` (8) does, through one
+  `kuberl serve buffer` process (a subprocess, as deployed); the consumer loops
   GetBatch(32 groups), each call acknowledging the previous batch (`ack_batch_id`, as the
   trainer does), and Acks the last one.
-- raw: the same producers XADD the same serialized group bytes with redis-py pipelines (4 per
+- raw: the same producers XADD the same serialized group bytes with redis-py pipelines (8 per
   round trip); the consumer loops XREADGROUP(COUNT 32), the previous batch's XACK/XDEL
   pipelined with it (one round trip per batch on both sides). No leasing, no
   validation, no gRPC, no parsing of the groups: the floor any Redis-streams buffer pays.
@@ -43,9 +44,9 @@ import numpy as np
 GROUP_SIZE = 8
 RESPONSE_TOKENS = 2048
 PROMPT_TOKENS = 128
-PUT_GROUPS = 4
+PUT_GROUPS = 8
 BATCH_GROUPS = 32
-LEASE_PROMPTS = 16
+LEASE_PROMPTS = 8
 GOAL_TRAJ_PER_S = 2500
 GOAL_RATIO = 0.5
 
