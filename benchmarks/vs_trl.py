@@ -31,7 +31,11 @@ step. The figures: wall time, trained samples per second, accuracy at the end, a
 at equal wall time (the shorter run's end), and the headline: the wall time kuberl needs to
 reach TRL's final accuracy, as a ratio to TRL's wall time (goal: at most 0.7). It runs
 `--repeat` such pairs (default 4, the order of the two sides alternated), pair i seeded with the
-job's seed + i on both sides, and reports the medians over the pairs with every pair's figures.
+job's seed (or `--seed`) + i on both sides, and reports the medians over the pairs with every
+pair's figures. `learning_per_sample` compares how much the two learn from the same number of
+trained samples: each side's mean accuracy over the second half of training, pair by pair, with
+the mean difference and its standard error (the headline, a first crossing of a noisy curve over
+a noisy end point, cannot resolve a difference of a point or two).
 
     .venv/bin/python benchmarks/vs_trl.py            # the full demo (200 RL steps), ~10-15 min
     .venv/bin/python benchmarks/vs_trl.py --quick    # a smoke test of every stage, ~2-3 min
