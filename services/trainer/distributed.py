@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kuberl.common.logs import get_logger
+from kuberl.common.redis_server import free_port
 
 log = get_logger(__name__)
 
@@ -37,12 +37,6 @@ class DistInfo:
         return self.rank == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def init_distributed() -> DistInfo:
     """Join the torchrun world (or make a world of one) and pick this rank's device."""
     import deepspeed
@@ -54,7 +48,7 @@ def init_distributed() -> DistInfo:
             WORLD_SIZE="1",
             LOCAL_RANK="0",
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
+            MASTER_PORT=str(free_port()),
         )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():

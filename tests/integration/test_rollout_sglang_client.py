@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from kuberl.common.config import SGLangEngineConfig
+from kuberl.common.redis_server import free_port
 from kuberl.common.weights import Manifest
 from kuberl.rollout.engine.base import (
     EngineRejected,
@@ -448,21 +449,13 @@ def fake_launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return argv
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_launch_starts_the_server_waits_until_it_generates_and_stops_it_on_close(
     fake_launch: Path,
 ) -> None:
     import json
     import os
 
-    port = _free_port()
+    port = free_port()
     config = SGLangEngineConfig(
         url=f"http://127.0.0.1:{port}",
         launch=True,
@@ -499,7 +492,7 @@ def test_a_launched_server_that_exits_fails_the_start_with_its_exit_code(
 ) -> None:
     monkeypatch.setenv("KUBERL_FAKE_LAUNCH_EXIT", "3")
     config = SGLangEngineConfig(
-        url=f"http://127.0.0.1:{_free_port()}", launch=True, startup_timeout_seconds=60
+        url=f"http://127.0.0.1:{free_port()}", launch=True, startup_timeout_seconds=60
     )
     engine = SGLangEngine(config, model_path="/models/tiny")
     started = time.monotonic()

@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,17 +23,12 @@ from pathlib import Path
 
 import pytest
 
+from kuberl.common.redis_server import free_port
 from tests.integration.test_trainer_zero import _plain_torch_step
 from tests.support import REPO
 
 STAGE = 2
 _DIST_ENV = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _chart_commands(port: int, program: list[str]) -> list[list[str]]:
@@ -136,13 +130,13 @@ def test_two_nodes_rendezvous_and_take_the_plain_torch_step(  # type: ignore[no-
     program = ["-m", "tests.integration.test_trainer_zero", "--worker"]
     program += [str(tmp_path), str(model_dir), str(STAGE)]
     build = _chart_commands if launch == "chart_static" else _c10d_commands
-    codes, outputs = _run_agents(build(_free_port(), program), tmp_path / "try1")
+    codes, outputs = _run_agents(build(free_port(), program), tmp_path / "try1")
     if codes is None:
         # Both agents alive at the deadline: a hang seen in one full parallel run of the suite
         # (the static launch, 240 s) and in 2 of 26 runs of this file after it, cause not found.
         # One more launch on a fresh port; the first one's output is kept in the report.
         print("\n".join(["first launch hung; launching again", *outputs]), file=sys.stderr)
-        codes, outputs = _run_agents(build(_free_port(), program), tmp_path / "try2")
+        codes, outputs = _run_agents(build(free_port(), program), tmp_path / "try2")
     assert codes == [0, 0], "\n".join(outputs)
 
     ref_loss, ref_norm, ref_weights, _ = reference
