@@ -324,29 +324,24 @@ def run_raw(redis_url: str, redis_pid: int, groups: int, producers: int) -> dict
     return {"seconds": t1 - t0, "traj_per_s": groups * GROUP_SIZE / (t1 - t0), "cpu": cpu}
 
 
-def settle_redis(url: str, timeout: float = 120.0) -> None:
+def settle_redis(client: Any, timeout: float = 120.0) -> None:
     """Wait until Redis runs no AOF rewrite (or snapshot) in the background.
 
     A round writes ~240 MB to the AOF, which sets off an automatic rewrite near its end; the
     rewrite's child and the parent's copying of new writes to it would otherwise run on into the
-    next round and slow whichever side comes next."""
-    import redis
-
-    client = redis.Redis.from_url(url)
+    next round and slow whichever side comes next. `client`: a redis-py client of that Redis."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        info: dict[str, Any] = client.info("persistence")  # type: ignore[assignment]
+        info = client.info("persistence")
         if not info.get("aof_rewrite_in_progress") and not info.get("rdb_bgsave_in_progress"):
             return
         time.sleep(0.1)
     raise TimeoutError(f"Redis still rewriting its AOF after {timeout:.0f} s")
 
 
-def _forks(url: str) -> int:
-    import redis
-
-    stats: dict[str, Any] = redis.Redis.from_url(url).info("stats")  # type: ignore[assignment]
-    return int(stats["total_forks"])
+def _forks(client: Any) -> int:
+    """Background saves and AOF rewrites Redis has forked for since it started."""
+    return int(client.info("stats")["total_forks"])
 
 
 def _per_1k(cpu: dict[str, float], groups: int) -> dict[str, float]:
@@ -389,6 +384,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each (alternating)")
     args = parser.parse_args()
 
+    import redis
+
     from kuberl.common.redis_server import EmbeddedRedis
 
     info = machine()
@@ -401,12 +398,13 @@ def main() -> int:
     ):
         assert redis_server.proc is not None
         pid = redis_server.proc.pid
+        control = redis.Redis.from_url(redis_server.url)  # settles Redis and counts its forks
         for i in range(args.rounds):
             # Alternate which goes first, so a load change mid-run hits both alike.
             order = ("raw", "service") if i % 2 == 0 else ("service", "raw")
             for what in order:
-                settle_redis(redis_server.url)
-                forks = _forks(redis_server.url)
+                settle_redis(control)
+                forks = _forks(control)
                 if what == "raw":
                     raw.append(run_raw(redis_server.url, pid, args.groups, args.producers))
                 else:
@@ -416,7 +414,7 @@ def main() -> int:
                         )
                     )
                 last = (raw if what == "raw" else service)[-1]
-                last["redis_forks"] = _forks(redis_server.url) - forks
+                last["redis_forks"] = _forks(control) - forks
                 print(
                     f"round {i + 1} {what}: {last['traj_per_s']:.0f} trajectories/s "
                     f"(load {os.getloadavg()[0]:.1f})",

@@ -616,10 +616,11 @@ def _second_half(curve: list[dict[str, Any]]) -> list[float]:
     """The raw accuracies of the policies saved after half of the run's RL steps (the last
     point's alone for a run that saved none after step 0)."""
     half = curve[-1]["step"] / 2
-    return [float(p["accuracy"]) for p in curve if p["step"] > half] or [curve[-1]["accuracy"]]
+    late = [p for p in curve if p["step"] > half] or curve[-1:]
+    return [float(p["accuracy"]) for p in late]
 
 
-def _steps(curve: list[dict[str, Any]]) -> list[float]:
+def _neighbour_changes(curve: list[dict[str, Any]]) -> list[float]:
     """Changes in accuracy from one saved policy to the next, in the run's second half."""
     values = _second_half(curve)
     return [b - a for a, b in itertools.pairwise(values)]
@@ -645,7 +646,8 @@ def learning_per_sample(pairs: list[dict[str, Any]]) -> dict[str, Any]:
         side: [statistics.fmean(_second_half(p[side]["curve"])) for p in pairs]
         for side in ("trl", "kuberl")
     }
-    late = [diff for p in pairs for side in ("trl", "kuberl") for diff in _steps(p[side]["curve"])]
+    curves = [p[side]["curve"] for p in pairs for side in ("trl", "kuberl")]
+    late = [d for curve in curves for d in _neighbour_changes(curve)]
     diff, diff_err = _mean_and_stderr(
         [k - t for k, t in zip(second["kuberl"], second["trl"], strict=True)]
     )

@@ -23,12 +23,12 @@ def test_settling_waits_for_a_running_aof_rewrite_to_end(tmp_path: Path) -> None
     with EmbeddedRedis(tmp_path / "redis", die_with_parent=True) as server:
         client = redis.Redis.from_url(server.url)
         client.set("k", b"x" * 1_000_000)
-        forks = bench._forks(server.url)
+        forks = bench._forks(client)
         client.bgrewriteaof()
-        bench.settle_redis(server.url)
+        bench.settle_redis(client)
         info = client.info("persistence")
         assert (info["aof_rewrite_in_progress"], info["aof_last_bgrewrite_status"]) == (0, "ok")
-        assert bench._forks(server.url) == forks + 1
+        assert bench._forks(client) == forks + 1
 
 
 def test_a_small_run_prints_both_figures_and_each_rounds_forks() -> None:
