@@ -135,12 +135,18 @@ def main() -> None:
         help="torch CPU threads (default 1: on a small shared box two spinning OpenMP threads "
         "are many times slower for a model this size)",
     )
+    parser.add_argument(
+        "--no-cpu",
+        action="store_true",
+        help="only the GPU figures (the CPU ones are the report's row; a GPU machine's time is "
+        "scarce)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(Path(tmp) / "model", size=args.size, tokenizer="digits", seed=0)
         params = sum(p.numel() for p in TorchEngine.from_pretrained(path).model.parameters())
-        results = _bench_device(path, "cpu", args.new_tokens, args.repeats)
+        results = [] if args.no_cpu else _bench_device(path, "cpu", args.new_tokens, args.repeats)
         if torch.cuda.is_available():
             results += _bench_device(path, "cuda", args.new_tokens, args.repeats)
             gpu: str = torch.cuda.get_device_name(0)

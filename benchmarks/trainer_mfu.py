@@ -185,7 +185,41 @@ def _time_steps(step: Any, spec: dict[str, Any], clock: _Clock) -> dict[str, Any
     clock.sync()
     seconds = time.perf_counter() - started
     tokens = spec["steps"] * spec["batch_seqs"] * spec["seq_len"]
-    return {"seconds": seconds, "tokens": tokens, "peak_bytes": clock.peak_bytes()}
+    out = {"seconds": seconds, "tokens": tokens, "peak_bytes": clock.peak_bytes()}
+    if spec.get("profile_dir"):
+        out["profile"] = _profile_step(step, spec, clock)
+    return out
+
+
+def _profile_step(step: Any, spec: dict[str, Any], clock: _Clock) -> dict[str, Any]:
+    """One more step under torch.profiler: its kernel and operator tables go to
+    `<profile_dir>/profile-<variant>.txt`; returns the step's wall time and the share of it the
+    device spent in kernels (1 - that share is time the GPU waited for the host)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if clock.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    clock.sync()
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        step()
+        clock.sync()
+        wall = time.perf_counter() - started
+    events = prof.key_averages()
+    device_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
+    by_device = "self_device_time_total" if clock.device.type == "cuda" else "self_cpu_time_total"
+    path = Path(spec["profile_dir"]) / f"profile-{spec['variant']}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        f"variant {spec['variant']}: one step, {wall:.3f} s wall, {device_us / 1e6:.3f} s of "
+        f"kernels (torch {torch.__version__})\n\n"
+        + events.table(sort_by=by_device, row_limit=40)
+        + "\n\n"
+        + events.table(sort_by="self_cpu_time_total", row_limit=25)
+    )
+    return {"wall_seconds": round(wall, 4), "kernel_seconds": round(device_us / 1e6, 4)}
 
 
 def run_stock(spec: dict[str, Any]) -> dict[str, Any]:
@@ -323,6 +357,8 @@ def _figures(res: dict[str, Any], spec: dict[str, Any], peak: float | None) -> d
         "peak_memory_gib": round(res["peak_bytes"] / 2**30, 2) if res["peak_bytes"] else None,
         "parameters": res["parameters"],
     }
+    if "profile" in res:
+        out["profile"] = res["profile"]
     return out
 
 
@@ -345,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=4096, help="trainer.logprob_chunk_size")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--variants", nargs="+", default=["stock", "kuberl"])
+    parser.add_argument(
+        "--profile-dir",
+        help="after the timed steps, profile one more step of each variant (torch.profiler) and "
+        "write its kernel and operator tables to <dir>/profile-<variant>.txt",
+    )
     parser.add_argument("--dry-run", action="store_true", help="tiny config on the CPU")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -387,12 +428,16 @@ def main(argv: list[str] | None = None) -> int:
         "gradient_checkpointing": args.gradient_checkpointing,
         "dry_run": args.dry_run,
         "seed": 0,
+        "profile_dir": str(Path(args.profile_dir).resolve()) if args.profile_dir else None,
     }
     if spec["batch_seqs"] % spec["micro_batch_seqs"] or spec["batch_seqs"] % spec["group_size"]:
         parser.error("--batch-seqs must be a multiple of --micro-batch-seqs and --group-size")
     device = "CPU (dry run)" if args.dry_run else torch.cuda.get_device_name(0)
     peak = None if args.dry_run else PEAK_FLOPS
-    results = {v: _figures(_child(v, spec, args.timeout), spec, peak) for v in args.variants}
+    results = {
+        v: _figures(_child(v, {**spec, "variant": v}, args.timeout), spec, peak)
+        for v in args.variants
+    }
     out: dict[str, Any] = {
         **base,
         "dry_run": args.dry_run,
