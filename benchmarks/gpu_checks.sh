@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Every GPU figure and GPU test in one run, for a lent GPU machine whose time is scarce:
 #
-#   1. trainer MFU (benchmarks/trainer_mfu.py: stock DeepSpeed ZeRO-2 and kuberl's step, with a
+#   1. the GPU tests (tests/gpu: CUDA IPC, weight-sync's GPU transports, the offloaded reference,
+#      CUDA IPC into SGLang's consumer code; the chunked logprob head on a 150k vocabulary),
+#   2. trainer MFU (benchmarks/trainer_mfu.py: stock DeepSpeed ZeRO-2 and kuberl's step, with a
 #      torch.profiler table of one step of each),
-#   2. the GPU tests (tests/gpu: CUDA IPC, weight-sync's GPU transports, the offloaded reference,
-#      CUDA IPC into SGLang's consumer code, `kuberl run --device cuda`),
-#   3. GAE, the CUDA-IPC weight-sync update and the torch rollout engine on the GPU,
-#   4. more trainer MFU settings (micro-batch token budget, activation checkpointing), while time
+#   3. the CUDA-IPC weight-sync update,
+#   4. `kuberl run --device cuda` (the demo, shortened as tests/gpu/test_local_run_cuda.py runs
+#      it), with the lines of its service logs that say what happened,
+#   5. GAE and the torch rollout engine on the GPU, and a larger kuberl micro-batch, while time
 #      is left.
 #
 # Each step has its own time limit and all of them share a deadline ($GPU_CHECKS_SECONDS, default
-# 540), so one hang costs one step. Logs go to $OUT (default runs/gpu): six files, the most a
+# 540), so one hang costs one step. Logs go to $OUT (default runs/gpu): seven files, the most a
 # device call brings back is eight. Wheels from benchmarks/gpu_wheels.sh are installed first
 # when .whl/ exists (the GPU machine has torch but no DeepSpeed and no network).
 #
@@ -65,12 +67,27 @@ step() {
   tail -n 2 "$OUT/$log" | cut -c1-2500
 }
 
-step mfu.log 240 "$PY" benchmarks/trainer_mfu.py --steps 5 --warmup 2 --profile-dir "$OUT"
-step tests.log 260 "$PY" -m pytest -p no:cacheprovider -v -rs --timeout 240 tests/gpu
+# The tests first (quick; they say whether the GPU paths work at all), `kuberl run --device cuda`
+# separately so that its service logs can be shown when it fails.
+step tests.log 90 "$PY" -m pytest -p no:cacheprovider -v -rs --timeout 80 --tb=short tests/gpu \
+  tests/unit/test_trainer_logprobs.py --deselect \
+  tests/gpu/test_local_run_cuda.py::test_kuberl_run_on_one_gpu_loads_versions_into_the_engine_by_cuda_ipc
+step mfu.log 150 "$PY" benchmarks/trainer_mfu.py --steps 3 --warmup 1 --micro-batch-seqs 4 \
+  --kuberl-micro-batch-seqs 8 --chunk 16384 --profile-dir "$OUT"
+step bench.log 60 "$PY" benchmarks/weight_sync.py --engines 1 --transports shm --repeat 2 --gpu
+RUN=/tmp/kuberl-gpu-run
+rm -rf "$RUN" && mkdir -p "$RUN"
+JOB=$("$PY" -c 'import sys; from pathlib import Path
+from tests.e2e.test_local_run import _short_job
+print(_short_job(Path(sys.argv[1]), warm_start=False))' "$RUN")
+step run.log 200 "$PY" -m kuberl.cli run "$JOB" --device cuda --run-dir "$RUN/run" --plain
+for f in "$RUN"/run/logs/*.log; do
+  echo "== $f"
+  grep -E "update_loaded|Traceback|Error|error" "$f" | tail -n 12 | cut -c1-400
+done >>"$OUT/run.log" 2>&1
+grep -h "update_loaded" "$RUN"/run/logs/rollout-0.log 2>/dev/null | cut -c1-200 | tail -n 5
 step bench.log 60 "$PY" benchmarks/gae.py --sizes 1024,8192,32768
-step bench.log 90 "$PY" benchmarks/weight_sync.py --engines 1 --transports shm --repeat 2 --gpu
 step bench.log 90 "$PY" benchmarks/rollout_engine.py --no-cpu
-step mfu.log 100 "$PY" benchmarks/trainer_mfu.py --variants kuberl --micro-batch-seqs 8
-step mfu.log 100 "$PY" benchmarks/trainer_mfu.py --variants kuberl --micro-batch-seqs 16 \
-  --gradient-checkpointing
+step mfu.log 100 "$PY" benchmarks/trainer_mfu.py --variants kuberl --steps 3 --warmup 1 \
+  --kuberl-micro-batch-seqs 16 --chunk 16384
 echo "== done in $(($(date +%s) - T0))s"

@@ -25,6 +25,17 @@ import torch
 from torch import nn
 
 
+def _chunk_logits(
+    hidden: torch.Tensor, w: torch.Tensor, inv_temperature: float, acc: torch.dtype
+) -> torch.Tensor:
+    """[N, C] logits of one vocabulary chunk, in `acc`. The product runs in the weights' dtype
+    (bf16 tensor cores on GPU, fp32 accumulation inside the GEMM); only its output is widened."""
+    z = (hidden @ w.T).to(acc)  # [N, C]
+    if inv_temperature != 1.0:
+        z.mul_(inv_temperature)
+    return z
+
+
 def _chunk_stats(
     hidden: torch.Tensor,  # [N, H]
     weight: torch.Tensor,  # [V, H]
@@ -32,29 +43,39 @@ def _chunk_stats(
     chunk_size: int,
     inv_temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Online log-sum-exp, target logit and E_p[z] over vocabulary chunks (no grad)."""
+    """Online log-sum-exp, target logit and E_p[z] over vocabulary chunks (no grad).
+
+    Per row it keeps the running max m, S1 = sum exp(z - m) and S2 = sum exp(z - m) (z - m);
+    when m rises to m' both are rescaled by exp(m - m') and S2 also gains (m - m') S1. Then
+    lse = m + log S1 and E_p[z] = m + S2 / S1. Each chunk is a few in-place passes over one
+    [N, C] buffer: these passes, not the GEMMs, bound the head's time on a GPU."""
     n = hidden.shape[0]
     vocab = weight.shape[0]
     acc = torch.promote_types(hidden.dtype, torch.float32)  # bf16 accumulates in fp32
     running_max = torch.full((n,), float("-inf"), dtype=acc, device=hidden.device)  # [N]
-    sum_exp = torch.zeros(n, dtype=acc, device=hidden.device)  # [N]
-    sum_exp_z = torch.zeros(n, dtype=acc, device=hidden.device)  # [N]
+    s1 = torch.zeros(n, dtype=acc, device=hidden.device)  # [N]
+    s2 = torch.zeros(n, dtype=acc, device=hidden.device)  # [N]
     target_logit = torch.zeros(n, dtype=acc, device=hidden.device)  # [N]
     for start in range(0, vocab, chunk_size):
         end = min(start + chunk_size, vocab)
-        z = (hidden @ weight[start:end].T).to(acc) * inv_temperature  # [N, C]
-        new_max = torch.maximum(running_max, z.max(dim=-1).values)  # [N]
-        scale = torch.exp(running_max - new_max)  # [N]
-        e = torch.exp(z - new_max[:, None])  # [N, C]
-        sum_exp = sum_exp * scale + e.sum(-1)
-        sum_exp_z = sum_exp_z * scale + (e * z).sum(-1)
-        running_max = new_max
+        z = _chunk_logits(hidden, weight[start:end], inv_temperature, acc)  # [N, C]
+        new_max = torch.maximum(running_max, z.amax(dim=-1))  # [N]
         inside = (targets >= start) & (targets < end)  # [N]
         local = (targets - start).clamp(0, end - start - 1)  # [N]
         picked = z.gather(1, local[:, None]).squeeze(1)  # [N]
         target_logit = torch.where(inside, picked, target_logit)
-    lse = running_max + torch.log(sum_exp)  # [N]
-    mean_z = sum_exp_z / sum_exp  # [N] E_p[z]
+        # The first chunk's old max is -inf: exp(-inf) = 0 and (m - m') S1 = -inf * 0 -> NaN.
+        shift = torch.where(torch.isfinite(running_max), running_max - new_max, 0.0)  # [N] <= 0
+        scale = torch.exp(shift)  # [N]
+        s2 = scale * (s2 + shift * s1)
+        s1 = s1 * scale
+        z.sub_(new_max[:, None])  # z - m'
+        e = torch.exp(z)  # [N, C]
+        s1 = s1 + e.sum(-1)
+        s2 = s2 + e.mul_(z).sum(-1)
+        running_max = new_max
+    lse = running_max + torch.log(s1)  # [N]
+    mean_z = running_max + s2 / s1  # [N] E_p[z]
     return lse, target_logit, mean_z
 
 
@@ -88,9 +109,14 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         acc = lse.dtype
         g_lp = grad_logprobs.to(acc)  # [N]
         g_h = grad_entropy.to(acc)  # [N]
+        # d logprob / dz = onehot - p ; d entropy / dz = -p (z - E_p[z]), so with the chain
+        # rule's 1/T: grad_z = p * (c0 + c1 z) + onehot * g_lp / T, where
+        # c0 = -(g_lp - g_h E_p[z]) / T and c1 = -g_h / T (both [N]).
+        c0 = ((g_h * mean_z - g_lp) * inv_t)[:, None]  # [N, 1]
+        c1 = (-g_h * inv_t)[:, None]  # [N, 1]
         grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)  # [N, H]
-        # Each chunk's rows are computed in fp32 and written once, so the [V, H] gradient can be
-        # held in the weight's own dtype (no fp32 copy of the whole head).
+        # Each chunk's rows are written once, so the [V, H] gradient is held in the weight's
+        # own dtype (no fp32 copy of the whole head).
         grad_weight = (
             torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
             if ctx.needs_input_grad[1]
@@ -99,17 +125,21 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         for start in range(0, vocab, chunk):
             end = min(start + chunk, vocab)
             w = weight[start:end]  # [C, H]
-            z = (hidden @ w.T).to(acc) * inv_t  # [N, C]
-            p = torch.exp(z - lse[:, None])  # [N, C]
-            # d logprob / dz = onehot - p ; d entropy / dz = -p * (z - E_p[z])
-            grad_z = -p * (g_lp[:, None] + g_h[:, None] * (z - mean_z[:, None]))  # [N, C]
+            z = _chunk_logits(hidden, w, inv_t, acc)  # [N, C]
+            grad_z = torch.addcmul(c0, z, c1)  # [N, C]  c0 + c1 z
+            grad_z.mul_(z.sub_(lse[:, None]).exp_())  # * p
+            del z
+            # + onehot g_lp / T on the rows whose target is in this chunk; a masked scatter,
+            # not `nonzero`, which would wait for the GPU in every chunk.
             inside = (targets >= start) & (targets < end)  # [N]
-            rows = inside.nonzero(as_tuple=True)[0]
-            grad_z[rows, targets[rows] - start] += g_lp[rows]
-            grad_z = grad_z * inv_t
-            grad_hidden += grad_z @ w.to(acc)  # [N, H]
+            local = (targets - start).clamp(0, end - start - 1)[:, None]  # [N, 1]
+            grad_z.scatter_add_(1, local, torch.where(inside, g_lp * inv_t, 0.0)[:, None])
+            # The two GEMMs in the weights' dtype (tensor cores in bf16), accumulating in fp32.
+            g = grad_z.to(weight.dtype)  # [N, C]
+            del grad_z
+            grad_hidden += (g @ w).to(acc)  # [N, H]
             if grad_weight is not None:
-                grad_weight[start:end] = (grad_z.T @ hidden.to(acc)).to(weight.dtype)  # [C, H]
+                torch.mm(g.T, hidden.to(weight.dtype), out=grad_weight[start:end])  # [C, H]
         return (
             grad_hidden.to(hidden.dtype) if ctx.needs_input_grad[0] else None,
             grad_weight,

@@ -346,14 +346,22 @@ def test_cuda_ipc_handle_sets_split_per_engine_and_round_trip_through_json() -> 
         (lambda e: e["sets"][0]["buckets"].pop(), "buckets for the manifest's 4"),
         (lambda e: e["sets"][1]["buckets"][0].update(size=[999]), "has 999 bytes"),
         (lambda e: e["sets"][0]["buckets"][2].update(handle="not base64!"), "not valid base64"),
-        (lambda e: e["sets"][0]["buckets"][2].update(handle="AAAA"), "expected 64"),
+        (lambda e: e["sets"][0]["buckets"][2].update(handle=""), "0 bytes, expected 1 to"),
+        (
+            lambda e: e["sets"][0]["buckets"][2].update(
+                handle=base64.b64encode(bytes(65537)).decode()
+            ),
+            "65537 bytes, expected 1 to 65536",
+        ),
+        (lambda e: e["sets"][0]["buckets"][2].update(event_handle="AAAA"), "expected 64"),
         (lambda e: e["sets"][0]["buckets"][0].update(offset=-1), "non-negative integer"),
         (lambda e: e["sets"][0]["buckets"][0].update(ref_offset=True), "non-negative integer"),
         (lambda e: e["sets"][0]["buckets"][0].update(dtype="float32"), "flat uint8"),
         (lambda e: e["sets"][0]["buckets"][0].update(storage_bytes=10), "past its storage"),
     ],
     ids=[
-        "no gpu", "no sets", "bucket missing", "wrong size", "bad base64", "short handle",
+        "no gpu", "no sets", "bucket missing", "wrong size", "bad base64", "empty handle",
+        "huge handle", "short event handle",
         "negative", "bool as int", "dtype", "past storage",
     ],
 )  # fmt: skip

@@ -543,8 +543,12 @@ class SnapshotReceiver(Receiver):
 
 # ---------------------------------------------------------------- CUDA IPC
 
-#: Bytes of a cudaIpcMemHandle_t / cudaIpcEventHandle_t.
+#: Bytes of a cudaIpcEventHandle_t (and of the cudaIpcMemHandle_t inside a memory handle).
 CUDA_IPC_HANDLE_BYTES = 64
+#: Upper bound on torch's shareable memory handle. It is not a bare cudaIpcMemHandle_t: torch
+#: (2.5 on) writes a version byte and a kind byte first (66 bytes for a cudaMalloc block), and a
+#: block of an expandable segment carries its segment's description instead, longer.
+MAX_MEMORY_HANDLE_BYTES = 1 << 16
 
 
 def gpu_uuid(device: str | torch.device) -> str:
@@ -662,6 +666,13 @@ def _b64(value: Any, where: str, length: int | None = None) -> bytes:
     return raw
 
 
+def _memory_handle(value: Any, where: str) -> bytes:
+    raw = _b64(value, where)
+    if not 0 < len(raw) <= MAX_MEMORY_HANDLE_BYTES:
+        raise ValueError(f"{where} has {len(raw)} bytes, expected 1 to {MAX_MEMORY_HANDLE_BYTES}")
+    return raw
+
+
 def _int(value: Any, where: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{where} must be a non-negative integer, got {value!r}")
@@ -700,7 +711,7 @@ def _parse_set(data: Any, uuid: str, manifest: Manifest | None, where: str) -> C
             CudaIpcBucket(
                 size=nbytes,
                 offset=offset,
-                handle=_b64(b.get("handle"), f"{at} handle", CUDA_IPC_HANDLE_BYTES),
+                handle=_memory_handle(b.get("handle"), f"{at} handle"),
                 storage_bytes=storage_bytes,
                 storage_offset=_int(b.get("storage_offset"), f"{at} storage_offset"),
                 ref_handle=_b64(b.get("ref_handle"), f"{at} ref_handle"),
