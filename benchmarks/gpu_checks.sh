@@ -35,10 +35,21 @@ export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 TOKENIZERS_PARALLELISM=false
   if [ -d "$WHL" ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site "$WHL"/*.whl || exit 1
+    # kuberl itself from this checkout, never from a wheel built earlier: a stale wheel once
+    # made a whole GPU run measure the code of the commit before the fix it was meant to test.
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+      --no-cache-dir --upgrade --target /tmp/site . || exit 1
+    rm -rf build
     export PYTHONPATH=/tmp/site:$PWD/$WHL/sg
-    [ -x "$WHL/redis-server" ] && export KUBERL_REDIS_SERVER=$PWD/$WHL/redis-server
+    # The device copy does not keep the executable bit.
+    if [ -f "$WHL/redis-server" ]; then
+      install -m 755 "$WHL/redis-server" /tmp/redis-server
+      export KUBERL_REDIS_SERVER=/tmp/redis-server
+    fi
   fi
+  git log -1 --format='checkout %h %s' 2>/dev/null | cut -c1-120
   "$PY" -c 'import torch, transformers, deepspeed, grpc, kuberl.cli
+print("kuberl from", kuberl.cli.__file__)
 print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA")
 print("transformers", transformers.__version__, "deepspeed", deepspeed.__version__,
       "grpc", grpc.__version__)'

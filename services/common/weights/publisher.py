@@ -9,8 +9,10 @@ slow or dead engine never blocks training. With `cuda_ipc` offered and a GPU `de
 service counts engines on this host and GPU, the version is also packed into flat GPU buckets
 (one more copy of the weights in GPU memory, kept until the next publish) whose CUDA IPC handles
 (JSON, one set per such engine) ride on the commit: those engines copy device to device and
-nothing they load goes through the host. Versions must increase: a version not above every one
-published before raises `VersionConflict` (the service's FAILED_PRECONDITION).
+nothing they load goes through the host. If the service refuses the handles, the publisher
+stops offering `cuda_ipc` and the next publish goes without them. Versions must increase: a
+version not above every one published before raises `VersionConflict` (the service's
+FAILED_PRECONDITION).
 """
 
 from __future__ import annotations
@@ -112,6 +114,8 @@ class WeightPublisher:
         self.host = host or socket.gethostname()
         #: The GPU buckets of the last version exported by CUDA IPC (engines may still copy).
         self._exported: list[torch.Tensor] = []
+        #: Whether the publish in progress has sent CUDA IPC handles.
+        self._sent_cuda_ipc = False
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
         self._channel = sync_channel(address, max(max_message_bytes, 2 * chunk_bytes))
@@ -128,12 +132,29 @@ class WeightPublisher:
 
         VersionConflict when `version` is not above the latest one, or when a later version
         was published (by another trainer rank or a restarted trainer) while this one was sent."""
+        self._sent_cuda_ipc = False
         try:
             return self._publish(version, named_tensors)
         except grpc.RpcError as exc:
             if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
                 raise VersionConflict(exc.details()) from None
+            if exc.code() is grpc.StatusCode.INVALID_ARGUMENT and self._sent_cuda_ipc:
+                self._stop_cuda_ipc(version, exc.details() or "")
             raise
+
+    def _stop_cuda_ipc(self, version: int, reason: str) -> None:
+        """The service refused this version's CUDA IPC handles (a torch whose handle format it
+        does not know, say): publish without them from now on, so the trainer's retry of this
+        version goes by shared memory or snapshot instead of being refused forever."""
+        log.error(
+            "weights.cuda_ipc_refused",
+            version=version,
+            error=reason[:300],
+            now=[transport_name(t) for t in self.transports if t != pb.TRANSPORT_CUDA_IPC],
+        )
+        self.gpu_uuid = ""
+        self.transports = [t for t in self.transports if t != pb.TRANSPORT_CUDA_IPC]
+        self._exported = []
 
     def _publish(
         self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
@@ -168,6 +189,7 @@ class WeightPublisher:
             buckets = gpu.finish(builder.build().bucket_sizes)
             exported = export_cuda_ipc(buckets, sets)
             self._exported = buckets  # the previous version's are left to torch's IPC limbo
+            self._sent_cuda_ipc = True
             return exported
 
         if answer.send.transport == pb.TRANSPORT_SHM:
