@@ -1,6 +1,9 @@
 """CUDA IPC transport (colocated trainer and engine on one GPU): a trainer process exports its GPU
 buckets as JSON handles and an engine process copies them device to device, bit for bit.
-Needs a CUDA device; skipped cleanly without one (not yet run on a GPU: none was lent)."""
+Needs a CUDA device; skipped cleanly without one. On its first GPU runs (2026-11-26, an H100 and
+an H200, torch 2.11) it failed: "handle has 66 bytes, expected 64" (torch's shareable handle is a
+version byte and a kind byte before the 64-byte cudaIpcMemHandle_t). Commit f9b0bcb accepts
+memory handles of 1 to 65,536 bytes; not yet re-run on a GPU."""
 
 from __future__ import annotations
 

@@ -8,8 +8,11 @@ every version it loaded; at least one after the start must be `cuda_ipc` (a vers
 while the engine was still loading the previous one goes by shared memory instead, so not
 every one need be).
 
-Skips cleanly without CUDA. Written without a GPU (none was lent to this work): it has not run
-yet; tests/unit/test_trainer_publisher_options.py checks on the CPU what the trainer offers.
+Skips cleanly without CUDA; tests/unit/test_trainer_publisher_options.py checks on the CPU what
+the trainer offers. On an H200 (2026-11-26) the run stalled at v0: weight-sync refused torch's
+66-byte CUDA IPC handles, then the retry of the refused version as stale. Fixed in commits f9b0bcb
+(handles) and cbd5108 (a refused version is forgotten; the publisher drops cuda_ipc once its
+handles are refused), tested on CPU; not yet re-run on a GPU.
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@ weight-sync's JSON handles, this process (the rollout replica) turns one set int
 (tests/contract/sglang_tensor_peer.py: its unpickler, its torch reduction patch, its model
 runner's update, extracted from the installed sglang 0.5.23 source) opens them in a third process
 and loads every tensor, bit for bit; once it has, the trainer's GPU memory can be given back.
-Needs a CUDA device and the sglang source; skipped cleanly without them (not yet run: no GPU was
-lent to this work).
+Needs a CUDA device and the sglang source; skipped cleanly without them. It runs SGLang's consumer
+code, not a live server. On its first GPU runs (2026-11-26, an H100 and an H200) it failed on
+torch's 66-byte CUDA IPC handles (weight-sync expected 64); fixed in commit f9b0bcb, not yet re-run
+on a GPU.
 """
 
 from __future__ import annotations
