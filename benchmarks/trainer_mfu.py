@@ -283,6 +283,7 @@ def run_kuberl(spec: dict[str, Any]) -> dict[str, Any]:
                 "groups_per_step": spec["batch_seqs"] // spec["group_size"],
                 "micro_batch_tokens": spec["kuberl_micro_batch_seqs"] * spec["seq_len"],
                 "logprob_chunk_size": spec["chunk"],
+                "compile_logprobs": spec["compile_logprobs"],
                 "gradient_checkpointing": spec["gradient_checkpointing"],
                 "optimizer": {"lr": 1e-6},
                 "algorithm": {"advantage": "grpo", "clip_low": 0.2, "clip_high": 0.28},
@@ -296,7 +297,8 @@ def run_kuberl(spec: dict[str, Any]) -> dict[str, Any]:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_params = sum(p.numel() for p in hf.parameters())
     trainer = Trainer(config, info)
-    trainer.engine = TrainEngine(PolicyModel(hf, spec["chunk"]), config.trainer, info, dtype)
+    policy = PolicyModel(hf, spec["chunk"], compiled=spec["compile_logprobs"])
+    trainer.engine = TrainEngine(policy, config.trainer, info, dtype)
     trainer.vocab_size = spec["config"]["vocab_size"]
 
     ids = _token_batch(spec).numpy().astype(np.int32)
@@ -390,6 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--chunk", type=int, default=4096, help="trainer.logprob_chunk_size")
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument(
+        "--compile-logprobs",
+        action="store_true",
+        help="trainer.compile_logprobs: fuse the logprob head's per-chunk work (torch.compile)",
+    )
     parser.add_argument("--variants", nargs="+", default=["stock", "kuberl"])
     parser.add_argument(
         "--profile-dir",
@@ -439,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": 1 if args.dry_run else args.steps,
         "warmup": 1 if args.dry_run else args.warmup,
         "gradient_checkpointing": args.gradient_checkpointing,
+        "compile_logprobs": args.compile_logprobs,
         "dry_run": args.dry_run,
         "seed": 0,
         "profile_dir": str(Path(args.profile_dir).resolve()) if args.profile_dir else None,
@@ -463,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         "kuberl_micro_batch_sequences": spec["kuberl_micro_batch_seqs"],
         "logprob_chunk_size": spec["chunk"],
         "gradient_checkpointing": spec["gradient_checkpointing"],
+        "compile_logprobs": spec["compile_logprobs"],
     }
     stock, ours = results.get("stock", {}), results.get("kuberl", {})
     if "tokens_per_second" in stock and "tokens_per_second" in ours:

@@ -833,6 +833,12 @@ class TrainerConfig(Section):
         description="Vocabulary rows per chunk when computing logprobs and entropies, so that "
         "full [tokens, vocab] logits are never materialised.",
     )
+    compile_logprobs: bool = Field(
+        False,
+        description="Fuse the logprob head's per-chunk work with torch.compile (compiled once "
+        "at start): on a GPU, one or two kernels per vocabulary chunk instead of a pass over "
+        "fp32 [tokens, chunk] logits for every operation.",
+    )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     max_staleness: int = Field(1, ge=-1, description="0 = strictly on-policy; -1 = unbounded.")

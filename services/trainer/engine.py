@@ -98,12 +98,19 @@ class PolicyModel(nn.Module):
     positions hold garbage the caller masks out). One output tensor, not two: see `LogprobHead`.
     """
 
-    def __init__(self, hf_model: Any, chunk_size: int = 4096, temperature: float = 1.0) -> None:
+    def __init__(
+        self,
+        hf_model: Any,
+        chunk_size: int = 4096,
+        temperature: float = 1.0,
+        compiled: bool = False,
+    ) -> None:
         super().__init__()
         self.hf = hf_model
         old = hf_model.get_output_embeddings()
         if not isinstance(old, LogprobHead):
-            hf_model.set_output_embeddings(LogprobHead(old.weight, chunk_size, temperature))
+            head = LogprobHead(old.weight, chunk_size, temperature, compiled)
+            hf_model.set_output_embeddings(head)
 
     @property
     def backbone(self) -> nn.Module:

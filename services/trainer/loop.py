@@ -217,13 +217,12 @@ class Trainer:
                 hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             else:
                 hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        policy = PolicyModel(hf, self.tc.logprob_chunk_size, temperature)
+        chunk, fused = self.tc.logprob_chunk_size, self.tc.compile_logprobs
+        policy = PolicyModel(hf, chunk, temperature, fused)
         self.engine = TrainEngine(policy, self.tc, self.dist, dtype)
         alg = self.tc.algorithm
         if alg.kl.coef > 0 and self.tc.mode == "rl":
-            ref = PolicyModel(
-                load_causal_lm(self.model_dir, dtype), self.tc.logprob_chunk_size, temperature
-            )
+            ref = PolicyModel(load_causal_lm(self.model_dir, dtype), chunk, temperature, fused)
             self.reference = FrozenModel(
                 ref, self.tc, self.dist, dtype, offload=alg.kl.offload_reference
             )

@@ -77,6 +77,24 @@ def test_bf16_values_and_gradients_stay_near_the_float64_reference() -> None:
     assert max(rel(a, b) for a, b in zip(ours, ref, strict=True)) < 2e-2
 
 
+@pytest.mark.slow
+def test_the_compiled_chunk_functions_give_the_eager_numbers_and_gradients() -> None:
+    # torch.compile fuses each chunk's elementwise work (inductor's C++ backend here, Triton on
+    # a GPU); values and gradients must be the eager ones up to float32 summation order, for
+    # two micro-batch lengths (dynamic shapes) and a vocabulary the chunk does not divide.
+    for n in (64, 37):
+        hidden, weight, targets = _inputs(n=n, h=32, v=3000, dtype=torch.float32)
+        g = torch.Generator().manual_seed(n)
+        w_lp, w_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+        results = []
+        for compiled in (False, True):
+            lp, ent = chunked_logprobs_and_entropy(hidden, weight, targets, 700, 0.9, compiled)
+            grads = torch.autograd.grad((lp * w_lp + ent * w_ent).sum(), [hidden, weight])
+            results.append((lp, ent, *grads))
+        for eager, fused in zip(*results, strict=True):
+            assert torch.allclose(eager, fused, rtol=1e-4, atol=1e-5)
+
+
 def test_a_batch_shape_is_kept() -> None:
     hidden, weight, targets = _inputs(n=12)
     lp, ent = chunked_logprobs_and_entropy(hidden.reshape(3, 4, -1), weight, targets.reshape(3, 4))
