@@ -5,7 +5,7 @@
 #      CUDA IPC into SGLang's consumer code; the chunked logprob head on a 150k vocabulary),
 #   2. trainer MFU (benchmarks/trainer_mfu.py: stock DeepSpeed ZeRO-2 and kuberl's step, with a
 #      torch.profiler table of one step of each; then kuberl with the fused head,
-#      trainer.compile_logprobs),
+#      trainer.compile_logprobs, and with compiled decoder layers too, trainer.compile_model),
 #   3. the CUDA-IPC weight-sync update,
 #   4. `kuberl run --device cuda` (the demo, shortened as tests/gpu/test_local_run_cuda.py runs
 #      it), with the lines of its service logs that say what happened,
@@ -88,6 +88,8 @@ step mfu.log 150 "$PY" benchmarks/trainer_mfu.py --steps 3 --warmup 1 --micro-ba
   --kuberl-micro-batch-seqs 8 --chunk 16384 --profile-dir "$OUT"
 step mfu.log 120 "$PY" benchmarks/trainer_mfu.py --variants kuberl --steps 3 --warmup 1 \
   --kuberl-micro-batch-seqs 8 --chunk 16384 --compile-logprobs
+step mfu.log 150 "$PY" benchmarks/trainer_mfu.py --variants kuberl --steps 3 --warmup 1 \
+  --kuberl-micro-batch-seqs 8 --chunk 16384 --compile-logprobs --compile-model
 step bench.log 60 "$PY" benchmarks/weight_sync.py --engines 1 --transports shm --repeat 2 --gpu
 RUN=/tmp/kuberl-gpu-run
 rm -rf "$RUN" && mkdir -p "$RUN"

@@ -269,7 +269,12 @@ def run_kuberl(spec: dict[str, Any]) -> dict[str, Any]:
 
     from kuberl.common.config import parse_job_config
     from kuberl.common.trajectory import Group, Trajectory
-    from kuberl.trainer.engine import PolicyModel, TrainEngine, train_dtype
+    from kuberl.trainer.engine import (
+        PolicyModel,
+        TrainEngine,
+        compile_decoder_layers,
+        train_dtype,
+    )
     from kuberl.trainer.loop import Trainer
     from kuberl.trainer.sft import samples_from_groups
 
@@ -295,6 +300,8 @@ def run_kuberl(spec: dict[str, Any]) -> dict[str, Any]:
     hf = _model(spec["config"], dtype, spec["seed"], info.device)
     if spec["gradient_checkpointing"]:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if spec["compile_model"]:
+        compile_decoder_layers(hf)
     n_params = sum(p.numel() for p in hf.parameters())
     trainer = Trainer(config, info)
     policy = PolicyModel(hf, spec["chunk"], compiled=spec["compile_logprobs"])
@@ -393,6 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=4096, help="trainer.logprob_chunk_size")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument(
+        "--compile-model",
+        action="store_true",
+        help="trainer.compile_model: torch.compile each decoder layer (regional compilation)",
+    )
+    parser.add_argument(
         "--compile-logprobs",
         action="store_true",
         help="trainer.compile_logprobs: fuse the logprob head's per-chunk work (torch.compile)",
@@ -447,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": 1 if args.dry_run else args.warmup,
         "gradient_checkpointing": args.gradient_checkpointing,
         "compile_logprobs": args.compile_logprobs,
+        "compile_model": args.compile_model,
         "dry_run": args.dry_run,
         "seed": 0,
         "profile_dir": str(Path(args.profile_dir).resolve()) if args.profile_dir else None,
@@ -472,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         "logprob_chunk_size": spec["chunk"],
         "gradient_checkpointing": spec["gradient_checkpointing"],
         "compile_logprobs": spec["compile_logprobs"],
+        "compile_model": spec["compile_model"],
     }
     stock, ours = results.get("stock", {}), results.get("kuberl", {})
     if "tokens_per_second" in stock and "tokens_per_second" in ours:

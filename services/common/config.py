@@ -833,6 +833,12 @@ class TrainerConfig(Section):
         description="Vocabulary rows per chunk when computing logprobs and entropies, so that "
         "full [tokens, vocab] logits are never materialised.",
     )
+    compile_model: bool = Field(
+        False,
+        description="torch.compile each decoder layer of the policy (regional compilation: "
+        "one graph serves every layer) at start, to fuse the layers' norms, rotary embeddings "
+        "and activations; ZeRO stages 0-2.",
+    )
     compile_logprobs: bool = Field(
         False,
         description="Fuse the logprob head's per-chunk work with torch.compile (compiled once "
@@ -882,6 +888,17 @@ class TrainerConfig(Section):
     linger_seconds: float = Field(
         2.0, ge=0, description="After the last step, keep answering GetStatus this long, then exit."
     )
+
+    @model_validator(mode="after")
+    def _compile_below_zero3(self) -> TrainerConfig:
+        if self.compile_model and self.zero_stage == 3:
+            raise ValueError(
+                "trainer.compile_model needs zero_stage 0-2: ZeRO-3 gathers each layer's "
+                "parameters in hooks inside the layers' forward and backward, which a compiled "
+                "layer does not run as eager code does. Set compile_model: false, or a lower "
+                "zero_stage"
+            )
+        return self
 
 
 TransportName = Literal["nccl", "gloo", "cuda_ipc", "snapshot", "shm"]

@@ -123,6 +123,22 @@ class PolicyModel(nn.Module):
         return self.hf.get_output_embeddings()(hidden, targets)
 
 
+def compile_decoder_layers(hf_model: Any) -> int:
+    """`torch.compile` each decoder layer of an HF causal LM in place and return how many.
+
+    Regional compilation: the layers share one structure, so dynamo traces one graph and reuses
+    it for all of them (a compile of seconds, not of the whole model); shapes are dynamic, as
+    micro-batches differ in length. The embeddings and the head stay eager (the head has its own
+    option, `compile_logprobs`). ZeRO-3 is refused: its parameter-gathering hooks run inside the
+    layers' forward and backward."""
+    layers = getattr(hf_model.get_decoder(), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise ValueError("trainer.compile_model: the model has no decoder layers to compile")
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
+
+
 def split_outputs(outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`PolicyModel` outputs [B, T-1, 2] -> (logprobs [B, T-1], entropy [B, T-1])."""
     return outputs[..., 0], outputs[..., 1]

@@ -67,6 +67,7 @@ from kuberl.trainer.engine import (
     PolicyModel,
     TrainEngine,
     ValueModel,
+    compile_decoder_layers,
     load_causal_lm,
     run_forward,
     run_micro_batches,
@@ -217,6 +218,8 @@ class Trainer:
                 hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             else:
                 hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if self.tc.compile_model:
+            log.info("trainer.compile_model", layers=compile_decoder_layers(hf))
         chunk, fused = self.tc.logprob_chunk_size, self.tc.compile_logprobs
         policy = PolicyModel(hf, chunk, temperature, fused)
         self.engine = TrainEngine(policy, self.tc, self.dist, dtype)

@@ -91,3 +91,10 @@ def test_a_file_that_is_not_a_mapping_is_a_config_error(tmp_path: Path) -> None:
     path.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="must be a mapping"):
         load_job_config(path, env={})
+
+
+def test_compiled_layers_are_refused_with_zero3_and_the_reason() -> None:
+    ok = parse_job_config({"trainer": {"compile_model": True, "zero_stage": 2}}, env={})
+    assert ok.trainer.compile_model
+    with pytest.raises(ConfigError, match="compile_model needs zero_stage 0-2"):
+        parse_job_config({"trainer": {"compile_model": True, "zero_stage": 3}}, env={})

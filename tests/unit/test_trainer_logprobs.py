@@ -128,6 +128,32 @@ def test_policy_model_logprobs_equal_the_hf_models_own_logits(tmp_path) -> None:
     assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_compiled_decoder_layers_give_the_eager_logprobs_and_gradients(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # trainer.compile_model: every decoder layer compiled in place (one graph for all), on
+    # right-padded batches of two lengths; outputs and every gradient match the eager model.
+    from kuberl.common.modelbuild import build_model
+    from kuberl.trainer.engine import PolicyModel, compile_decoder_layers, load_causal_lm
+
+    path = build_model(tmp_path / "m", tokenizer="digits", seed=1)
+    eager = PolicyModel(load_causal_lm(path, torch.float32), chunk_size=16)
+    fused = PolicyModel(load_causal_lm(path, torch.float32), chunk_size=16)
+    assert compile_decoder_layers(fused.hf) == len(fused.hf.get_decoder().layers) > 0
+    g = torch.Generator().manual_seed(3)
+    for rows, length in ((3, 11), (2, 17)):
+        ids = torch.randint(5, 90, (rows, length), generator=g)
+        mask = torch.ones_like(ids)
+        mask[0, length - 4 :] = 0  # one right-padded row
+        results = []
+        for model in (eager, fused):
+            model.zero_grad()
+            out = model(ids, mask)
+            (out[..., 0].sum() + 0.1 * out[..., 1].sum()).backward()
+            results.append([out.detach()] + [p.grad.clone() for p in model.parameters()])
+        for a, b in zip(*results, strict=True):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_150k_vocabulary_in_bf16_never_materialises_full_logits_on_gpu() -> None:
