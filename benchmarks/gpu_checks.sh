@@ -4,12 +4,13 @@
 #   1. the GPU tests (tests/gpu: CUDA IPC, weight-sync's GPU transports, the offloaded reference,
 #      CUDA IPC into SGLang's consumer code; the chunked logprob head on a 150k vocabulary),
 #   2. trainer MFU (benchmarks/trainer_mfu.py: stock DeepSpeed ZeRO-2 and kuberl's step, with a
-#      torch.profiler table of one step of each; then kuberl with the fused head,
-#      trainer.compile_logprobs, and with compiled decoder layers too, trainer.compile_model),
+#      torch.profiler table of one step of each),
 #   3. the CUDA-IPC weight-sync update,
 #   4. `kuberl run --device cuda` (the demo, shortened as tests/gpu/test_local_run_cuda.py runs
 #      it), with the lines of its service logs that say what happened,
-#   5. GAE and the torch rollout engine on the GPU, and a larger kuberl micro-batch, while time
+#   5. kuberl's step with the fused head (trainer.compile_logprobs), then with compiled decoder
+#      layers too (trainer.compile_model),
+#   6. GAE and the torch rollout engine on the GPU, and a larger kuberl micro-batch, while time
 #      is left.
 #
 # Each step has its own time limit and all of them share a deadline ($GPU_CHECKS_SECONDS, default
@@ -86,10 +87,6 @@ step tests.log 90 "$PY" -m pytest -p no:cacheprovider -v -rs --timeout 80 --tb=s
   tests/gpu/test_local_run_cuda.py::test_kuberl_run_on_one_gpu_loads_versions_into_the_engine_by_cuda_ipc
 step mfu.log 150 "$PY" benchmarks/trainer_mfu.py --steps 3 --warmup 1 --micro-batch-seqs 4 \
   --kuberl-micro-batch-seqs 8 --chunk 16384 --profile-dir "$OUT"
-step mfu.log 120 "$PY" benchmarks/trainer_mfu.py --variants kuberl --steps 3 --warmup 1 \
-  --kuberl-micro-batch-seqs 8 --chunk 16384 --compile-logprobs
-step mfu.log 150 "$PY" benchmarks/trainer_mfu.py --variants kuberl --steps 3 --warmup 1 \
-  --kuberl-micro-batch-seqs 8 --chunk 16384 --compile-logprobs --compile-model
 step bench.log 60 "$PY" benchmarks/weight_sync.py --engines 1 --transports shm --repeat 2 --gpu
 RUN=/tmp/kuberl-gpu-run
 rm -rf "$RUN" && mkdir -p "$RUN"
@@ -102,6 +99,10 @@ for f in "$RUN"/run/logs/*.log; do
   grep -E "update_loaded|Traceback|Error|error" "$f" | tail -n 12 | cut -c1-400
 done >>"$OUT/run.log" 2>&1
 grep -h "update_loaded" "$RUN"/run/logs/rollout-0.log 2>/dev/null | cut -c1-200 | tail -n 5
+step mfu.log 120 "$PY" benchmarks/trainer_mfu.py --variants kuberl --steps 3 --warmup 1 \
+  --kuberl-micro-batch-seqs 8 --chunk 16384 --compile-logprobs
+step mfu.log 150 "$PY" benchmarks/trainer_mfu.py --variants kuberl --steps 3 --warmup 1 \
+  --kuberl-micro-batch-seqs 8 --chunk 16384 --compile-logprobs --compile-model
 step bench.log 60 "$PY" benchmarks/gae.py --sizes 1024,8192,32768
 step bench.log 90 "$PY" benchmarks/rollout_engine.py --no-cpu
 step mfu.log 100 "$PY" benchmarks/trainer_mfu.py --variants kuberl --steps 3 --warmup 1 \
