@@ -20,6 +20,7 @@
 #
 #     bash benchmarks/gpu_wheels.sh                 # here: fill .whl/
 #     bash benchmarks/gpu_checks.sh                 # there, with .whl carried
+#     python benchmarks/report.py --merge-gpu-run DIR   # here: DIR holds what came back
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/runs/gpu}
@@ -31,7 +32,7 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 TOKENIZERS_PARALLELISM=false
 
 {
-  date -u
+  date -u '+%Y-%m-%d %H:%M UTC'
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm \
     --format=csv || true
   if [ -d "$WHL" ]; then

@@ -34,6 +34,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs" / "benchmarks.jsonl"
 GPU_RESULTS = REPO / "docs" / "benchmarks-gpu.jsonl"
+# Every trainer_mfu line of the GPU runs (settings and compile variants), kept beside the one the
+# table shows.
+MFU_RUNS = REPO / "docs" / "trainer_mfu-runs.jsonl"
 REPORT = REPO / "docs" / "benchmarks.md"
 # Everything from this line on in the report is hand-written (analysis, profiles) and kept.
 NOTES_MARKER = "<!-- hand-written notes below: report.py keeps everything after this line -->"
@@ -521,6 +524,68 @@ def kept_notes(path: Path) -> str:
     return old[at:] if at >= 0 else NOTES_MARKER + "\n"
 
 
+def _gpu_run_facts(folder: Path) -> tuple[str, str]:
+    """(date, machine) of a `gpu_checks.sh` run from its env.log."""
+    env = (folder / "env.log").read_text().splitlines() if (folder / "env.log").exists() else []
+    date = next((x.strip() for x in env if x.strip().endswith(" UTC")), "")
+    device = next((x.split(" ", 4)[4] for x in env if x.startswith("torch ") and " cuda " in x), "")
+    torch_version = next((x.split()[1] for x in env if x.startswith("torch ")), "")
+    commit = next((x.split()[1] for x in env if x.startswith("checkout ")), "")
+    machine = f"device: {device or 'unknown GPU'}, torch {torch_version}"
+    return date, machine + (f", checkout {commit}" if commit else "")
+
+
+def gpu_lines_from_run(folder: Path) -> list[dict[str, Any]]:
+    """The benchmark JSON lines in the logs of a `benchmarks/gpu_checks.sh` run (its $OUT
+    folder), each with a `_run` record: the step's command (its "== CMD (limit Ns)" header), the
+    date and the device (env.log). Lines that say they were skipped are left out."""
+    date, machine = _gpu_run_facts(folder)
+    found = []
+    for log in sorted(folder.glob("*.log")):
+        command = ""
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("== ") and line.endswith("s)") and "(limit " in line:
+                command = line[3:].rsplit(" (limit ", 1)[0]
+                continue
+            if not line.startswith("{"):
+                continue
+            try:
+                result = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(result, dict) or "benchmark" not in result or result.get("skipped"):
+                continue
+            result["_run"] = {
+                "name": result["benchmark"],
+                "command": command,
+                "date": result.get("date") or date,
+                "machine": machine,
+            }
+            found.append(result)
+    return found
+
+
+def merge_gpu_run(folder: Path, gpu_results: Path, mfu_runs: Path) -> list[str]:
+    """Merge a `gpu_checks.sh` run into the GPU result lines; returns the benchmarks merged.
+
+    The table shows one line per benchmark, the newest. A trainer_mfu line only replaces it if
+    it measured both variants (stock and kuberl in the same run: their ratio means something);
+    every trainer_mfu line, variants included, is appended to `mfu_runs`."""
+    results = read_results(gpu_results)
+    merged = []
+    for line in gpu_lines_from_run(folder):
+        name = str(line["benchmark"])
+        if name == "trainer_mfu":
+            with mfu_runs.open("a") as f:
+                f.write(json.dumps(line, sort_keys=True) + "\n")
+            if not ({"stock", "kuberl"} <= line.keys() and "error" not in line["kuberl"]):
+                continue
+        results[name] = line
+        merged.append(name)
+    write_results(gpu_results, results)
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), help="run just these")
@@ -532,7 +597,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--note", default="", help="conditions of the run, shown in the report")
     parser.add_argument("--timeout", type=float, default=1800.0, help="per benchmark, seconds")
     parser.add_argument("--logs", type=Path, help="folder for each benchmark's output")
+    parser.add_argument(
+        "--merge-gpu-run",
+        type=Path,
+        metavar="DIR",
+        help="merge the JSON lines of a benchmarks/gpu_checks.sh run (its $OUT folder) into "
+        "--gpu-results (trainer_mfu lines also into --mfu-runs), then rewrite the report",
+    )
+    parser.add_argument("--mfu-runs", type=Path, default=MFU_RUNS)
     args = parser.parse_args(argv)
+    if args.merge_gpu_run:
+        merged = merge_gpu_run(args.merge_gpu_run, args.gpu_results, args.mfu_runs)
+        print(f"[bench] merged GPU lines: {', '.join(merged) or 'none'}", file=sys.stderr)
+        args.no_run = True
 
     results = read_results(args.results)
     if not args.no_run:

@@ -255,3 +255,52 @@ def test_regenerating_the_report_keeps_the_hand_written_notes(tmp_path: Path) ->
         "| buffer: trajectories/s" in text,
         text.endswith(f"{report.NOTES_MARKER}\n## Where the time goes\nprofile\n"),
     ) == (False, True, True)
+
+
+def test_a_gpu_checks_run_is_merged_with_its_commands_device_and_mfu_variants(
+    tmp_path: Path,
+) -> None:
+    # What benchmarks/gpu_checks.sh leaves in $OUT: env.log, then each step's header and output.
+    run = tmp_path / "out"
+    run.mkdir()
+    (run / "env.log").write_text(
+        "2026-11-26 10:30 UTC\nname, memory.total [MiB]\nNVIDIA H100 80GB HBM3, 81559 MiB\n"
+        "checkout 0f1b540 bench: one script\n"
+        "torch 2.11.0+cu130 cuda 13.0 NVIDIA H100 80GB HBM3\n"
+    )
+    mfu = {"benchmark": "trainer_mfu", "date": "2026-11-26 10:31 UTC", "sequence_tokens": 2048}
+    both = {**mfu, "stock": {"mfu": 0.2}, "kuberl": {"mfu": 0.1}}
+    variant = {**mfu, "kuberl": {"mfu": 0.3}, "compile_logprobs": True}
+    (run / "mfu.log").write_text(
+        "== python3 benchmarks/trainer_mfu.py --steps 3 (limit 150s)\nnoise\n"
+        + json.dumps(both)
+        + "\n== python3 benchmarks/trainer_mfu.py --variants kuberl --compile-logprobs "
+        "(limit 120s)\n" + json.dumps(variant) + "\n"
+    )
+    (run / "bench.log").write_text(
+        "== python3 benchmarks/gae.py (limit 60s)\n"
+        + json.dumps({"benchmark": "gae", "gpu": {"T=1024": {}}})
+        + "\n{not json\n"
+        + json.dumps({"benchmark": "rollout_engine", "skipped": True})
+        + "\n"
+    )
+    gpu_results, mfu_runs = tmp_path / "gpu.jsonl", tmp_path / "mfu.jsonl"
+    gpu_results.write_text(json.dumps({"benchmark": "gae", "old": True}) + "\n")
+    merged = report.merge_gpu_run(run, gpu_results, mfu_runs)
+    results = report.read_results(gpu_results)
+    runs = [json.loads(x) for x in mfu_runs.read_text().splitlines()]
+    # The variant (kuberl only) goes to the runs file, not the table; skipped lines nowhere.
+    assert (merged, sorted(results), results["trainer_mfu"]["kuberl"]) == (
+        ["gae", "trainer_mfu"],
+        ["gae", "trainer_mfu"],
+        {"mfu": 0.1},
+    )
+    assert [r.get("compile_logprobs", False) for r in runs] == [False, True]
+    assert results["gae"]["_run"] == {
+        "name": "gae",
+        "command": "python3 benchmarks/gae.py",
+        "date": "2026-11-26 10:30 UTC",
+        "machine": "device: NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, checkout 0f1b540",
+    }
+    assert runs[1]["_run"]["command"].endswith("--variants kuberl --compile-logprobs")
+    assert runs[1]["_run"]["date"] == "2026-11-26 10:31 UTC"
