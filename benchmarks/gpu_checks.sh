@@ -86,9 +86,11 @@ step() {
 step tests.log 90 "$PY" -m pytest -p no:cacheprovider -v -rs --timeout 80 --tb=short tests/gpu \
   tests/unit/test_trainer_logprobs.py --deselect \
   tests/gpu/test_local_run_cuda.py::test_kuberl_run_on_one_gpu_loads_versions_into_the_engine_by_cuda_ipc
+grep -E "^(FAILED|ERROR)|^E  " "$OUT/tests.log" | cut -c1-300 | head -n 20
 step mfu.log 150 "$PY" benchmarks/trainer_mfu.py --steps 3 --warmup 1 --micro-batch-seqs 4 \
   --kuberl-micro-batch-seqs 8 --chunk 16384 --profile-dir "$OUT"
 step bench.log 60 "$PY" benchmarks/weight_sync.py --engines 1 --transports shm --repeat 2 --gpu
+grep -E "Error|error" "$OUT/bench.log" | cut -c1-300 | tail -n 5
 RUN=/tmp/kuberl-gpu-run
 rm -rf "$RUN" && mkdir -p "$RUN"
 JOB=$("$PY" -c 'import sys; from pathlib import Path
