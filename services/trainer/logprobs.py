@@ -35,10 +35,12 @@ def _forward_chunk(
     target_logit: torch.Tensor,  # [N]
     inv_temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fold one vocabulary chunk into the running statistics (see `_chunk_stats`)."""
+    """Fold one vocabulary chunk into the running statistics (see `_chunk_stats`). Eager, it is
+    a few in-place passes over one widened copy of the chunk (`zc` itself when it is already
+    fp32: the caller's temporary product)."""
     z = zc.to(running_max.dtype)  # [N, C]
     if inv_temperature != 1.0:
-        z = z * inv_temperature
+        z.mul_(inv_temperature)
     new_max = torch.maximum(running_max, z.amax(dim=-1))  # [N]
     picked = z.gather(1, local[:, None]).squeeze(1)  # [N]
     target_logit = torch.where(inside, picked, target_logit)
@@ -47,9 +49,10 @@ def _forward_chunk(
     scale = torch.exp(shift)  # [N]
     s2 = scale * (s2 + shift * s1)
     s1 = s1 * scale
-    z = z - new_max[:, None]  # z - m'
+    z.sub_(new_max[:, None])  # z - m'
     e = torch.exp(z)  # [N, C]
-    return new_max, s1 + e.sum(-1), s2 + (e * z).sum(-1), target_logit
+    s1 = s1 + e.sum(-1)
+    return new_max, s1, s2 + e.mul_(z).sum(-1), target_logit
 
 
 def _backward_chunk(
@@ -64,9 +67,10 @@ def _backward_chunk(
     """dLoss/dz of one chunk, in the weights' dtype: p (c0 + c1 z) + onehot g_lp / T."""
     z = zc.to(lse.dtype)  # [N, C]
     if inv_temperature != 1.0:
-        z = z * inv_temperature
-    grad_z = (c0 + c1 * z) * torch.exp(z - lse[:, None])  # [N, C]
-    grad_z = grad_z.scatter_add(1, local[:, None], target_grad[:, None])
+        z.mul_(inv_temperature)
+    grad_z = torch.addcmul(c0, z, c1)  # [N, C]
+    grad_z.mul_(z.sub_(lse[:, None]).exp_())  # * p
+    grad_z.scatter_add_(1, local[:, None], target_grad[:, None])
     return grad_z.to(zc.dtype)
 
 
