@@ -10,8 +10,8 @@
 #      it), with the lines of its service logs that say what happened,
 #   5. kuberl's step with the fused head (trainer.compile_logprobs), then with compiled decoder
 #      layers too (trainer.compile_model),
-#   6. GAE and the torch rollout engine on the GPU, and a larger kuberl micro-batch, while time
-#      is left.
+#   6. GAE, the torch rollout engine and the chunked logprob head (Qwen2-0.5B's head, bf16) on
+#      the GPU, and a larger kuberl micro-batch, while time is left.
 #
 # Each step has its own time limit and all of them share a deadline ($GPU_CHECKS_SECONDS, default
 # 540), so one hang costs one step. Logs go to $OUT (default runs/gpu): seven files, the most a
@@ -108,6 +108,8 @@ step mfu.log 150 "$PY" benchmarks/trainer_mfu.py --variants kuberl --steps 3 --w
   --kuberl-micro-batch-seqs 8 --chunk 16384 --compile-logprobs --compile-model
 step bench.log 60 "$PY" benchmarks/gae.py --sizes 1024,8192,32768
 step bench.log 90 "$PY" benchmarks/rollout_engine.py --no-cpu
+step bench.log 90 "$PY" benchmarks/trainer_logprobs.py --device cuda --dtype bfloat16 \
+  --tokens 8192 --vocab 151936 --hidden 896 --chunk 16384
 step mfu.log 100 "$PY" benchmarks/trainer_mfu.py --variants kuberl --steps 3 --warmup 1 \
   --kuberl-micro-batch-seqs 16 --chunk 16384
 echo "== done in $(($(date +%s) - T0))s"

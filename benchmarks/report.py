@@ -131,7 +131,8 @@ def rows_gae(r: dict[str, Any], gpu: bool = False) -> list[Row]:
 
 
 def rows_trainer_logprobs(r: dict[str, Any]) -> list[Row]:
-    dims = f"{r['tokens']} tokens x {r['vocab']:,} vocabulary ({r.get('device', 'cpu')})"
+    dtype = f", {r['dtype']}" if r.get("dtype", "float32") != "float32" else ""
+    dims = f"{r['tokens']} tokens x {r['vocab']:,} vocabulary ({r.get('device', 'cpu')}{dtype})"
     return [
         Row(
             f"logprobs + entropy, fwd+bwd, peak memory, {dims}",

@@ -6,6 +6,9 @@ the figure reported is the peak minus the child's resident size just before the 
 On CUDA the same is measured with torch's peak allocated memory.
 
     .venv/bin/python benchmarks/trainer_logprobs.py [--tokens 2048] [--vocab 65536] [--hidden 512]
+        [--device cuda --dtype bfloat16]
+
+On CUDA each variant runs once untimed first (kernel selection, the allocator's first blocks).
 
 Last line: one JSON object with times, peak memory, their ratios, the largest difference between
 the two results, and the machine.
@@ -23,16 +26,30 @@ import sys
 import time
 
 
-def _child(variant: str, n: int, v: int, h: int, chunk: int, device: str) -> dict[str, float]:
+def _child(
+    variant: str, n: int, v: int, h: int, chunk: int, device: str, dtype_name: str
+) -> dict[str, float]:
     import torch
 
     from kuberl.trainer.logprobs import chunked_logprobs_and_entropy, full_logprobs_and_entropy
 
     dev = torch.device(device)
+    dtype = getattr(torch, dtype_name)
     g = torch.Generator(device=dev).manual_seed(0)
-    hidden = (torch.randn(n, h, generator=g, device=dev) * 0.5).requires_grad_(True)
-    weight = (torch.randn(v, h, generator=g, device=dev) * 0.05).requires_grad_(True)
+    hidden = (torch.randn(n, h, generator=g, device=dev) * 0.5).to(dtype).requires_grad_(True)
+    weight = (torch.randn(v, h, generator=g, device=dev) * 0.05).to(dtype).requires_grad_(True)
     targets = torch.randint(0, v, (n,), generator=g, device=dev)
+
+    def compute() -> tuple[torch.Tensor, torch.Tensor]:
+        if variant == "chunked":
+            return chunked_logprobs_and_entropy(hidden, weight, targets, chunk)
+        return full_logprobs_and_entropy(hidden @ weight.T, targets)
+
+    if dev.type == "cuda":  # warm-up: the first GEMMs pick their kernels and allocate
+        lp, ent = compute()
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        hidden.grad = weight.grad = None
+        del lp, ent
     if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -40,10 +57,7 @@ def _child(variant: str, n: int, v: int, h: int, chunk: int, device: str) -> dic
     else:
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     start = time.perf_counter()
-    if variant == "chunked":
-        lp, ent = chunked_logprobs_and_entropy(hidden, weight, targets, chunk)
-    else:
-        lp, ent = full_logprobs_and_entropy(hidden @ weight.T, targets)
+    lp, ent = compute()
     (lp.sum() + 0.1 * ent.sum()).backward()
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -66,10 +80,13 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--chunk", type=int, default=4096)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--child", choices=("chunked", "full"))
     args = parser.parse_args()
     if args.child:
-        result = _child(args.child, args.tokens, args.vocab, args.hidden, args.chunk, args.device)
+        result = _child(
+            args.child, args.tokens, args.vocab, args.hidden, args.chunk, args.device, args.dtype
+        )
         print(json.dumps(result))
         return
     results = {}
@@ -93,6 +110,7 @@ def main() -> None:
         "hidden": args.hidden,
         "chunk": args.chunk,
         "device": args.device,
+        "dtype": args.dtype,
         "full_logits_bytes": args.tokens * args.vocab * 4,
         "full_seconds": full["seconds"],
         "chunked_seconds": chunked["seconds"],
