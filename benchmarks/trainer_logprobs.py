@@ -45,12 +45,11 @@ def _child(
             return chunked_logprobs_and_entropy(hidden, weight, targets, chunk)
         return full_logprobs_and_entropy(hidden @ weight.T, targets)
 
-    if dev.type == "cuda":  # warm-up: the first GEMMs pick their kernels and allocate
-        lp, ent = compute()
+    if dev.type == "cuda":
+        lp, ent = compute()  # warm-up: the first GEMMs pick their kernels and allocate
         (lp.sum() + 0.1 * ent.sum()).backward()
         hidden.grad = weight.grad = None
         del lp, ent
-    if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()

@@ -51,7 +51,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -114,20 +113,6 @@ def flops_per_token(cfg: dict[str, Any], seq_len: int, n_params: int | None = No
 
 
 # ---------------------------------------------------------------------------- child: one variant
-
-
-def _init_world() -> Any:
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    from kuberl.trainer.distributed import init_distributed
-
-    return init_distributed()
 
 
 def _model(cfg: dict[str, Any], dtype: Any, seed: int, device: Any) -> Any:
@@ -196,8 +181,8 @@ def _time_steps(step: Any, spec: dict[str, Any], clock: _Clock) -> dict[str, Any
 
 def _profile_step(step: Any, spec: dict[str, Any], clock: _Clock) -> dict[str, Any]:
     """One more step under torch.profiler: its kernel and operator tables go to
-    `<profile_dir>/profile-<variant>.txt`; returns the step's wall time and the share of it the
-    device spent in kernels (1 - that share is time the GPU waited for the host)."""
+    `<profile_dir>/profile-<variant>.txt`; returns the step's wall time and its kernel time
+    (summed over kernels, so overlapping streams can make it exceed the wall time)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -230,7 +215,9 @@ def run_stock(spec: dict[str, Any]) -> dict[str, Any]:
     import deepspeed
     import torch
 
-    info = _init_world()
+    from kuberl.trainer.distributed import init_distributed
+
+    info = init_distributed()  # a world of one: _child strips torchrun's variables
     dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32
     model = _model(spec["config"], dtype, spec["seed"], info.device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -269,6 +256,7 @@ def run_kuberl(spec: dict[str, Any]) -> dict[str, Any]:
 
     from kuberl.common.config import parse_job_config
     from kuberl.common.trajectory import Group, Trajectory
+    from kuberl.trainer.distributed import init_distributed
     from kuberl.trainer.engine import (
         PolicyModel,
         TrainEngine,
@@ -278,7 +266,7 @@ def run_kuberl(spec: dict[str, Any]) -> dict[str, Any]:
     from kuberl.trainer.loop import Trainer
     from kuberl.trainer.sft import samples_from_groups
 
-    info = _init_world()
+    info = init_distributed()  # a world of one: _child strips torchrun's variables
     config = parse_job_config(
         {
             "model": {"dtype": "bfloat16"},
@@ -289,6 +277,7 @@ def run_kuberl(spec: dict[str, Any]) -> dict[str, Any]:
                 "micro_batch_tokens": spec["kuberl_micro_batch_seqs"] * spec["seq_len"],
                 "logprob_chunk_size": spec["chunk"],
                 "compile_logprobs": spec["compile_logprobs"],
+                "compile_model": spec["compile_model"],
                 "gradient_checkpointing": spec["gradient_checkpointing"],
                 "optimizer": {"lr": 1e-6},
                 "algorithm": {"advantage": "grpo", "clip_low": 0.2, "clip_high": 0.28},
@@ -300,11 +289,12 @@ def run_kuberl(spec: dict[str, Any]) -> dict[str, Any]:
     hf = _model(spec["config"], dtype, spec["seed"], info.device)
     if spec["gradient_checkpointing"]:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if spec["compile_model"]:
+    if config.trainer.compile_model:
         compile_decoder_layers(hf)
     n_params = sum(p.numel() for p in hf.parameters())
     trainer = Trainer(config, info)
-    policy = PolicyModel(hf, spec["chunk"], compiled=spec["compile_logprobs"])
+    tc = config.trainer
+    policy = PolicyModel(hf, tc.logprob_chunk_size, compiled=tc.compile_logprobs)
     trainer.engine = TrainEngine(policy, config.trainer, info, dtype)
     trainer.vocab_size = spec["config"]["vocab_size"]
 

@@ -122,16 +122,10 @@ def _raw_pair(rank: int, port: int, nbytes: int, out: str) -> None:
         Path(out).write_text(json.dumps({"seconds": min(times)}))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def raw_pair_seconds(nbytes: int) -> float:
-    port = _free_port()
+    from kuberl.common.redis_server import free_port
+
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/raw.json"
         procs = [

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
+from kuberl.common.redis_server import free_port
 from kuberl.common.weights import Manifest, plan
 from kuberl.common.weights import sglang as bodies
 from kuberl.common.weights.transports import BroadcastReceiver, BroadcastSender
@@ -133,9 +133,7 @@ def test_our_engine_receiver_joins_a_group_hosted_by_sglangs_own_code(tmp_path: 
     tensors = _tensors()
     manifest, _ = _version(tensors)
     save_file(tensors, str(tmp_path / "send.safetensors"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     group = pb.BroadcastGroup(
         group_name="kuberl-contract-hosted", backend="gloo", master_address="127.0.0.1",
         master_port=port, world_size=2,

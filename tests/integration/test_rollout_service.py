@@ -14,7 +14,6 @@ import contextlib
 import json
 import math
 import signal
-import socket
 import time
 import uuid
 from collections import Counter
@@ -37,7 +36,7 @@ from kuberl.api.rollout.v1 import rollout_pb2_grpc
 from kuberl.common.channels import aio_channel, sync_channel
 from kuberl.common.config import SGLangEngineConfig, load_job_config
 from kuberl.common.modelbuild import build_model, load_tokenizer
-from kuberl.common.redis_server import EmbeddedRedis
+from kuberl.common.redis_server import EmbeddedRedis, free_port
 from kuberl.common.trajectory import Group
 from kuberl.rollout import metrics as m
 from kuberl.rollout.engine.base import Engine
@@ -967,9 +966,7 @@ def test_the_loop_runs_unchanged_on_the_sglang_engine(env, job) -> None:
 
 def test_a_reward_outage_is_retried_then_the_prompts_go_back_to_the_buffer(env, job) -> None:
     config, buffer, address = job(prompts=2, rollout={"max_attempts": 3, "batches_in_flight": 1})
-    with socket.socket() as sock:  # a port where nothing listens: the reward service is down
-        sock.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{sock.getsockname()[1]}"
+    dead = f"127.0.0.1:{free_port()}"  # a port where nothing listens: the reward service is down
     retries = m.RPC_RETRIES.labels("Score", "UNAVAILABLE")
     failures = m.FAILURES.labels("score")
     before = (retries._value.get(), failures._value.get())
