@@ -86,12 +86,12 @@ def fill_group(g: Any, template: Any, prompt_id: str, epoch: int) -> Any:
 
 def service_producer(address: str, name: str, start: Any, cpu: Any) -> None:
     from kuberl.api.buffer.v1 import buffer_pb2 as bpb
-    from kuberl.api.buffer.v1 import buffer_pb2_grpc
+    from kuberl.buffer.client import BufferStub, encode_put
     from kuberl.common.channels import sync_channel
 
     template = template_group()
     with sync_channel(address) as channel:
-        stub = buffer_pb2_grpc.BufferServiceStub(channel)
+        stub = BufferStub(channel)  # as a rollout replica: groups encoded one by one
         start.wait()
         cpu0 = time.process_time()
         while True:
@@ -112,12 +112,13 @@ def service_producer(address: str, name: str, start: Any, cpu: Any) -> None:
             prompts = list(resp.prompts)
             for i in range(0, len(prompts), PUT_GROUPS):
                 chunk = prompts[i : i + PUT_GROUPS]
-                request = bpb.PutTrajectoriesRequest(
+                head = bpb.PutTrajectoriesRequest(
                     lease_ids=[p.lease_id for p in chunk], consumer=name
                 )
-                for p in chunk:
-                    fill_group(request.groups.add(), template, p.prompt_id, p.epoch)
-                stub.PutTrajectories(request, timeout=60)
+                groups = (
+                    fill_group(type(template)(), template, p.prompt_id, p.epoch) for p in chunk
+                )
+                stub.PutTrajectories(encode_put(head, groups), timeout=60)
     cpu.put(time.process_time() - cpu0)
 
 

@@ -50,6 +50,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "rollout_engine": [],
     "reward_throughput": [],
     "buffer_throughput": [],
+    "put_encoding": [],
     "weight_sync": [],
     "trainer_mfu": [],
 }
@@ -196,6 +197,20 @@ def rows_buffer_throughput(r: dict[str, Any]) -> list[Row]:
     ]
 
 
+def rows_put_encoding(r: dict[str, Any]) -> list[Row]:
+    return [
+        Row(
+            "rollout replica: encoding one put of 8 groups (8 x 2,048 tokens, "
+            f"{r['request_bytes'] / 1e6:.1f} MB)",
+            f"{r['by_group_ms_per_request']:.2f} ms, {_num(r['by_group_page_faults_per_request'])}"
+            " page faults (group by group)",
+            f"{r['one_piece_ms_per_request']:.2f} ms, "
+            f"{_num(r['one_piece_page_faults_per_request'])} page faults (one SerializeToString)",
+            f"{r['speedup']:.1f}x faster",
+        )
+    ]
+
+
 def rows_weight_sync(r: dict[str, Any]) -> list[Row]:
     raw = r.get("baseline_raw_gloo_broadcast_pair", {}).get("seconds")
     gb = r.get("payload_gb", 1.0)
@@ -338,6 +353,7 @@ ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "rollout_engine": rows_rollout_engine,
     "reward_throughput": rows_reward_throughput,
     "buffer_throughput": rows_buffer_throughput,
+    "put_encoding": rows_put_encoding,
     "weight_sync": rows_weight_sync,
     "vs_trl": rows_vs_trl,
     "trainer_mfu": rows_trainer_mfu,

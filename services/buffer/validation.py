@@ -31,6 +31,7 @@ import numpy as np
 from kuberl.api.buffer.v1 import buffer_pb2 as bpb
 from kuberl.api.common.v1 import trajectory_pb2 as tpb
 from kuberl.common.trajectory import FINISH_REASONS, Group, TrajectoryError
+from kuberl.common.wire import LENGTH_DELIMITED, encode_varint, read_varint
 
 # Rewards closer than this count as equal for the dynamic-sampling (zero variance) filter.
 REWARD_TOLERANCE = 1e-9
@@ -193,32 +194,7 @@ class RawPutRequest:
 
 
 _GROUPS_FIELD = bpb.PutTrajectoriesRequest.GROUPS_FIELD_NUMBER
-_GROUP_ID_TAG = bytes([tpb.Group.GROUP_ID_FIELD_NUMBER << 3 | 2])
-
-
-def _varint(data: bytes, i: int) -> tuple[int, int]:
-    """The varint at data[i:] and the index after it (IndexError past the end)."""
-    value = shift = 0
-    while True:
-        byte = data[i]
-        i += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, i
-        shift += 7
-
-
-def encode_varint(n: int) -> bytes:
-    """n >= 0 as a protobuf varint."""
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
+_GROUP_ID_TAG = encode_varint(tpb.Group.GROUP_ID_FIELD_NUMBER << 3 | LENGTH_DELIMITED)
 
 
 def group_slices(data: bytes, count: int) -> list[memoryview] | None:
@@ -230,15 +206,15 @@ def group_slices(data: bytes, count: int) -> list[memoryview] | None:
     i, end = 0, len(data)
     try:
         while i < end:
-            key, i = _varint(data, i)
+            key, i = read_varint(data, i)
             wire = key & 7
             if wire == 2:
-                size, i = _varint(data, i)
+                size, i = read_varint(data, i)
                 if key >> 3 == _GROUPS_FIELD:
                     out.append(view[i : i + size])
                 i += size
             elif wire == 0:
-                _, i = _varint(data, i)
+                _, i = read_varint(data, i)
             elif wire == 1:
                 i += 8
             elif wire == 5:

@@ -26,10 +26,10 @@ from typing import Any
 
 import grpc
 
-from kuberl.api.buffer.v1 import buffer_pb2_grpc
 from kuberl.api.reward.v1 import reward_pb2_grpc
 from kuberl.api.rollout.v1 import rollout_pb2 as pb
 from kuberl.api.rollout.v1 import rollout_pb2_grpc
+from kuberl.buffer.client import BufferStub
 from kuberl.common.channels import aio_channel, wait_serving_async
 from kuberl.common.config import JobConfig
 from kuberl.common.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -165,7 +165,7 @@ class RolloutService(Service):
             config,
             self.engine,
             tokenizer,
-            buffer=buffer_pb2_grpc.BufferServiceStub(buffer_channel),
+            buffer=BufferStub(buffer_channel),
             reward=reward_pb2_grpc.RewardServiceStub(reward_channel),
             replica_id=self.replica_id,
         )

@@ -47,6 +47,7 @@ import numpy as np
 from kuberl.api.buffer.v1 import buffer_pb2 as bpb
 from kuberl.api.common.v1 import trajectory_pb2 as tpb
 from kuberl.api.reward.v1 import reward_pb2 as rpb
+from kuberl.buffer.client import encode_put
 from kuberl.common.config import JobConfig
 from kuberl.common.logs import get_logger
 from kuberl.common.server import RETRY_AFTER_KEY
@@ -138,7 +139,7 @@ class RolloutWorker:
         self.rc = config.rollout
         self.engine = engine
         self.tokenizer = tokenizer
-        self.buffer = buffer  # BufferServiceStub (grpc.aio)
+        self.buffer = buffer  # kuberl.buffer.client.BufferStub (grpc.aio)
         self.reward = reward  # RewardServiceStub (grpc.aio)
         self.replica_id = replica_id
         self.rollout_fn = rollout_fn or load_rollout_function(config)
@@ -497,12 +498,12 @@ class RolloutWorker:
 
     async def _put(self, kind: str, groups: list[Group], lease_ids: list[str]) -> None:
         put_kind = "sft" if self.rc.mode == "rejection_sampling" else kind
-        request = bpb.PutTrajectoriesRequest(
-            groups=[g.to_proto() for g in groups],
-            consumer=self.replica_id,
-            kind=KINDS[put_kind],
-            lease_ids=lease_ids,
+        # Encoded group by group (kuberl.buffer.client): a request message holding the groups
+        # would copy each one into it, and encoding that in one piece is slow.
+        head = bpb.PutTrajectoriesRequest(
+            consumer=self.replica_id, kind=KINDS[put_kind], lease_ids=lease_ids
         )
+        request = encode_put(head, (g.to_proto() for g in groups))
         try:
             answer = await self._call(self.buffer.PutTrajectories, request, "PutTrajectories")
             results = [r.status == bpb.PUT_STATUS_ACCEPTED for r in answer.results]

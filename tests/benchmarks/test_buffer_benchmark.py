@@ -1,6 +1,7 @@
 """benchmarks/buffer_throughput.py: rounds start on a Redis that rewrites nothing in the
 background, and a small run prints both figures with each round's forks (real Redis, the real
-buffer service in a subprocess)."""
+buffer service in a subprocess). benchmarks/put_encoding.py: a small run prints both encodings
+of one rollout put."""
 
 from __future__ import annotations
 
@@ -45,3 +46,20 @@ def test_a_small_run_prints_both_figures_and_each_rounds_forks() -> None:
     ratio = result["service_traj_per_s"] / result["raw_redis_traj_per_s"]
     assert result["ratio_service_to_raw"] == pytest.approx(ratio, abs=2e-3)
     assert {k: len(v) for k, v in result["redis_forks"].items()} == {"service": 1, "raw": 1}
+
+
+def test_put_encoding_prints_both_encodings_of_one_request() -> None:
+    # The script itself refuses to report when the two encodings parse differently.
+    out = subprocess.run(
+        [sys.executable, "benchmarks/put_encoding.py", "--requests", "3", "--rounds", "2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["request_bytes"] > 8 * 8 * 2048 * 9  # ids + logprobs + mask per token
+    assert result["speedup"] == pytest.approx(
+        result["one_piece_ms_per_request"] / result["by_group_ms_per_request"], rel=0.05
+    )

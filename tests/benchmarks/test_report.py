@@ -28,6 +28,14 @@ RUN = {
 }
 # One result line per benchmark, in the shapes the scripts print (trimmed to what is read).
 LINES: dict[str, dict[str, Any]] = {
+    "put_encoding": {
+        "request_bytes": 1219219,
+        "by_group_ms_per_request": 0.092,
+        "one_piece_ms_per_request": 2.231,
+        "speedup": 24.33,
+        "by_group_page_faults_per_request": 2.8,
+        "one_piece_page_faults_per_request": 1127.0,
+    },
     "buffer_throughput": {
         "service_traj_per_s": 812.4,
         "raw_redis_traj_per_s": 1650.0,

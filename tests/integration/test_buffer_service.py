@@ -20,6 +20,7 @@ import grpc
 import pytest
 
 from kuberl.api.buffer.v1 import buffer_pb2 as bpb
+from kuberl.buffer.client import BufferStub, encode_put
 from kuberl.common.redis_server import EmbeddedRedis
 from tests.integration.buffer_support import (
     GROUP_SIZE,
@@ -376,6 +377,35 @@ def test_get_batch_acknowledges_the_previous_batch_in_the_same_call(
     assert (counters["train:acked_batches"], counters["train:trained_groups"]) == (3, 6)
     assert 'kuberl_buffer_acks_total{kind="train",result="acked"} 3.0' in text
     assert 'kuberl_buffer_acks_total{kind="train",result="already_acked"} 1.0' in text
+
+
+def test_the_client_stubs_group_by_group_puts_are_stored_and_served_unchanged(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # kuberl.buffer.client: what rollout replicas send, as a message (split while serialized)
+    # and as bytes encoded beforehand; the trainer must get each group exactly as it was made.
+    config = write_job(tmp_path, redis_url, prompts=4)
+    with start_buffer(config, tmp_path) as proc, Client(proc.address) as client:
+        stub = BufferStub(client.channel)
+        prompts = list(client.lease(4).prompts)
+        made = [group_for(p) for p in prompts]
+        head = bpb.PutTrajectoriesRequest(
+            consumer="r0", lease_ids=[p.lease_id for p in prompts[:2]]
+        )
+        as_message = stub.PutTrajectories(
+            bpb.PutTrajectoriesRequest(
+                groups=made[2:], consumer="r0", lease_ids=[p.lease_id for p in prompts[2:]]
+            ),
+            timeout=30,
+        )
+        as_bytes = stub.PutTrajectories(encode_put(head, made[:2]), timeout=30)
+        batch = client.get(4)
+    statuses = [r.status for r in (*as_bytes.results, *as_message.results)]
+    assert statuses == [bpb.PUT_STATUS_ACCEPTED] * 4
+    served = {g.prompt_id: g for g in batch.groups}
+    for g in made:
+        g.group_id = g.group_id or f"{g.prompt_id}@{g.epoch}"
+    assert served == {g.prompt_id: g for g in made}
 
 
 @pytest.mark.parametrize(

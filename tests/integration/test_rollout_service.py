@@ -33,6 +33,7 @@ from kuberl.api.common.v1 import trajectory_pb2 as tpb
 from kuberl.api.reward.v1 import reward_pb2_grpc
 from kuberl.api.rollout.v1 import rollout_pb2 as rpb
 from kuberl.api.rollout.v1 import rollout_pb2_grpc
+from kuberl.buffer.client import BufferStub
 from kuberl.common.channels import aio_channel, sync_channel
 from kuberl.common.config import SGLangEngineConfig, load_job_config
 from kuberl.common.modelbuild import build_model, load_tokenizer
@@ -668,7 +669,7 @@ class Loop:
             self.config,
             self.engine,
             load_tokenizer(self.env.model),
-            buffer=buffer_pb2_grpc.BufferServiceStub(self.channels[0]),
+            buffer=BufferStub(self.channels[0]),
             reward=reward_pb2_grpc.RewardServiceStub(self.channels[1]),
             replica_id=f"test-{uuid.uuid4().hex[:6]}",
         )

@@ -1,0 +1,53 @@
+"""The buffer's client stub, for rollout replicas and anyone else who puts groups.
+
+It is the generated `BufferServiceStub` with one change: `PutTrajectories` encodes its request
+with `kuberl.common.wire.serialize_split`, each group on its own, instead of the whole request in
+one `SerializeToString` (1.4 ms and ~770 page faults per 8-group request of 2,048-token samples on
+the 2-core VM, against 0.09 ms; docs/buffer.md). The server sees the same message. It also takes
+a request already encoded (`bytes`, e.g. from `encode_put`), which it sends as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from kuberl.api.buffer.v1 import buffer_pb2 as bpb
+from kuberl.api.buffer.v1 import buffer_pb2_grpc
+from kuberl.api.common.v1 import trajectory_pb2 as tpb
+from kuberl.common.wire import encode_entries, serialize_split
+
+_SERVICE = bpb.DESCRIPTOR.services_by_name["BufferService"]
+PUT_METHOD = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['PutTrajectories'].name}"
+
+
+def encode_put(head: bpb.PutTrajectoriesRequest, groups: Iterable[tpb.Group]) -> bytes:
+    """A serialized PutTrajectoriesRequest: `head` (consumer, kind, lease_ids; no groups) with
+    `groups` added, each serialized on its own."""
+    if head.groups:
+        raise ValueError("head already has groups: pass them as `groups`")
+    entries = (g.SerializeToString() for g in groups)
+    return encode_entries(
+        head.SerializeToString(), bpb.PutTrajectoriesRequest.GROUPS_FIELD_NUMBER, entries
+    )
+
+
+def serialize_put(request: bpb.PutTrajectoriesRequest | bytes) -> bytes:
+    """The request serializer of PutTrajectories: bytes as they are, a message split by group."""
+    if isinstance(request, bytes | bytearray | memoryview):
+        return bytes(request)
+    return serialize_split(request, "groups")
+
+
+class BufferStub(buffer_pb2_grpc.BufferServiceStub):
+    """`BufferServiceStub` whose PutTrajectories encodes requests group by group (see above);
+    for a sync or an asyncio channel alike."""
+
+    def __init__(self, channel: Any) -> None:
+        super().__init__(channel)
+        self.PutTrajectories = channel.unary_unary(
+            PUT_METHOD,
+            request_serializer=serialize_put,
+            response_deserializer=bpb.PutTrajectoriesResponse.FromString,
+            _registered_method=True,  # as the generated stub registers its methods
+        )
