@@ -2,9 +2,11 @@
 
 It is the generated `BufferServiceStub` with one change: `PutTrajectories` encodes its request
 with `kuberl.common.wire.serialize_split`, each group on its own, instead of the whole request in
-one `SerializeToString` (1.4 ms and ~770 page faults per 8-group request of 2,048-token samples on
-the 2-core VM, against 0.09 ms; docs/buffer.md). The server sees the same message. It also takes
-a request already encoded (`bytes`, e.g. from `encode_put`), which it sends as it is.
+one `SerializeToString`, and takes a request already encoded (`bytes`) as it is. Rollout replicas
+encode their puts with `encode_put`, which never builds the request message around the groups:
+building it and serializing it in one piece cost 2.2 ms and ~1,100 page faults per 8-group request
+of 2,048-token samples on the 2-core VM, `encode_put` 0.09 ms and ~3 (benchmarks/put_encoding.py,
+docs/buffer.md). The server sees the same message either way.
 """
 
 from __future__ import annotations

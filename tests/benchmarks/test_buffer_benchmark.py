@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -32,16 +33,22 @@ def test_settling_waits_for_a_running_aof_rewrite_to_end(tmp_path: Path) -> None
         assert bench._forks(client) == forks + 1
 
 
-def test_a_small_run_prints_both_figures_and_each_rounds_forks() -> None:
+def _last_line(script: str, *args: str) -> dict[str, Any]:
+    """The JSON line a benchmark script prints last, from a run with these arguments."""
     out = subprocess.run(
-        [sys.executable, "benchmarks/buffer_throughput.py", "--groups", "32", "--rounds", "1"],
+        [sys.executable, f"benchmarks/{script}", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=240,
         check=True,
     )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_a_small_run_prints_both_figures_and_each_rounds_forks() -> None:
+    result = _last_line("buffer_throughput.py", "--groups", "32", "--rounds", "1")
     assert result["service_traj_per_s"] > 0 and result["raw_redis_traj_per_s"] > 0
     ratio = result["service_traj_per_s"] / result["raw_redis_traj_per_s"]
     assert result["ratio_service_to_raw"] == pytest.approx(ratio, abs=2e-3)
@@ -50,15 +57,7 @@ def test_a_small_run_prints_both_figures_and_each_rounds_forks() -> None:
 
 def test_put_encoding_prints_both_encodings_of_one_request() -> None:
     # The script itself refuses to report when the two encodings parse differently.
-    out = subprocess.run(
-        [sys.executable, "benchmarks/put_encoding.py", "--requests", "3", "--rounds", "2"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = _last_line("put_encoding.py", "--requests", "3", "--rounds", "2")
     assert result["request_bytes"] > 8 * 8 * 2048 * 9  # ids + logprobs + mask per token
     assert result["speedup"] == pytest.approx(
         result["one_piece_ms_per_request"] / result["by_group_ms_per_request"], rel=0.05
