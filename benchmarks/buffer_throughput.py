@@ -21,7 +21,13 @@ service, raw, ...) and the medians are compared; every round is reported too, wi
 process role (less sensitive to load than wall-clock time). The last line printed is one JSON
 object with both figures, their ratio, the goal, the load and the machine.
 
+`--tuned-clients` gives every client process of both sides (producers and consumers) the buffer's
+own malloc settings (`kuberl.buffer.allocator`): with glibc's defaults the clients' large
+transient buffers fault their pages in again and again, which both sides pay but not alike, so
+that comparison measures the buffer rather than the clients' allocator (docs/buffer.md).
+
     .venv/bin/python benchmarks/buffer_throughput.py [--groups 1600] [--producers 3] [--rounds 3]
+        [--tuned-clients]
 """
 
 from __future__ import annotations
@@ -49,6 +55,17 @@ BATCH_GROUPS = 32
 LEASE_PROMPTS = 8
 GOAL_TRAJ_PER_S = 2500
 GOAL_RATIO = 0.5
+
+
+TUNED_CLIENTS_ENV = "KUBERL_BENCH_TUNED_CLIENTS"  # set by --tuned-clients, read by every client
+
+
+def tune_client() -> None:
+    """With --tuned-clients, this client process gets the buffer's malloc settings."""
+    if os.environ.get(TUNED_CLIENTS_ENV) == "1":
+        from kuberl.buffer.allocator import keep_freed_memory
+
+        keep_freed_memory()
 
 
 def template_group() -> Any:
@@ -85,6 +102,7 @@ def fill_group(g: Any, template: Any, prompt_id: str, epoch: int) -> Any:
 
 
 def service_producer(address: str, name: str, start: Any, cpu: Any) -> None:
+    tune_client()
     from kuberl.api.buffer.v1 import buffer_pb2 as bpb
     from kuberl.buffer.client import BufferStub, encode_put
     from kuberl.common.channels import sync_channel
@@ -263,6 +281,7 @@ def _proc_cpu_seconds(pid: int) -> float:
 
 
 def raw_producer(url: str, stream: str, ids: list[int], start: Any, cpu: Any) -> None:
+    tune_client()
     import redis
 
     client = redis.Redis.from_url(url)
@@ -383,7 +402,15 @@ def main() -> int:
     parser.add_argument("--groups", type=int, default=1600, help="groups per round (x8 samples)")
     parser.add_argument("--producers", type=int, default=3, help="producer processes")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each (alternating)")
+    parser.add_argument(
+        "--tuned-clients",
+        action="store_true",
+        help="give every client process of both sides the buffer's malloc settings",
+    )
     args = parser.parse_args()
+    if args.tuned_clients:
+        os.environ[TUNED_CLIENTS_ENV] = "1"  # the producers inherit it
+    tune_client()  # both consumers run in this process
 
     import redis
 
@@ -433,6 +460,9 @@ def main() -> int:
         "prompt_tokens": PROMPT_TOKENS,
         "bytes_per_group": group_bytes,
         "producers": args.producers,
+        "client_malloc": "buffer's settings, both sides"
+        if args.tuned_clients
+        else "glibc defaults",
         "service_traj_per_s": round(service_tps, 1),
         "service_mb_per_s": round(service_tps / GROUP_SIZE * group_bytes / 1e6, 1),
         "raw_redis_traj_per_s": round(raw_tps, 1),

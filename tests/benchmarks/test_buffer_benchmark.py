@@ -48,7 +48,11 @@ def _last_line(script: str, *args: str) -> dict[str, Any]:
 
 
 def test_a_small_run_prints_both_figures_and_each_rounds_forks() -> None:
-    result = _last_line("buffer_throughput.py", "--groups", "32", "--rounds", "1")
+    # --tuned-clients: the producers (spawned) and the consumers take the malloc settings too.
+    result = _last_line(
+        "buffer_throughput.py", "--groups", "32", "--rounds", "1", "--tuned-clients"
+    )
+    assert result["client_malloc"] == "buffer's settings, both sides"
     assert result["service_traj_per_s"] > 0 and result["raw_redis_traj_per_s"] > 0
     ratio = result["service_traj_per_s"] / result["raw_redis_traj_per_s"]
     assert result["ratio_service_to_raw"] == pytest.approx(ratio, abs=2e-3)
