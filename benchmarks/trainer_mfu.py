@@ -257,12 +257,7 @@ def run_kuberl(spec: dict[str, Any]) -> dict[str, Any]:
     from kuberl.common.config import parse_job_config
     from kuberl.common.trajectory import Group, Trajectory
     from kuberl.trainer.distributed import init_distributed
-    from kuberl.trainer.engine import (
-        PolicyModel,
-        TrainEngine,
-        compile_decoder_layers,
-        train_dtype,
-    )
+    from kuberl.trainer.engine import TrainEngine, build_policy, train_dtype
     from kuberl.trainer.loop import Trainer
     from kuberl.trainer.sft import samples_from_groups
 
@@ -289,13 +284,9 @@ def run_kuberl(spec: dict[str, Any]) -> dict[str, Any]:
     hf = _model(spec["config"], dtype, spec["seed"], info.device)
     if spec["gradient_checkpointing"]:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if config.trainer.compile_model:
-        compile_decoder_layers(hf)
     n_params = sum(p.numel() for p in hf.parameters())
     trainer = Trainer(config, info)
-    tc = config.trainer
-    policy = PolicyModel(hf, tc.logprob_chunk_size, compiled=tc.compile_logprobs)
-    trainer.engine = TrainEngine(policy, config.trainer, info, dtype)
+    trainer.engine = TrainEngine(build_policy(hf, config.trainer), config.trainer, info, dtype)
     trainer.vocab_size = spec["config"]["vocab_size"]
 
     ids = _token_batch(spec).numpy().astype(np.int32)

@@ -17,7 +17,7 @@ from typing import Any
 from kuberl.api.buffer.v1 import buffer_pb2 as bpb
 from kuberl.api.buffer.v1 import buffer_pb2_grpc
 from kuberl.api.common.v1 import trajectory_pb2 as tpb
-from kuberl.common.wire import encode_entries, serialize_split
+from kuberl.common.wire import encode_messages, serialize_split
 
 _SERVICE = bpb.DESCRIPTOR.services_by_name["BufferService"]
 PUT_METHOD = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['PutTrajectories'].name}"
@@ -28,10 +28,7 @@ def encode_put(head: bpb.PutTrajectoriesRequest, groups: Iterable[tpb.Group]) ->
     `groups` added, each serialized on its own."""
     if head.groups:
         raise ValueError("head already has groups: pass them as `groups`")
-    entries = (g.SerializeToString() for g in groups)
-    return encode_entries(
-        head.SerializeToString(), bpb.PutTrajectoriesRequest.GROUPS_FIELD_NUMBER, entries
-    )
+    return encode_messages(head, bpb.PutTrajectoriesRequest.GROUPS_FIELD_NUMBER, groups)
 
 
 def serialize_put(request: bpb.PutTrajectoriesRequest | bytes) -> bytes:

@@ -31,7 +31,7 @@ import numpy as np
 from kuberl.api.buffer.v1 import buffer_pb2 as bpb
 from kuberl.api.common.v1 import trajectory_pb2 as tpb
 from kuberl.common.trajectory import FINISH_REASONS, Group, TrajectoryError
-from kuberl.common.wire import LENGTH_DELIMITED, encode_varint, read_varint
+from kuberl.common.wire import encode_entries, read_varint
 
 # Rewards closer than this count as equal for the dynamic-sampling (zero variance) filter.
 REWARD_TOLERANCE = 1e-9
@@ -194,7 +194,6 @@ class RawPutRequest:
 
 
 _GROUPS_FIELD = bpb.PutTrajectoriesRequest.GROUPS_FIELD_NUMBER
-_GROUP_ID_TAG = encode_varint(tpb.Group.GROUP_ID_FIELD_NUMBER << 3 | LENGTH_DELIMITED)
 
 
 def group_slices(data: bytes, count: int) -> list[memoryview] | None:
@@ -248,7 +247,7 @@ def group_payloads(
         elif missing_id:
             # A later occurrence of a scalar field wins when parsing, so appending sets it.
             gid = c.group_id.encode()
-            out.append(b"".join((slices[i], _GROUP_ID_TAG, encode_varint(len(gid)), gid)))
+            out.append(encode_entries(slices[i], tpb.Group.GROUP_ID_FIELD_NUMBER, [gid]))
         else:
             out.append(slices[i])
     return out

@@ -51,7 +51,9 @@ def read_varint(data: bytes | memoryview, i: int) -> tuple[int, int]:
         shift += 7
 
 
-def encode_entries(head: bytes, field_number: int, entries: Iterable[bytes | memoryview]) -> bytes:
+def encode_entries(
+    head: bytes | memoryview, field_number: int, entries: Iterable[bytes | memoryview]
+) -> bytes:
     """`head` (a serialized message) followed by each entry as one more element of its repeated
     field `field_number`: the serialized message with those entries appended, in one copy."""
     tag = encode_varint(field_number << 3 | LENGTH_DELIMITED)
@@ -59,6 +61,13 @@ def encode_entries(head: bytes, field_number: int, entries: Iterable[bytes | mem
     for entry in entries:
         parts += [tag, encode_varint(len(entry)), entry]
     return b"".join(parts)
+
+
+def encode_messages(head: Message, field_number: int, entries: Iterable[Message]) -> bytes:
+    """`head` serialized with `entries` appended to its repeated message field `field_number`,
+    each entry serialized on its own."""
+    serialized = (entry.SerializeToString() for entry in entries)
+    return encode_entries(head.SerializeToString(), field_number, serialized)
 
 
 def serialize_split(message: Message, field: str) -> bytes:
@@ -76,5 +85,4 @@ def serialize_split(message: Message, field: str) -> bytes:
             getattr(head, fd.name).MergeFrom(value)  # lists, maps and messages
         else:
             setattr(head, fd.name, value)
-    entries = (entry.SerializeToString() for entry in getattr(message, field))
-    return encode_entries(head.SerializeToString(), descriptor.number, entries)
+    return encode_messages(head, descriptor.number, getattr(message, field))

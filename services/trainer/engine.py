@@ -139,6 +139,14 @@ def compile_decoder_layers(hf_model: Any) -> int:
     return len(layers)
 
 
+def build_policy(hf_model: Any, tc: TrainerConfig, temperature: float = 1.0) -> PolicyModel:
+    """The trainer's policy around an HF causal LM: its decoder layers compiled with
+    `tc.compile_model`, the logprob head with `tc`'s chunk size and `compile_logprobs`."""
+    if tc.compile_model:
+        log.info("trainer.compile_model", layers=compile_decoder_layers(hf_model))
+    return PolicyModel(hf_model, tc.logprob_chunk_size, temperature, tc.compile_logprobs)
+
+
 def split_outputs(outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`PolicyModel` outputs [B, T-1, 2] -> (logprobs [B, T-1], entropy [B, T-1])."""
     return outputs[..., 0], outputs[..., 1]

@@ -67,7 +67,7 @@ from kuberl.trainer.engine import (
     PolicyModel,
     TrainEngine,
     ValueModel,
-    compile_decoder_layers,
+    build_policy,
     load_causal_lm,
     run_forward,
     run_micro_batches,
@@ -218,14 +218,15 @@ class Trainer:
                 hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             else:
                 hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        if self.tc.compile_model:
-            log.info("trainer.compile_model", layers=compile_decoder_layers(hf))
-        chunk, fused = self.tc.logprob_chunk_size, self.tc.compile_logprobs
-        policy = PolicyModel(hf, chunk, temperature, fused)
-        self.engine = TrainEngine(policy, self.tc, self.dist, dtype)
+        self.engine = TrainEngine(build_policy(hf, self.tc, temperature), self.tc, self.dist, dtype)
         alg = self.tc.algorithm
         if alg.kl.coef > 0 and self.tc.mode == "rl":
-            ref = PolicyModel(load_causal_lm(self.model_dir, dtype), chunk, temperature, fused)
+            ref = PolicyModel(
+                load_causal_lm(self.model_dir, dtype),
+                self.tc.logprob_chunk_size,
+                temperature,
+                self.tc.compile_logprobs,
+            )
             self.reference = FrozenModel(
                 ref, self.tc, self.dist, dtype, offload=alg.kl.offload_reference
             )

@@ -146,15 +146,15 @@ class WeightPublisher:
         """The service refused this version's CUDA IPC handles (a torch whose handle format it
         does not know, say): publish without them from now on, so the trainer's retry of this
         version goes by shared memory or snapshot instead of being refused forever."""
+        self.transports = [t for t in self.transports if t != pb.TRANSPORT_CUDA_IPC]
+        self.gpu_uuid = ""
+        self._exported = []
         log.error(
             "weights.cuda_ipc_refused",
             version=version,
             error=reason[:300],
-            now=[transport_name(t) for t in self.transports if t != pb.TRANSPORT_CUDA_IPC],
+            now=[transport_name(t) for t in self.transports],
         )
-        self.gpu_uuid = ""
-        self.transports = [t for t in self.transports if t != pb.TRANSPORT_CUDA_IPC]
-        self._exported = []
 
     def _publish(
         self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
