@@ -4,14 +4,14 @@
 #   1. the GPU tests (tests/gpu: CUDA IPC, weight-sync's GPU transports, the offloaded reference,
 #      CUDA IPC into SGLang's consumer code; the chunked logprob head on a 150k vocabulary),
 #   2. trainer MFU (benchmarks/trainer_mfu.py: stock DeepSpeed ZeRO-2 and kuberl's step, with a
-#      torch.profiler table of one step of each),
+#      torch.profiler table of one step of each), then kuberl's step with the fused head
+#      (trainer.compile_logprobs) and with compiled decoder layers too (trainer.compile_model):
+#      the figures of the one open performance goal come before everything measured already,
 #   3. the CUDA-IPC weight-sync update,
 #   4. `kuberl run --device cuda` (the demo, shortened as tests/gpu/test_local_run_cuda.py runs
 #      it), with the lines of its service logs that say what happened,
-#   5. kuberl's step with the fused head (trainer.compile_logprobs), then with compiled decoder
-#      layers too (trainer.compile_model),
-#   6. GAE, the torch rollout engine and the chunked logprob head (Qwen2-0.5B's head, bf16) on
-#      the GPU, and a larger kuberl micro-batch, while time is left.
+#   5. the chunked logprob head (Qwen2-0.5B's head, bf16) and a larger kuberl micro-batch, then
+#      GAE and the torch rollout engine (both measured on an H100 before), while time is left.
 #
 # Each step has its own time limit and all of them share a deadline ($GPU_CHECKS_SECONDS, default
 # 540), so one hang costs one step. Logs go to $OUT (default runs/gpu): seven files, the most a
@@ -89,6 +89,10 @@ step tests.log 90 "$PY" -m pytest -p no:cacheprovider -v -rs --timeout 80 --tb=s
 grep -E "^(FAILED|ERROR)|^E  " "$OUT/tests.log" | cut -c1-300 | head -n 20
 step mfu.log 150 "$PY" benchmarks/trainer_mfu.py --steps 3 --warmup 1 --micro-batch-seqs 4 \
   --kuberl-micro-batch-seqs 8 --chunk 16384 --profile-dir "$OUT"
+step mfu.log 120 "$PY" benchmarks/trainer_mfu.py --variants kuberl --steps 3 --warmup 1 \
+  --kuberl-micro-batch-seqs 8 --chunk 16384 --compile-logprobs
+step mfu.log 150 "$PY" benchmarks/trainer_mfu.py --variants kuberl --steps 3 --warmup 1 \
+  --kuberl-micro-batch-seqs 8 --chunk 16384 --compile-logprobs --compile-model
 step bench.log 60 "$PY" benchmarks/weight_sync.py --engines 1 --transports shm --repeat 2 --gpu
 grep -E "Error|error" "$OUT/bench.log" | cut -c1-300 | tail -n 5
 RUN=/tmp/kuberl-gpu-run
@@ -102,14 +106,10 @@ for f in "$RUN"/run/logs/*.log; do
   grep -E "update_loaded|Traceback|Error|error" "$f" | tail -n 12 | cut -c1-400
 done >>"$OUT/run.log" 2>&1
 grep -h "update_loaded" "$RUN"/run/logs/rollout-0.log 2>/dev/null | cut -c1-200 | tail -n 5
-step mfu.log 120 "$PY" benchmarks/trainer_mfu.py --variants kuberl --steps 3 --warmup 1 \
-  --kuberl-micro-batch-seqs 8 --chunk 16384 --compile-logprobs
-step mfu.log 150 "$PY" benchmarks/trainer_mfu.py --variants kuberl --steps 3 --warmup 1 \
-  --kuberl-micro-batch-seqs 8 --chunk 16384 --compile-logprobs --compile-model
-step bench.log 60 "$PY" benchmarks/gae.py --sizes 1024,8192,32768
-step bench.log 90 "$PY" benchmarks/rollout_engine.py --no-cpu
 step bench.log 90 "$PY" benchmarks/trainer_logprobs.py --device cuda --dtype bfloat16 \
   --tokens 8192 --vocab 151936 --hidden 896 --chunk 16384
 step mfu.log 100 "$PY" benchmarks/trainer_mfu.py --variants kuberl --steps 3 --warmup 1 \
   --kuberl-micro-batch-seqs 16 --chunk 16384
+step bench.log 60 "$PY" benchmarks/gae.py --sizes 1024,8192,32768
+step bench.log 90 "$PY" benchmarks/rollout_engine.py --no-cpu
 echo "== done in $(($(date +%s) - T0))s"

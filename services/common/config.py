@@ -63,7 +63,10 @@ class LocalModeConfig(Section):
         2, ge=1, description="Rollout processes (`--rollout-replicas`), each its own replica."
     )
     trainer_processes: int = Field(
-        1, ge=1, description="torchrun processes of the trainer (`--trainer-processes`)."
+        1,
+        ge=1,
+        description="Trainer processes (`--trainer-processes`): torchrun's workers when more "
+        "than one; a single one runs without torchrun.",
     )
     device: Literal["cpu", "cuda"] = Field(
         "cpu",

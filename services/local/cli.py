@@ -50,7 +50,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--trainer-processes",
         type=_positive,
-        help="torchrun processes of the trainer (job.local.trainer_processes)",
+        help="trainer processes, under torchrun when more than one (job.local.trainer_processes)",
     )
     run.add_argument(
         "--device",

@@ -1,7 +1,7 @@
 """`kuberl run job.yaml`: a whole job on one machine, every service its own process.
 
 The supervisor does for a laptop what the Helm chart does for a cluster, with the same
-entrypoints (`kuberl serve <service>`, the trainer under torchrun):
+entrypoints (`kuberl serve <service>`, a trainer of several processes under torchrun):
 
 1. **Run folder** `<job.run_dir>/<job>-<timestamp>/`: `job.yaml` (the job as the services read it:
    absolute data paths, the model folder, Redis URL, loopback listeners, and after start-up the
@@ -17,9 +17,10 @@ entrypoints (`kuberl serve <service>`, the trainer under torchrun):
 4. **Services**: an embedded Redis (AOF on, in the run folder) unless `redis.url` is set; then,
    all at once, buffer, reward, weight-sync, `job.local.rollout_replicas` rollout replicas (each
    with its replica id, its own gRPC and metrics ports and its own sampling seed) and the trainer
-   (torchrun); the supervisor waits for every one to report SERVING. Each binds a loopback port
-   picked before anything starts, so a service's address reaches the others through
-   `KUBERL_ENDPOINTS__*` from the start, and each waits for its own dependencies as a pod does.
+   (under torchrun when it has several processes); the supervisor waits for every one to report
+   SERVING. Each binds a loopback port picked before anything starts, so a service's address
+   reaches the others through `KUBERL_ENDPOINTS__*` from the start, and each waits for its own
+   dependencies as a pod does.
 5. **Watch**: a crashed service is restarted on the same port (`job.local.max_restarts` times),
    and so is the embedded Redis (same port, its AOF replayed); progress is shown live
    (`kuberl.local.progress`). The job is done when the trainer exits 0.
@@ -300,6 +301,11 @@ class Supervisor:
         return [sys.executable, "-m", "kuberl.cli", "serve", service, "--config", str(job)]
 
     def _trainer_argv(self, job: Path) -> list[str]:
+        """The trainer's command: torchrun for a world of several processes; one process runs
+        `kuberl serve trainer` itself (a world of one), without torchrun's agent, whose own torch
+        import and rendezvous put about a second before the trainer's first step."""
+        if self.local.trainer_processes == 1:
+            return self._serve_argv("trainer", job)
         return [
             sys.executable,
             "-m",

@@ -238,8 +238,8 @@ def test_sigint_while_training_stops_every_process_and_loses_no_prompt(tmp_path:
         if proc.poll() is None:
             proc.kill()
     summary = json.loads((run_dir / "summary.json").read_text())
-    # redis, buffer, reward, weight-sync, 2 rollouts, torchrun and the trainer
-    assert len(alive_before) >= 8, alive_before
+    # redis, buffer, reward, weight-sync, 2 rollouts and the trainer (one process: no torchrun)
+    assert len(alive_before) >= 7, alive_before
     assert (
         proc.returncode,
         summary["status"],

@@ -8,6 +8,7 @@ folder's job.yaml; the trainer's command line comes from it. No service is start
 from __future__ import annotations
 
 import io
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,22 @@ def test_device_cuda_in_the_job_file_keeps_the_replicas_set_beside_it(tmp_path: 
 def test_on_cpu_every_process_has_cuda_hidden(tmp_path: Path) -> None:
     supervisor = _prepared(tmp_path)
     assert supervisor._base_env()["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_one_trainer_process_runs_without_torchrun(tmp_path: Path) -> None:
+    # A world of one needs no agent: `kuberl serve trainer` makes it itself (init_distributed).
+    supervisor = _prepared(tmp_path)
+    job = supervisor.run_dir / "job.yaml"
+    assert supervisor.local.trainer_processes == 1
+    assert supervisor._trainer_argv(job) == [
+        sys.executable,
+        "-m",
+        "kuberl.cli",
+        "serve",
+        "trainer",
+        "--config",
+        str(job),
+    ]
 
 
 def test_trainer_processes_become_torchrun_processes_with_c10d_rendezvous(

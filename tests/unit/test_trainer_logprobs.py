@@ -51,9 +51,13 @@ def test_float32_inputs_agree_with_full_logits_to_float32_precision() -> None:
     assert (lp - ref_lp).abs().max() < 1e-4 and (ent - ref_ent).abs().max() < 1e-4
 
 
-def test_bf16_values_and_gradients_stay_near_the_float64_reference() -> None:
+@pytest.mark.parametrize(
+    "compiled", [False, pytest.param(True, marks=pytest.mark.slow, id="compiled")]
+)
+def test_bf16_values_and_gradients_stay_near_the_float64_reference(compiled: bool) -> None:
     # bf16 GEMMs (forward and both backward products) with fp32 softmax statistics: the
-    # relative error of every output is of the order of bf16's 2^-8, not worse.
+    # relative error of every output is of the order of bf16's 2^-8, not worse. Compiled too:
+    # a GPU run uses the fused chunk functions (`trainer.compile_logprobs`) on bf16 inputs.
     hidden, weight, targets = _inputs(n=64, h=32, v=3000)
     g = torch.Generator().manual_seed(2)
     w_lp = torch.randn(targets.shape, dtype=torch.float64, generator=g)
@@ -62,7 +66,7 @@ def test_bf16_values_and_gradients_stay_near_the_float64_reference() -> None:
     ref = torch.autograd.grad((ref_lp * w_lp + ref_ent * w_ent).sum(), [hidden, weight])
     h16 = hidden.detach().to(torch.bfloat16).requires_grad_(True)
     w16 = weight.detach().to(torch.bfloat16).requires_grad_(True)
-    lp, ent = chunked_logprobs_and_entropy(h16, w16, targets, 700, 0.8)
+    lp, ent = chunked_logprobs_and_entropy(h16, w16, targets, 700, 0.8, compiled)
     ours = torch.autograd.grad((lp * w_lp + ent * w_ent).sum(), [h16, w16])
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
