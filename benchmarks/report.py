@@ -47,6 +47,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "vs_trl": [],
     "gae": [],
     "trainer_logprobs": [],
+    "response_head": [],
     "rollout_engine": [],
     "reward_throughput": [],
     "buffer_throughput": [],
@@ -148,6 +149,22 @@ def rows_trainer_logprobs(r: dict[str, Any]) -> list[Row]:
             f"{r['time_ratio_chunked_over_full']:.2f}x",
         ),
     ]
+
+
+def rows_response_head(r: dict[str, Any]) -> list[Row]:
+    where = r.get("device_name") or r.get("device", "cpu")
+    out = []
+    for x in r.get("shares", {}).values():
+        out.append(
+            Row(
+                f"policy fwd+bwd, {r['model']} ({where}, {r.get('dtype', 'float32')}), "
+                f"{x['prompt_tokens']:,}-token prompt + {x['response_tokens']:,}-token response",
+                f"{x['response_only_seconds']:.2f} s (head at the response only)",
+                f"{x['every_position_seconds']:.2f} s (head at every position)",
+                f"{x['speedup']:.2f}x faster",
+            )
+        )
+    return out
 
 
 def rows_rollout_engine(r: dict[str, Any], gpu: bool = False) -> list[Row]:
@@ -350,6 +367,7 @@ def rows_trainer_mfu(r: dict[str, Any]) -> list[Row]:
 ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "gae": rows_gae,
     "trainer_logprobs": rows_trainer_logprobs,
+    "response_head": rows_response_head,
     "rollout_engine": rows_rollout_engine,
     "reward_throughput": rows_reward_throughput,
     "buffer_throughput": rows_buffer_throughput,

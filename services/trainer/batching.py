@@ -3,8 +3,10 @@
 A training batch is a list of `Sample`s (prompt ids, response ids, response-aligned arrays such as
 rollout logprobs and advantages). The algorithms see response-aligned tensors `[B, R]`; the
 model sees `input_ids [b, T]` with T = prompt + response. `collate` builds both views of a
-micro-batch and the index that maps one to the other (`gather_index`), so per-token model
-outputs `[b, T-1]` become response-aligned with one `gather`.
+micro-batch and the index that maps one to the other (`gather_index`: the positions of the
+model's `[b, T-1]` next-token outputs that score the response). The trainer's models compute
+their outputs at those positions only (`PolicyModel.forward(..., positions)`), response-aligned;
+`to_response` maps outputs of every position the same way (the references in the tests).
 
 Gradient accumulation is driven by a token budget: `micro_batches` sorts a rank's sequences by
 length and fills each micro-batch while `longest * count <= micro_batch_tokens` (length

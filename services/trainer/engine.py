@@ -93,9 +93,13 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype) -> Any:
 class PolicyModel(nn.Module):
     """A causal LM whose forward returns per-token logprobs and entropies of the given ids.
 
-    forward(input_ids [B, T], attention_mask [B, T]) -> [B, T-1, 2]: the logprob and the
-    entropy (`split_outputs`) at position t of token t+1 given tokens 0..t (right padding; padded
-    positions hold garbage the caller masks out). One output tensor, not two: see `LogprobHead`.
+    forward(input_ids [B, T], attention_mask [B, T], positions [B, R] or None) -> [B, R, 2]:
+    the logprob and the entropy (`split_outputs`) at each of `positions`, where position t
+    scores token t+1 given tokens 0..t; all T-1 positions when `positions` is None (right
+    padding; padded positions hold garbage the caller masks out). The trainer passes the
+    response positions (`MicroBatch.gather_index`): the head, a [tokens, vocabulary] product
+    forward and two backward, never runs on the prompt, whose logprobs no loss uses. One output
+    tensor, not two: see `LogprobHead`.
     """
 
     def __init__(
@@ -116,11 +120,26 @@ class PolicyModel(nn.Module):
     def backbone(self) -> nn.Module:
         return self.hf.get_decoder()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        hidden = out.last_hidden_state[:, :-1]  # [B, T-1, H]
-        targets = input_ids[:, 1:]  # [B, T-1]
-        return self.hf.get_output_embeddings()(hidden, targets)
+        hidden, targets = at_positions(out.last_hidden_state, input_ids, positions)
+        return self.hf.get_output_embeddings()(hidden, targets)  # [B, R, 2]
+
+
+def at_positions(
+    last_hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden states [B, R, H] at `positions` [B, R] (each in [0, T-2]) and the tokens they
+    predict [B, R]; every position's (R = T-1) when `positions` is None."""
+    if positions is None:
+        return last_hidden[:, :-1], input_ids[:, 1:]
+    index = positions[..., None].expand(-1, -1, last_hidden.shape[-1])  # [B, R, H]
+    return last_hidden.gather(1, index), input_ids.gather(1, positions + 1)
 
 
 def compile_decoder_layers(hf_model: Any) -> int:
@@ -148,15 +167,16 @@ def build_policy(hf_model: Any, tc: TrainerConfig, temperature: float = 1.0) -> 
 
 
 def split_outputs(outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`PolicyModel` outputs [B, T-1, 2] -> (logprobs [B, T-1], entropy [B, T-1])."""
+    """`PolicyModel` outputs [B, R, 2] -> (logprobs [B, R], entropy [B, R])."""
     return outputs[..., 0], outputs[..., 1]
 
 
 class ValueModel(nn.Module):
     """PPO critic: the policy's architecture with a scalar value head on every position.
 
-    forward(input_ids [B, T], attention_mask [B, T]) -> values [B, T-1], aligned with
-    `PolicyModel`'s outputs (position t is the value of the state before token t+1).
+    forward(input_ids [B, T], attention_mask [B, T], positions [B, R] or None) -> values
+    [B, R], aligned with `PolicyModel`'s outputs (position t is the value of the state before
+    token t+1).
     """
 
     def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
@@ -166,10 +186,15 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        hidden = out.last_hidden_state[:, :-1]  # [B, T-1, H]
-        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)  # [B, T-1]
+        hidden, _ = at_positions(out.last_hidden_state, input_ids, positions)  # [B, R, H]
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)  # [B, R]
 
 
 def make_optimizer(module: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -425,8 +450,10 @@ def run_micro_batches(
 ) -> tuple[float, list[tuple[dict[str, float], int]]]:
     """Forward and backward every micro-batch, then one optimizer step.
 
-    `loss_fn(micro_batch, outputs)` returns the loss to differentiate (already scaled by the
-    caller to its share of the global normaliser) and metrics for that micro-batch. Ranks with
+    The model computes its outputs at the micro-batch's response positions only (`gather_index`),
+    so `loss_fn(micro_batch, outputs)` gets them response-aligned ([b, R, ...]) and returns the
+    loss to differentiate (already scaled by the caller to its share of the global normaliser)
+    and metrics for that micro-batch. Ranks with
     fewer micro-batches run padding ones with a zero loss, so all ranks make the same collective
     calls. Returns the grad norm and (metrics, tokens) of every real micro-batch of this rank.
     """
@@ -437,7 +464,7 @@ def run_micro_batches(
     engine.train()
     records: list[tuple[dict[str, float], int]] = []
     for mb in batches:
-        outputs = engine.forward(mb.input_ids, mb.attention_mask)
+        outputs = engine.forward(mb.input_ids, mb.attention_mask, mb.gather_index)
         if mb.is_padding:
             loss = outputs.sum() * 0.0
         else:
@@ -451,10 +478,11 @@ def run_micro_batches(
 def run_forward(
     forward: Any, batches: list[MicroBatch], pad_id: int, dist_info: DistInfo
 ) -> list[Any]:
-    """Outputs of a no-grad forward over each micro-batch (padding ones run but are dropped)."""
+    """Response-aligned outputs of a no-grad forward over each micro-batch (padding ones run but
+    are dropped)."""
     count = all_reduce_max(len(batches), dist_info)
     padded = batches + [
         padding_micro_batch(pad_id, dist_info.device) for _ in range(count - len(batches))
     ]
-    outs = [forward(mb.input_ids, mb.attention_mask) for mb in padded]
+    outs = [forward(mb.input_ids, mb.attention_mask, mb.gather_index) for mb in padded]
     return outs[: len(batches)]

@@ -698,7 +698,7 @@ class Trainer:
         outs = run_forward(forward, mbs, self.pad_id, self.dist)
         full = torch.zeros(len(samples), max([s.response_length for s in samples] + [1]))
         for mb, out in zip(mbs, outs, strict=True):
-            per_resp = mb.to_response(pick(out).float()).cpu()  # [b, R_mb]
+            per_resp = pick(out).float().cpu()  # [b, R_mb]
             for row, (i, n) in enumerate(zip(mb.indices, mb.response_lengths, strict=True)):
                 full[i, :n] = per_resp[row, :n]
         if self.dist.world_size > 1:
@@ -726,9 +726,7 @@ class Trainer:
         use_rollout_as_old = "old_logprobs" not in names and updates > 1
 
         def loss_fn(mb: MicroBatch, outputs: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-            logprobs, entropy = split_outputs(outputs)
-            lp = mb.to_response(logprobs)  # [b, R]
-            ent = mb.to_response(entropy)  # [b, R]
+            lp, ent = split_outputs(outputs)  # [b, R] each
             a = mb.arrays
             old = a.get("old_logprobs")
             if old is None and use_rollout_as_old:
@@ -763,7 +761,7 @@ class Trainer:
         ws = self.dist.world_size
 
         def loss_fn(mb: MicroBatch, outputs: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-            v = mb.to_response(outputs)  # [b, R]
+            v = outputs  # [b, R]
             loss, m = algo.value_loss_and_metrics(
                 cfg, v, mb.arrays["values"], mb.arrays["returns"], mb.mask, global_count
             )

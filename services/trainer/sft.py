@@ -121,9 +121,7 @@ def sft_loss_fn(global_tokens: int, world_size: int) -> Any:
     from kuberl.trainer.engine import split_outputs
 
     def loss_fn(mb: MicroBatch, outputs: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        logprobs, entropy = split_outputs(outputs)
-        lp = mb.to_response(logprobs)  # [b, R]
-        ent = mb.to_response(entropy)  # [b, R]
+        lp, ent = split_outputs(outputs)  # [b, R] each
         nll_sum = -(lp * mb.mask).sum()
         share = nll_sum / max(global_tokens, 1)
         tokens = max(mb.num_tokens, 1)

@@ -28,6 +28,20 @@ RUN = {
 }
 # One result line per benchmark, in the shapes the scripts print (trimmed to what is read).
 LINES: dict[str, dict[str, Any]] = {
+    "response_head": {
+        "model": "qwen2-0.5b in miniature",
+        "device": "cpu",
+        "dtype": "float32",
+        "shares": {
+            "0.25": {
+                "prompt_tokens": 256,
+                "response_tokens": 768,
+                "response_only_seconds": 1.25,
+                "every_position_seconds": 1.361,
+                "speedup": 1.089,
+            }
+        },
+    },
     "put_encoding": {
         "request_bytes": 1219219,
         "by_group_ms_per_request": 0.092,

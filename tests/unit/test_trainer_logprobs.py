@@ -132,6 +132,44 @@ def test_policy_model_logprobs_equal_the_hf_models_own_logits(tmp_path) -> None:
     assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
 
 
+def test_outputs_at_the_response_positions_equal_every_positions_outputs_gathered(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # The trainer asks the policy and the critic for the response positions only (the head
+    # skips the prompt); values and every gradient must be those of all positions gathered.
+    import numpy as np
+
+    from kuberl.common.modelbuild import build_model
+    from kuberl.trainer.batching import Sample, collate
+    from kuberl.trainer.engine import PolicyModel, ValueModel, load_causal_lm
+
+    path = build_model(tmp_path / "m", tokenizer="digits", seed=1)
+    rng = np.random.default_rng(4)
+    samples = [
+        Sample(rng.integers(5, 90, p), rng.integers(5, 90, r), np.ones(r, np.float32), index=i)
+        for i, (p, r) in enumerate([(7, 5), (3, 9), (12, 1)])  # right-padded to 15 tokens
+    ]
+    mb = collate(samples, 0, torch.device("cpu"))
+    policy = PolicyModel(load_causal_lm(path, torch.float32), chunk_size=16)
+    backbone = load_causal_lm(path, torch.float32)
+    critic = ValueModel(backbone.get_decoder(), backbone.config.hidden_size)
+    torch.nn.init.normal_(critic.value_head.weight, generator=torch.Generator().manual_seed(5))
+    for model in (policy, critic):
+        results = []
+        for positions in (None, mb.gather_index):
+            model.zero_grad()
+            out = model(mb.input_ids, mb.attention_mask, positions)
+            if positions is None:  # [b, T-1, ...] -> [b, R, ...]
+                index = mb.gather_index.reshape(*mb.gather_index.shape, *[1] * (out.dim() - 2))
+                out = out.gather(1, index.expand(-1, -1, *out.shape[2:]))
+            weights = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+            (
+                out * weights * mb.mask.reshape(*mb.mask.shape, *[1] * (out.dim() - 2))
+            ).sum().backward()
+            results.append([out.detach()] + [p.grad.clone() for p in model.parameters()])
+        assert results[1][0].shape[:2] == mb.mask.shape == (3, 9)
+        for every, picked in zip(*results, strict=True):
+            assert torch.allclose(every, picked, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_compiled_decoder_layers_give_the_eager_logprobs_and_gradients(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # trainer.compile_model: every decoder layer compiled in place (one graph for all), on
