@@ -126,20 +126,24 @@ class PolicyModel(nn.Module):
         attention_mask: torch.Tensor,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        hidden, targets = at_positions(out.last_hidden_state, input_ids, positions)
+        hidden, targets = hidden_at(self.backbone, input_ids, attention_mask, positions)
         return self.hf.get_output_embeddings()(hidden, targets)  # [B, R, 2]
 
 
-def at_positions(
-    last_hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor | None
+def hidden_at(
+    backbone: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    positions: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The hidden states [B, R, H] at `positions` [B, R] (each in [0, T-2]) and the tokens they
-    predict [B, R]; every position's (R = T-1) when `positions` is None."""
+    """The backbone's last hidden states [B, R, H] at `positions` [B, R] (each in [0, T-2]) and
+    the tokens they predict [B, R]; every position's (R = T-1) when `positions` is None."""
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    last = out.last_hidden_state  # [B, T, H]
     if positions is None:
-        return last_hidden[:, :-1], input_ids[:, 1:]
-    index = positions[..., None].expand(-1, -1, last_hidden.shape[-1])  # [B, R, H]
-    return last_hidden.gather(1, index), input_ids.gather(1, positions + 1)
+        return last[:, :-1], input_ids[:, 1:]
+    index = positions[..., None].expand(-1, -1, last.shape[-1])  # [B, R, H]
+    return last.gather(1, index), input_ids.gather(1, positions + 1)
 
 
 def compile_decoder_layers(hf_model: Any) -> int:
@@ -192,8 +196,7 @@ class ValueModel(nn.Module):
         attention_mask: torch.Tensor,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        hidden, _ = at_positions(out.last_hidden_state, input_ids, positions)  # [B, R, H]
+        hidden, _ = hidden_at(self.backbone, input_ids, attention_mask, positions)  # [B, R, H]
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)  # [B, R]
 
 
