@@ -48,6 +48,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "gae": [],
     "trainer_logprobs": [],
     "response_head": [],
+    "activation_checkpointing": [],
     "rollout_engine": [],
     "reward_throughput": [],
     "buffer_throughput": [],
@@ -162,6 +163,28 @@ def rows_response_head(r: dict[str, Any]) -> list[Row]:
                 f"{x['response_only_seconds']:.2f} s (head at the response only)",
                 f"{x['every_position_seconds']:.2f} s (head at every position)",
                 f"{x['speedup']:.2f}x faster",
+            )
+        )
+    return out
+
+
+def rows_activation_checkpointing(r: dict[str, Any]) -> list[Row]:
+    modes = r.get("modes", {})
+    none = modes.get("none")
+    if not none:
+        return []
+    out = []
+    for name, label in (("selective", "selective"), ("whole_layers", "whole layers")):
+        x = modes.get(name)
+        if not x:
+            continue
+        out.append(
+            Row(
+                f"activation memory, policy fwd+bwd, {r['model']} (cpu), {r['seq_len']:,} tokens: "
+                f"gradient_checkpointing {label}",
+                f"{x['activation_mib']:,.0f} MiB in {x['seconds']:.2f} s",
+                f"{none['activation_mib']:,.0f} MiB in {none['seconds']:.2f} s (none)",
+                f"{x['memory_vs_none']:.2f}x memory, {x['time_vs_none']:.2f}x time",
             )
         )
     return out
@@ -368,6 +391,7 @@ ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "gae": rows_gae,
     "trainer_logprobs": rows_trainer_logprobs,
     "response_head": rows_response_head,
+    "activation_checkpointing": rows_activation_checkpointing,
     "rollout_engine": rows_rollout_engine,
     "reward_throughput": rows_reward_throughput,
     "buffer_throughput": rows_buffer_throughput,

@@ -17,7 +17,8 @@ GPU and its peak-memory counter to itself:
   through `TrainEngine` / `PolicyModel` exactly as `kuberl serve trainer` builds them: SDPA
   attention, vocabulary-chunked logprobs (`trainer.logprob_chunk_size`, no [tokens, vocab]
   logits), micro-batches by token budget (`trainer.micro_batch_tokens` = micro-batch-seqs x
-  2,048), the trainer's ZeRO-2 config. `--gradient-checkpointing` turns on the trainer's option.
+  2,048), the trainer's ZeRO-2 config. `--gradient-checkpointing [selective]` turns on the
+  trainer's option.
 
 Figures per variant: tokens/s (every token of every sequence, prompt included, forward and
 backward), MFU and peak allocated memory (`torch.cuda.max_memory_allocated`), over `--steps`
@@ -257,7 +258,12 @@ def run_kuberl(spec: dict[str, Any]) -> dict[str, Any]:
     from kuberl.common.config import parse_job_config
     from kuberl.common.trajectory import Group, Trajectory
     from kuberl.trainer.distributed import init_distributed
-    from kuberl.trainer.engine import TrainEngine, build_policy, train_dtype
+    from kuberl.trainer.engine import (
+        TrainEngine,
+        build_policy,
+        enable_activation_checkpointing,
+        train_dtype,
+    )
     from kuberl.trainer.loop import Trainer
     from kuberl.trainer.sft import samples_from_groups
 
@@ -282,8 +288,7 @@ def run_kuberl(spec: dict[str, Any]) -> dict[str, Any]:
     )
     dtype = train_dtype(config.model, info.device)
     hf = _model(spec["config"], dtype, spec["seed"], info.device)
-    if spec["gradient_checkpointing"]:
-        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(hf, spec["gradient_checkpointing"])
     n_params = sum(p.numel() for p in hf.parameters())
     trainer = Trainer(config, info)
     trainer.engine = TrainEngine(build_policy(hf, config.trainer), config.trainer, info, dtype)
@@ -379,7 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--chunk", type=int, default=4096, help="trainer.logprob_chunk_size")
-    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument(
+        "--gradient-checkpointing",
+        nargs="?",
+        const=True,
+        default=False,
+        choices=[True, "selective"],
+        help="trainer.gradient_checkpointing: whole layers, or 'selective'",
+    )
     parser.add_argument(
         "--compile-model",
         action="store_true",

@@ -827,8 +827,13 @@ class TrainerConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = Field(
         0, description="DeepSpeed ZeRO stage (0 = plain data parallel)."
     )
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in the backward pass (less memory, ~30% slower)."
+    gradient_checkpointing: bool | Literal["selective"] = Field(
+        False,
+        description="Recompute activations in the backward pass. true: each decoder layer whole "
+        "(least memory, ~20-30% slower); selective: the layer keeps the outputs of its matrix "
+        "products and attention and recomputes only the elementwise work between them (norms, "
+        "activations, rotary embeddings): roughly half the activation memory for a few "
+        "percent more time (docs/trainer.md).",
     )
     logprob_chunk_size: int = Field(
         4096,

@@ -146,6 +146,49 @@ def hidden_at(
     return last.gather(1, index), input_ids.gather(1, positions + 1)
 
 
+def enable_activation_checkpointing(hf_model: Any, mode: bool | str) -> None:
+    """`trainer.gradient_checkpointing` on an HF causal LM: nothing (false), each decoder layer
+    recomputed whole in the backward (true), or selectively ("selective").
+
+    Selective is torch's selective activation checkpointing inside each layer's checkpoint:
+    the outputs of the matrix products and of attention (`SAVED_OPS`) are kept from the
+    forward, and only the cheap elementwise work between them is recomputed. Non-reentrant
+    checkpointing either way (it works under DeepSpeed's hooks and torch.compile)."""
+    if not mode:
+        return
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if mode == "selective":
+        kwargs["context_fn"] = selective_checkpoint_contexts
+    elif mode is not True:
+        raise ValueError(f"gradient_checkpointing must be true, false or 'selective', got {mode!r}")
+    if hasattr(hf_model, "activation_checkpointing_enable"):  # transformers >= 5
+        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+#: The aten ops whose outputs selective checkpointing keeps: the matrix products (a linear
+#: layer is `mm`/`addmm` by the time it reaches dispatch) and attention, per backend.
+SAVED_OPS = (
+    "mm",
+    "addmm",
+    "bmm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
+
+
+def selective_checkpoint_contexts() -> Any:
+    """The forward and recompute contexts of one checkpointed region (`context_fn`)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    ops = [getattr(aten, name).default for name in SAVED_OPS if hasattr(aten, name)]
+    return create_selective_checkpoint_contexts(ops)
+
+
 def compile_decoder_layers(hf_model: Any) -> int:
     """`torch.compile` each decoder layer of an HF causal LM in place and return how many.
 

@@ -68,6 +68,7 @@ from kuberl.trainer.engine import (
     TrainEngine,
     ValueModel,
     build_policy,
+    enable_activation_checkpointing,
     load_causal_lm,
     run_forward,
     run_micro_batches,
@@ -212,12 +213,7 @@ class Trainer:
         hf = load_causal_lm(self.model_dir, dtype)
         self.tied = bool(getattr(hf.config, "tie_word_embeddings", False))
         self.vocab_size = int(hf.get_input_embeddings().weight.shape[0])
-        if self.tc.gradient_checkpointing:
-            kwargs = {"use_reentrant": False}
-            if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5
-                hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        enable_activation_checkpointing(hf, self.tc.gradient_checkpointing)
         self.engine = TrainEngine(build_policy(hf, self.tc, temperature), self.tc, self.dist, dtype)
         alg = self.tc.algorithm
         if alg.kl.coef > 0 and self.tc.mode == "rl":
