@@ -10,8 +10,9 @@
 #   3. the CUDA-IPC weight-sync update,
 #   4. `kuberl run --device cuda` (the demo, shortened as tests/gpu/test_local_run_cuda.py runs
 #      it), with the lines of its service logs that say what happened,
-#   5. the chunked logprob head (Qwen2-0.5B's head, bf16) and a larger kuberl micro-batch, then
-#      GAE and the torch rollout engine (both measured on an H100 before), while time is left.
+#   5. the chunked logprob head (Qwen2-0.5B's head, bf16) and a larger kuberl micro-batch (also
+#      with selective activation checkpointing), then GAE and the torch rollout engine (both
+#      measured on an H100 before), while time is left.
 #
 # Each step has its own time limit and all of them share a deadline ($GPU_CHECKS_SECONDS, default
 # 540), so one hang costs one step. Logs go to $OUT (default runs/gpu): seven files, the most a
@@ -110,6 +111,8 @@ step bench.log 90 "$PY" benchmarks/trainer_logprobs.py --device cuda --dtype bfl
   --tokens 8192 --vocab 151936 --hidden 896 --chunk 16384
 step mfu.log 100 "$PY" benchmarks/trainer_mfu.py --variants kuberl --steps 3 --warmup 1 \
   --kuberl-micro-batch-seqs 16 --chunk 16384
+step mfu.log 100 "$PY" benchmarks/trainer_mfu.py --variants kuberl --steps 3 --warmup 1 \
+  --kuberl-micro-batch-seqs 16 --chunk 16384 --gradient-checkpointing selective
 step bench.log 60 "$PY" benchmarks/gae.py --sizes 1024,8192,32768
 step bench.log 90 "$PY" benchmarks/rollout_engine.py --no-cpu
 echo "== done in $(($(date +%s) - T0))s"
