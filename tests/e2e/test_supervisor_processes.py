@@ -106,13 +106,24 @@ def test_a_start_that_fails_is_retried_within_the_restart_limit(
 def test_exit_zero_of_a_process_that_exits_when_done_is_a_finish_not_a_crash(
     group: ProcessGroup,
 ) -> None:
-    group.start(_sh("trainer", "exit 0", exits_when_done=True))
-    finished: list[str] = []
+    # Seen by `check` (the process was running when `start` returned): reported once, never
+    # restarted.
+    proc = group.start(_sh("trainer", "sleep 0.5; exit 0", exits_when_done=True), wait=False)
+    reported: list[str] = []
     deadline = time.monotonic() + 30
-    while not finished and time.monotonic() < deadline:
-        finished = group.check()
+    while not proc.finished and time.monotonic() < deadline:
+        reported += group.check()
         time.sleep(0.05)
-    assert (finished, group["trainer"].starts) == (["trainer"], 1)
+    reported += group.check()
+    assert (reported, proc.finished, proc.starts) == (["trainer"], True, 1)
+
+
+def test_exit_zero_while_starting_is_a_finish_too(group: ProcessGroup) -> None:
+    # Done before it was ever seen serving (it never writes the port file `start` waits for):
+    # `start` records the finish itself, and `check` has nothing left to report.
+    spec = ProcessSpec("trainer", ["sh", "-c", "exit 0"], health=False, exits_when_done=True)
+    proc = group.start(spec)
+    assert (proc.finished, proc.starts, group.check()) == (True, 1, [])
 
 
 def test_stop_all_ends_the_whole_process_group_children_included(group: ProcessGroup) -> None:
