@@ -332,7 +332,12 @@ def test_groups_dropped_while_a_batch_waits_free_their_place_for_new_ones_at_onc
         getter = threading.Thread(target=lambda: got.update(batch=client.get(4, wait=20)))
         started = time.monotonic()
         getter.start()
-        time.sleep(1.0)  # GetBatch has taken the four groups and waits for two more
+        # Once GetBatch has dropped the two (it then waits for two more), their places are free.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (
+            client.stats().counters.get("train:dropped:zero_variance", 0) < 2
+        ):
+            time.sleep(0.05)
         more = list(client.lease(4).prompts)
         client.complete(more)
         getter.join(30)
@@ -345,7 +350,9 @@ def test_groups_dropped_while_a_batch_waits_free_their_place_for_new_ones_at_onc
 def test_get_batch_acknowledges_the_previous_batch_in_the_same_call(
     redis_url: str, tmp_path: Path
 ) -> None:
-    config = write_job(tmp_path, redis_url, prompts=6, batch_ack_timeout_seconds=1)
+    # The deadline must not pass between `second` and `third` (a stall of the machine would
+    # re-deliver `second` early), only during the sleep below.
+    config = write_job(tmp_path, redis_url, prompts=6, batch_ack_timeout_seconds=3)
     with start_buffer(config, tmp_path) as proc, Client(proc.address) as client:
         client.complete(client.lease(6).prompts)
         first = client.get(2)
@@ -354,7 +361,7 @@ def test_get_batch_acknowledges_the_previous_batch_in_the_same_call(
         second = client.get(2, ack=first.batch_id)
         # A repeat (a retried call whose reply was lost) says it was acknowledged before.
         third = client.get(2, ack=first.batch_id)
-        time.sleep(1.5)  # past batch_ack_timeout_seconds: only un-acked batches come back
+        time.sleep(3.5)  # past batch_ack_timeout_seconds: only un-acked batches come back
         again = client.get(2, ack=third.batch_id)
         end = client.get(2, ack=second.batch_id)
         stats = client.stats()

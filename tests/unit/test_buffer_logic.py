@@ -468,10 +468,11 @@ def test_a_waiting_lease_starts_as_soon_as_training_frees_room(
         labels = {"kind": "train"}
         return REGISTRY.get_sample_value("kuberl_buffer_lease_wait_seconds_sum", labels) or 0.0
 
-    async def scenario() -> tuple[bool, int, float, int, float]:
+    async def scenario() -> tuple[bool, int, float, int, float, float]:
         async with buffer(redis_url, tmp_path, prompts=10, max_inflight_groups=3) as svc:
             batch_id = await _full_window(svc)
             before = held_seconds()
+            asked = time.monotonic()
             waiting = asyncio.create_task(lease(svc, 3, wait=30))
             await asyncio.sleep(0.5)
             held = not waiting.done()
@@ -479,13 +480,17 @@ def test_a_waiting_lease_starts_as_soon_as_training_frees_room(
             await ack(svc, batch_id)
             got = await asyncio.wait_for(waiting, 10)
             seconds = time.monotonic() - acked
+            whole = time.monotonic() - asked
             refused = (await stats(svc)).counters.get("train:lease_refused", 0)
-            return held, len(got.prompts), seconds, refused, held_seconds() - before
+            return held, len(got.prompts), seconds, refused, held_seconds() - before, whole
 
-    held, granted, seconds, refused, metered = run(scenario())
+    held, granted, seconds, refused, metered, whole = run(scenario())
     assert (held, granted, refused) == (True, 3, 0)
-    assert seconds < 0.5, f"the lease started {seconds:.2f}s after the Ack"
-    assert 0.4 <= metered < 1.0  # kuberl_buffer_lease_wait_seconds saw the ~0.5 s it was held
+    # Within a wait of 30 s, "as soon as" is well under the 2 s a loaded CI machine may add.
+    assert seconds < 2.0, f"the lease started {seconds:.2f}s after the Ack"
+    # kuberl_buffer_lease_wait_seconds saw most of the ~0.5 s it was held, never more than the
+    # call took (the first refusal and re-check before the wait are not metered).
+    assert 0.2 <= metered <= whole, (metered, whole)
 
 
 def test_a_lease_that_waits_in_vain_is_refused_once_with_the_retry_hint(
@@ -581,7 +586,7 @@ def test_an_expired_lease_behind_many_live_ones_is_redelivered_at_once(
     """30 live leases (re-delivered ones, so their entry ids are older) sit in front of an
     expired one in the pending list; a LeasePrompts of 1 (XAUTOCLAIM COUNT 1 scans 10) must
     still find it at once, not hand out a new prompt instead."""
-    timeout = 2.0
+    timeout = 4.0  # "keeper" must run within timeout / 2 of its cue: ~2 s of slack under load
 
     async def scenario() -> tuple[str, list[tuple[str, int]], int]:
         async with buffer(redis_url, tmp_path, prompts=50, lease_timeout_seconds=timeout) as svc:
