@@ -406,19 +406,25 @@ UPDATE_PROMPTS = 4
 
 @pytest.fixture(scope="module")
 def weight_update(env: Env) -> Iterator[dict[str, list[Group]]]:
-    """One replica process per `on_weight_update` policy, each with a buffer of its own job and
-    both registered with one weight-sync service; the test publishes version 1 through weight-sync
-    while both generate their first batch of 2 prompts (4 prompts each, one batch at a time), and
-    takes every group each replica puts."""
+    """One replica process per `on_weight_update` policy, each with a buffer and a weight-sync
+    service of its own job; version 1 is published to each replica's weight-sync while that
+    replica generates its first batch of 2 prompts (4 prompts each, one batch at a time), and
+    the test takes every group each replica puts.
+
+    The replicas start one after the other, each published to as soon as it generates: two
+    started together were not always in their first batches at the same moment (on a loaded
+    machine one could finish its first batch before the other had imported torch)."""
     from kuberl.common.weights import WeightPublisher
 
-    sync = {
-        "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
-        "heartbeat_seconds": 0.5,
-        "shm_dir": f"/dev/shm/kuberl-rollout-test-{uuid.uuid4().hex[:8]}",
-        "advertise_host": "127.0.0.1",
-        "bucket_bytes": 1024 * 1024,
-    }
+    def sync(policy: str) -> dict[str, object]:
+        return {
+            "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
+            "heartbeat_seconds": 0.5,
+            "shm_dir": f"/dev/shm/kuberl-rollout-test-{uuid.uuid4().hex[:8]}-{policy}",
+            "advertise_host": "127.0.0.1",
+            "bucket_bytes": 1024 * 1024,
+        }
+
     paths = {
         policy: _write_job(
             env.tmp,
@@ -426,7 +432,7 @@ def weight_update(env: Env) -> Iterator[dict[str, list[Group]]]:
             env.redis_url,
             env.model,
             prompts=UPDATE_PROMPTS,
-            weight_sync=sync,
+            weight_sync=sync(policy),
             rollout={
                 "on_weight_update": policy,
                 "batches_in_flight": 1,
@@ -445,28 +451,28 @@ def weight_update(env: Env) -> Iterator[dict[str, list[Group]]]:
             return stack.enter_context(proc)
 
         buffers = {p: start("buffer", p, "buffer") for p in POLICIES}
-        sync_proc = start("weight_sync", "finish", "weight-sync")
-        for proc in (*buffers.values(), sync_proc):
+        syncs = {p: start("weight_sync", p, "weight-sync") for p in POLICIES}
+        for proc in (*buffers.values(), *syncs.values()):
             proc.wait_serving(60)
-        replicas = [
-            start(
+        replicas = []
+        for p in POLICIES:
+            replica = start(
                 "rollout",
                 p,
                 "replica",
                 KUBERL_ENDPOINTS__BUFFER=buffers[p].address,
                 KUBERL_ENDPOINTS__REWARD=env.reward.address,
-                KUBERL_ENDPOINTS__WEIGHT_SYNC=sync_proc.address,
+                KUBERL_ENDPOINTS__WEIGHT_SYNC=syncs[p].address,
                 KUBERL_ROLLOUT__REPLICA_ID=f"replica-{p}",
             )
-            for p in POLICIES
-        ]
-        _wait_generating(replicas, 2)
-        with WeightPublisher(sync_proc.address) as publisher:
-            publisher.publish(1, iter(tensors.items()))
+            replicas.append(replica)
+            _wait_generating([replica], 2)
+            with WeightPublisher(syncs[p].address) as publisher:
+                publisher.publish(1, iter(tensors.items()))
         groups = {
             p: Buffer(buffers[p].address).take_all(UPDATE_PROMPTS, timeout=240) for p in POLICIES
         }
-        for proc in (*replicas, sync_proc, *buffers.values()):  # all at once, not one by one
+        for proc in (*replicas, *syncs.values(), *buffers.values()):  # all at once
             proc.signal(signal.SIGTERM)
     yield groups  # with every process gone: idle replicas would poll through the later tests
 
