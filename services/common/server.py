@@ -88,10 +88,16 @@ def server_grpc_options(
 ) -> list[tuple[str, Any]]:
     """`grpc_options` plus what a server must allow for its clients' keepalive: by default a
     server tolerates one ping per 5 minutes on an idle connection and answers more frequent ones
-    with GOAWAY `too_many_pings`, which dropped our idle clients' connections every ~90 s."""
+    with GOAWAY `too_many_pings`, which dropped our idle clients' connections every ~90 s.
+
+    SO_REUSEPORT off: gRPC sets it by default, so a second server binding a port another one
+    already listens on succeeded and the kernel split the connections between the two (two local
+    runs whose services drew the same free port would have served each other's clients). Now
+    the second bind fails and says so."""
     return [
         *grpc_options(max_message_bytes, keepalive_ms),
         ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms // 2),
+        ("grpc.so_reuseport", 0),
     ]
 
 

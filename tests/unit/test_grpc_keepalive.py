@@ -1,6 +1,7 @@
 """Keepalive between our clients and servers: an idle client pings on schedule and the server
 accepts those pings instead of closing the connection with GOAWAY `too_many_pings` (which it did
-every ~90 s with gRPC's default server policy of one ping per 5 minutes)."""
+every ~90 s with gRPC's default server policy of one ping per 5 minutes). And our servers do not
+share a port with another server (gRPC's default SO_REUSEPORT would)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,25 @@ def test_without_the_server_allowance_the_connection_is_dropped() -> None:
     seen = _states_while_idle(grpc_options(64 << 20, keepalive_ms=KEEPALIVE_MS), 6.0)
     assert seen[0] is grpc.ChannelConnectivity.READY
     assert grpc.ChannelConnectivity.IDLE in seen[1:], seen
+
+
+def _second_bind(options: list) -> int:
+    """The port a second server gets when it binds the port a first one listens on (0: none)."""
+    first = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=options)
+    port = first.add_insecure_port("127.0.0.1:0")
+    first.start()
+    second = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=options)
+    try:
+        try:
+            return second.add_insecure_port(f"127.0.0.1:{port}")
+        except RuntimeError:  # grpc raises on a failed bind in some versions, returns 0 in others
+            return 0
+    finally:
+        second.stop(None)
+        first.stop(None)
+
+
+def test_our_servers_refuse_a_port_another_server_listens_on() -> None:
+    # The control: gRPC's default (SO_REUSEPORT) lets the second one bind and share the port.
+    assert _second_bind(grpc_options(64 << 20)) != 0
+    assert _second_bind(server_grpc_options(64 << 20)) == 0
