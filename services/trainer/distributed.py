@@ -2,7 +2,8 @@
 
 `init_distributed` joins the torchrun world (torchrun's c10d rendezvous sets RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR and MASTER_PORT on every worker of every node) or, for a plain
-`kuberl serve trainer`, makes a world of one on a free loopback port. gloo on CPU, NCCL on GPU.
+`kuberl serve trainer`, makes a world of one in an in-memory store (no port). gloo on CPU, NCCL
+on GPU.
 
 Rank 0 talks to the buffer and broadcasts what it got as protobuf bytes (`broadcast_bytes`);
 per-rank metrics are merged as JSON (`gather_json`). Nothing is pickled.
@@ -42,7 +43,10 @@ def init_distributed() -> DistInfo:
     import deepspeed
     import torch.distributed as dist
 
-    if "RANK" not in os.environ:
+    alone = "RANK" not in os.environ
+    if alone:
+        # DeepSpeed wants torchrun's variables even for a world of one (without them it looks for
+        # MPI); the port is never bound: the process group below lives in an in-memory store.
         os.environ.update(
             RANK="0",
             WORLD_SIZE="1",
@@ -60,6 +64,10 @@ def init_distributed() -> DistInfo:
         backend = "gloo"
     if backend == "gloo":
         skip_cpu_op_builds()
+    if alone and not dist.is_initialized():
+        # No TCP store: a port picked now and bound later could be taken in between by another
+        # process on the machine (a local run starts several at once). DeepSpeed adopts the group.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
     info = DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
