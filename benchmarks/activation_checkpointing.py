@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -24,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from response_head import MINI, build, micro_batch
+from response_head import MINI, build, machine_info, micro_batch
 
 MODES: dict[str, bool | str] = {"none": False, "whole_layers": True, "selective": "selective"}
 
@@ -98,12 +96,7 @@ def main() -> int:
             }
             for name in MODES
         },
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-        },
+        "machine": machine_info(),
     }
     print(json.dumps(result))
     return 0

@@ -104,6 +104,18 @@ def step_fn(policy: Any, mb: Any, response_only: bool) -> Any:
     return step
 
 
+def machine_info() -> dict[str, Any]:
+    """The machine, for the JSON line (also `activation_checkpointing.py`'s)."""
+    import torch
+
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
 def timed(step: Any, sync: Any, reps: int) -> float:
     sync()
     started = time.perf_counter()
@@ -176,12 +188,7 @@ def main() -> int:
         "chunk": args.chunk,
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "shares": shares,
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-        },
+        "machine": machine_info(),
     }
     print(json.dumps(result))
     return 0
