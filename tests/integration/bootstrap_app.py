@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from pathlib import Path
 
 import grpc
 
@@ -29,8 +30,11 @@ class _Scorer(reward_pb2_grpc.RewardServiceServicer):
         scores = []
         for sample in request.samples:
             kind, _, arg = sample.sample_id.partition(":")
-            if kind == "sleep":
-                await asyncio.sleep(float(arg))
+            if kind == "sleep":  # sleep:SECONDS or sleep:SECONDS:FILE (touched first)
+                seconds, _, marker = arg.partition(":")
+                if marker:
+                    Path(marker).touch()
+                await asyncio.sleep(float(seconds))
             elif kind == "invalid":
                 raise InvalidArgument(f"sample {sample.sample_id}: response is empty")
             elif kind == "bug":

@@ -108,6 +108,7 @@ def test_rejections_are_counted_in_prometheus_metrics(app) -> None:
 
 
 def test_sigterm_drains_in_flight_calls_then_exits_cleanly(tmp_path: Path) -> None:
+    marker = tmp_path / "call-started"  # the app touches it when the slow call begins
     with _start(tmp_path) as proc:
         proc.wait_serving()
         result: dict[str, object] = {}
@@ -115,7 +116,7 @@ def test_sigterm_drains_in_flight_calls_then_exits_cleanly(tmp_path: Path) -> No
 
             def slow_call() -> None:
                 try:
-                    result["reward"] = _score(channel, "sleep:2").scores[0].reward
+                    result["reward"] = _score(channel, f"sleep:2:{marker}").scores[0].reward
                 except grpc.RpcError as exc:
                     result["error"] = exc.code()
 
@@ -125,7 +126,9 @@ def test_sigterm_drains_in_flight_calls_then_exits_cleanly(tmp_path: Path) -> No
             before = next(watch).status
             caller = threading.Thread(target=slow_call)
             caller.start()
-            time.sleep(0.5)
+            deadline = time.monotonic() + 30
+            while not marker.exists() and time.monotonic() < deadline:  # the call is in flight
+                time.sleep(0.02)
             proc.signal(signal.SIGTERM)
             during = next(watch).status
             watch.cancel()
