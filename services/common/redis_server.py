@@ -71,6 +71,32 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+class PortReservation:
+    """Loopback ports held for servers that will bind them seconds later (after their imports).
+
+    `free_port` only says a port was free a moment ago: another process's bind (or its
+    kernel-chosen port) may take it before the server binds. A reserved port stays bound (with
+    SO_REUSEADDR, never listening) until `release`: connections to it are refused meanwhile, no
+    other bind gets it, and our servers, which set SO_REUSEADDR too (gRPC, the metrics HTTP
+    server), bind it alongside and receive its connections."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self._sockets: list[socket.socket] = []
+
+    def take(self) -> int:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, 0))
+        self._sockets.append(sock)
+        return int(sock.getsockname()[1])
+
+    def release(self) -> None:
+        for sock in self._sockets:
+            sock.close()
+        self._sockets.clear()
+
+
 def _server_pid(host: str, port: int, password: str | None, timeout: float = 0.5) -> int | None:
     """The process id of the Redis server answering on host:port, once it is done loading.
 

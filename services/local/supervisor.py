@@ -53,6 +53,7 @@ from typing import Any, TextIO
 
 from kuberl.common.config import JobConfig, dump_job_config, load_job_config, parse_job_config
 from kuberl.common.logs import get_logger
+from kuberl.common.redis_server import PortReservation
 from kuberl.local.procs import (
     ManagedProcess,
     ProcessGroup,
@@ -147,6 +148,7 @@ class Supervisor:
         self.shm_dir: Path | None = None
         self.replica_names: list[str] = []
         self.endpoints: dict[str, str] = {}
+        self._reserved = PortReservation()  # the services' ports until they serve
         self.failure: ServiceFailed | None = None
         self.error: str | None = None
         self.model_path = ""
@@ -402,7 +404,7 @@ class Supervisor:
     # ------------------------------------------------------------------ services
 
     def _start_services(self) -> None:
-        from kuberl.common.redis_server import EmbeddedRedis, free_port
+        from kuberl.common.redis_server import EmbeddedRedis
 
         assert self.config is not None and self.group is not None and self.progress is not None
         started = time.monotonic()
@@ -414,7 +416,8 @@ class Supervisor:
         # all services start at once: each waits for its own dependencies to report SERVING
         # (rollout for buffer, reward and weight-sync; the trainer for the buffer),
         # which overlaps the seconds each spends importing torch and loading the model.
-        ports = {name: free_port() for name in SECTIONS}
+        # Held until every service serves, so no other process can take one in between.
+        ports = {name: self._reserved.take() for name in SECTIONS}
         for name, section in SECTIONS.items():
             self.endpoints[section] = f"127.0.0.1:{ports[name]}"
         job = self._write_job(self.doc)
@@ -433,8 +436,8 @@ class Supervisor:
             env = {
                 **self._base_env(_thread_count(share)),
                 "KUBERL_ROLLOUT__REPLICA_ID": name,
-                "KUBERL_ROLLOUT__SERVER__PORT": str(free_port()),
-                "KUBERL_ROLLOUT__SERVER__METRICS_PORT": str(free_port()),
+                "KUBERL_ROLLOUT__SERVER__PORT": str(self._reserved.take()),
+                "KUBERL_ROLLOUT__SERVER__METRICS_PORT": str(self._reserved.take()),
             }
             if self.config.rollout.engine.kind == "torch":
                 env["KUBERL_ROLLOUT__ENGINE__SEED"] = str(self.config.job.seed * 1000 + i)
@@ -459,6 +462,7 @@ class Supervisor:
         self._check_env(spec)
         trainer = self.group.start(spec, wait=False)
         self._wait_all([*first, *replicas, trainer])
+        self._reserved.release()
         self.endpoints["trainer"] = trainer.address
         # Record the real endpoints so the CLI works against the running job.
         self.doc["endpoints"].update(self.endpoints)
@@ -661,6 +665,7 @@ class Supervisor:
     # ------------------------------------------------------------------ stop
 
     def _shutdown(self, status: str) -> None:
+        self._reserved.release()
         group = self.group
         final_replicas: dict[str, dict[str, Any] | None] = {}
         final_buffer: dict[str, Any] | None = None

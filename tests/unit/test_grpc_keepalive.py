@@ -67,3 +67,46 @@ def test_our_servers_refuse_a_port_another_server_listens_on() -> None:
     # The control: gRPC's default (SO_REUSEPORT) lets the second one bind and share the port.
     assert _second_bind(grpc_options(64 << 20)) != 0
     assert _second_bind(server_grpc_options(64 << 20)) == 0
+
+
+def test_a_reserved_port_refuses_others_until_our_server_binds_it() -> None:
+    import socket
+
+    from kuberl.common.metrics import start_metrics_server
+    from kuberl.common.redis_server import PortReservation
+
+    reserved = PortReservation()
+    port, metrics_port = reserved.take(), reserved.take()
+    try:
+        with socket.socket() as other, socket.socket() as caller:
+            try:
+                other.bind(("127.0.0.1", port))
+                taken = True
+            except OSError:
+                taken = False
+            refused = caller.connect_ex(("127.0.0.1", port)) != 0
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=1), options=server_grpc_options(1 << 20)
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+        bound = server.add_insecure_port(f"127.0.0.1:{port}")
+        server.start()
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                status = (
+                    health_pb2_grpc.HealthStub(channel)
+                    .Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    .status
+                )
+        finally:
+            server.stop(None)
+        metrics = start_metrics_server(metrics_port, "127.0.0.1")
+    finally:
+        reserved.release()
+    assert (taken, refused, bound, status, metrics) == (
+        False,
+        True,
+        port,
+        health_pb2.HealthCheckResponse.SERVING,
+        metrics_port,
+    )
