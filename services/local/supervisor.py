@@ -18,8 +18,9 @@ entrypoints (`kuberl serve <service>`, a trainer of several processes under torc
    all at once, buffer, reward, weight-sync, `job.local.rollout_replicas` rollout replicas (each
    with its replica id, its own gRPC and metrics ports and its own sampling seed) and the trainer
    (under torchrun when it has several processes); the supervisor waits for every one to report
-   SERVING. Each binds a loopback port picked before anything starts, so a service's address
-   reaches the others through `KUBERL_ENDPOINTS__*` from the start, and each waits for its own
+   SERVING. Each binds a loopback port picked before anything starts (and held by the
+   supervisor until every service serves, `PortReservation`), so a service's address reaches
+   the others through `KUBERL_ENDPOINTS__*` from the start, and each waits for its own
    dependencies as a pod does.
 5. **Watch**: a crashed service is restarted on the same port (`job.local.max_restarts` times),
    and so is the embedded Redis (same port, its AOF replayed); progress is shown live
