@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kuberl.common.redis_server import EmbeddedRedis, free_port
+from kuberl.common.redis_server import EmbeddedRedis, PortReservation
 from kuberl.local.accounting import read_rows
 from kuberl.local.progress import StatsPoller
 from tests.integration.buffer_support import Client, start_buffer, write_job
@@ -31,7 +31,10 @@ def test_a_publish_that_failed_reaches_weight_sync_once_it_is_back(tmp_path: Pat
 
     model = build_model(tmp_path / "model", tokenizer="digits", seed=2)
     record = tmp_path / "trained.jsonl"
-    ws_port = free_port()
+    # Weight-sync's port is held (connections refused) until weight-sync serves on it, so no
+    # other process can take it during the trainer's first step.
+    reserved = PortReservation()
+    ws_port = reserved.take()
     with EmbeddedRedis(tmp_path / "redis", die_with_parent=True) as redis_server:
         job = write_job(tmp_path, redis_server.url, prompts=8, job=f"pr{uuid.uuid4().hex[:8]}")
         doc = yaml.safe_load(job.read_text())
@@ -78,6 +81,7 @@ def test_a_publish_that_failed_reaches_weight_sync_once_it_is_back(tmp_path: Pat
                     tmp_path,
                     env={"KUBERL_WEIGHT_SYNC__SERVER__PORT": str(ws_port)},
                 ).wait_serving(60)
+                reserved.release()
                 with ws:
                     version = 0
                     deadline = time.monotonic() + 60
@@ -89,6 +93,7 @@ def test_a_publish_that_failed_reaches_weight_sync_once_it_is_back(tmp_path: Pat
                         client.put([_group(p, 10 + i)], [p.lease_id])
                     code = trainer.proc.wait(120)
             finally:
+                reserved.release()
                 poller.close()
                 trainer.stop()
     assert (version, code) == (1, 0), trainer.log()[-3000:]
