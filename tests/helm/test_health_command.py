@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kuberl.common.redis_server import free_port
+from kuberl.common.redis_server import PortReservation
 from tests.support import REPO, ServiceProcess
 
 APP = [sys.executable, str(REPO / "tests" / "integration" / "bootstrap_app.py")]
@@ -31,9 +31,13 @@ def test_health_waits_until_the_service_is_ready(tmp_path: Path) -> None:
 
 
 def test_health_fails_and_names_the_service_that_never_answered(tmp_path: Path) -> None:
-    silent = f"127.0.0.1:{free_port()}"
-    with ServiceProcess(APP, tmp_path, "app") as app:
-        app.wait_serving()
-        result = _health("--timeout", "1", app.address, silent)
+    held = PortReservation()  # bound, never listening, and no other process can take it
+    silent = f"127.0.0.1:{held.take()}"
+    try:
+        with ServiceProcess(APP, tmp_path, "app") as app:
+            app.wait_serving()
+            result = _health("--timeout", "1", app.address, silent)
+    finally:
+        held.release()
     assert result.returncode == 1
     assert result.stdout.splitlines() == [f"{app.address} SERVING", f"{silent} UNAVAILABLE"]

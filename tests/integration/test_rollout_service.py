@@ -37,7 +37,7 @@ from kuberl.buffer.client import BufferStub
 from kuberl.common.channels import aio_channel, sync_channel
 from kuberl.common.config import SGLangEngineConfig, load_job_config
 from kuberl.common.modelbuild import build_model, load_tokenizer
-from kuberl.common.redis_server import EmbeddedRedis, free_port
+from kuberl.common.redis_server import EmbeddedRedis, PortReservation
 from kuberl.common.trajectory import Group
 from kuberl.rollout import metrics as m
 from kuberl.rollout.engine.base import Engine
@@ -977,7 +977,8 @@ def test_the_loop_runs_unchanged_on_the_sglang_engine(env, job) -> None:
 
 def test_a_reward_outage_is_retried_then_the_prompts_go_back_to_the_buffer(env, job) -> None:
     config, buffer, address = job(prompts=2, rollout={"max_attempts": 3, "batches_in_flight": 1})
-    dead = f"127.0.0.1:{free_port()}"  # a port where nothing listens: the reward service is down
+    held = PortReservation()  # bound, never listening, and no other process can take it
+    dead = f"127.0.0.1:{held.take()}"  # connections refused: the reward service is down
     retries = m.RPC_RETRIES.labels("Score", "UNAVAILABLE")
     failures = m.FAILURES.labels("score")
     before = (retries._value.get(), failures._value.get())
@@ -987,7 +988,10 @@ def test_a_reward_outage_is_retried_then_the_prompts_go_back_to_the_buffer(env, 
             await _until(lambda: worker.prompts_released >= 2, what="the prompts released")
 
     started = time.monotonic()
-    asyncio.run(go())
+    try:
+        asyncio.run(go())
+    finally:
+        held.release()
     again = buffer.stub.LeasePrompts(
         bpb.LeasePromptsRequest(max_prompts=10, consumer="another-replica"), timeout=30
     )
