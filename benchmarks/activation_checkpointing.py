@@ -22,19 +22,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from response_head import MINI, build, machine_info, micro_batch
+from response_head import MINI, build, machine_info, micro_batch, step_fn
 
 MODES: dict[str, bool | str] = {"none": False, "whole_layers": True, "selective": "selective"}
-
-
-def step_fn(policy: Any, mb: Any) -> Any:
-    def step() -> None:
-        policy.zero_grad(set_to_none=True)
-        out = policy(mb.input_ids, mb.attention_mask, mb.gather_index)  # [b, R, 2]
-        loss = -((out[..., 0] + 0.01 * out[..., 1]) * mb.mask).sum() / mb.mask.sum()
-        loss.backward()
-
-    return step
 
 
 def activation_bytes(policy: Any, step: Any) -> int:
@@ -70,7 +60,7 @@ def main() -> int:
         policy = build(MINI, torch.float32, torch.device("cpu"), 4096)
         enable_activation_checkpointing(policy.hf, mode)
         policy.train()
-        steps[name] = step_fn(policy, mb)
+        steps[name] = step_fn(policy, mb, response_only=True)  # as the trainer runs it
         memory[name] = activation_bytes(policy, steps[name])  # also the warm-up
     runs: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(args.rounds):

@@ -91,12 +91,10 @@ def step_fn(policy: Any, mb: Any, response_only: bool) -> Any:
     def step() -> Any:
         policy.zero_grad(set_to_none=True)
         if response_only:
-            out = policy(mb.input_ids, mb.attention_mask, mb.gather_index)  # [b, R, 2]
-        else:
-            out = policy(mb.input_ids, mb.attention_mask)  # [b, T-1, 2]
-            index = mb.gather_index[..., None].expand(-1, -1, 2)
-            out = out.gather(1, index)  # [b, R, 2]
-        lp, ent = split_outputs(out)
+            lp, ent = split_outputs(policy(mb.input_ids, mb.attention_mask, mb.gather_index))
+        else:  # what the trainer did before: every position, then the response's picked out
+            every_lp, every_ent = split_outputs(policy(mb.input_ids, mb.attention_mask))
+            lp, ent = mb.to_response(every_lp), mb.to_response(every_ent)  # [b, R] each
         loss = -((lp + 0.01 * ent) * mb.mask).sum() / mb.mask.sum()
         loss.backward()
         return loss.detach()

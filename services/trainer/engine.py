@@ -499,9 +499,9 @@ def run_micro_batches(
     The model computes its outputs at the micro-batch's response positions only (`gather_index`),
     so `loss_fn(micro_batch, outputs)` gets them response-aligned ([b, R, ...]) and returns the
     loss to differentiate (already scaled by the caller to its share of the global normaliser)
-    and metrics for that micro-batch. Ranks with
-    fewer micro-batches run padding ones with a zero loss, so all ranks make the same collective
-    calls. Returns the grad norm and (metrics, tokens) of every real micro-batch of this rank.
+    and metrics for that micro-batch. Ranks with fewer micro-batches run padding ones with a
+    zero loss, so all ranks make the same collective calls. Returns the grad norm and (metrics,
+    tokens) of every real micro-batch of this rank.
     """
     count = all_reduce_max(len(batches), engine.dist)
     batches = batches + [
