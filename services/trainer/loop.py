@@ -64,7 +64,6 @@ from kuberl.trainer.distributed import (
 )
 from kuberl.trainer.engine import (
     FrozenModel,
-    PolicyModel,
     TrainEngine,
     ValueModel,
     build_policy,
@@ -217,12 +216,8 @@ class Trainer:
         self.engine = TrainEngine(build_policy(hf, self.tc, temperature), self.tc, self.dist, dtype)
         alg = self.tc.algorithm
         if alg.kl.coef > 0 and self.tc.mode == "rl":
-            ref = PolicyModel(
-                load_causal_lm(self.model_dir, dtype),
-                self.tc.logprob_chunk_size,
-                temperature,
-                self.tc.compile_logprobs,
-            )
+            # The policy's own build (head settings, compiled layers), frozen.
+            ref = build_policy(load_causal_lm(self.model_dir, dtype), self.tc, temperature)
             self.reference = FrozenModel(
                 ref, self.tc, self.dist, dtype, offload=alg.kl.offload_reference
             )

@@ -4,9 +4,12 @@ One `torchrun --nproc-per-node 2` run (this module with `--worker`) builds a Dee
 each stage in turn, in the same two processes to pay DeepSpeed's start-up once, and takes one
 optimizer step of the trainer's SFT loss over the same eight sequences: each rank gets half of
 them, split into micro-batches by a small token budget (so gradient accumulation and the padding
-micro-batches that keep ranks in lock-step both run). The test then takes the same step in plain
-torch on one process from full logits, and compares the loss, the gradient norm and every
-updated weight (gathered bucket by bucket from the ZeRO-3 partitions).
+micro-batches that keep ranks in lock-step both run). The same step runs again with
+`trainer.gradient_checkpointing` on (whole layers, and selective) under ZeRO-2 and ZeRO-3, and
+with selective checkpointing inside compiled decoder layers (`compile_model`) under ZeRO-2. The
+test then takes the step in plain torch on one process from full logits, and compares the loss,
+the gradient norm and every updated weight (gathered bucket by bucket from the ZeRO-3
+partitions).
 """
 
 from __future__ import annotations
@@ -24,6 +27,13 @@ import pytest
 from tests.support import REPO
 
 STAGES = (1, 2, 3)
+# (stage, trainer.gradient_checkpointing, trainer.compile_model) of further runs of the same step
+VARIANTS = (
+    (2, "selective", False),
+    (3, "selective", False),
+    (3, True, False),
+    (2, "selective", True),
+)
 LR = 1e-2
 # Adam's first update is about lr * sign(g) where |g| >> eps: a gradient element near zero could
 # flip with summation order. A larger eps makes the update smooth in g, so weights can be compared.
@@ -53,13 +63,15 @@ def _worker(
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
+    from torch._dynamo.utils import counters
 
     from kuberl.common.config import TrainerConfig
     from kuberl.trainer.batching import collate, micro_batches, shard
-    from kuberl.trainer.distributed import init_distributed
+    from kuberl.trainer.distributed import all_reduce_max, init_distributed
     from kuberl.trainer.engine import (
-        PolicyModel,
         TrainEngine,
+        build_policy,
+        enable_activation_checkpointing,
         iter_full_parameters,
         load_causal_lm,
         run_micro_batches,
@@ -69,35 +81,62 @@ def _worker(
     info = init_distributed()
     samples = _samples()
     total = sum(int(s.loss_mask.sum()) for s in samples)
-    for stage in stages:
+    runs: list[tuple[int, bool | str, bool]] = [(stage, False, False) for stage in stages]
+    if extras:
+        runs += VARIANTS
+    for stage, checkpointing, compiled in runs:
         cfg = TrainerConfig(
             zero_stage=stage,
             micro_batch_tokens=BUDGET,
+            gradient_checkpointing=checkpointing,
+            compile_model=compiled,
             optimizer={"lr": LR, "eps": EPS, "grad_clip": 1.0},
         )
-        engine = TrainEngine(
-            PolicyModel(load_causal_lm(model_dir, torch.float32)), cfg, info, torch.float32
-        )
+        hf = load_causal_lm(model_dir, torch.float32)
+        enable_activation_checkpointing(hf, checkpointing)
+        # Layer 0's MLP runs once per micro-batch, and again in the backward when checkpointed
+        # (inside the layer's checkpointed forward; hooks on the layer itself run outside it).
+        # Not in compiled layers: a hook's side effect would make dynamo run the layer eager.
+        layer_calls = [0]
+        if not compiled:
+            hf.get_decoder().layers[0].mlp.register_forward_pre_hook(
+                lambda *_, calls=layer_calls: calls.__setitem__(0, calls[0] + 1)
+            )
+        graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+        engine = TrainEngine(build_policy(hf, cfg), cfg, info, torch.float32)
         mine = shard(samples, info.rank, info.world_size)
         mbs = [collate(g, 0, info.device) for g in micro_batches(mine, BUDGET)]
         grad_norm, records = run_micro_batches(
             engine, mbs, sft_loss_fn(total, info.world_size), pad_id=0
         )
+        compiled_frames = counters["stats"]["unique_graphs"] - graphs
+        graph_breaks = sum(counters["graph_break"].values()) - breaks
         loss = torch.tensor([sum(m["loss_share"] for m, _ in records)])
         dist.all_reduce(loss)
+        run_count = all_reduce_max(len(mbs), info)  # padding micro-batches included
         weights = {}
         with _watch_gathers(engine.module) as gathered:
             for bucket in iter_full_parameters(engine.module, GATHER_BUCKET, info, "hf."):
                 weights.update(dict(bucket))
         if info.is_main:
-            save_file(weights, str(out_dir / f"stage{stage}.safetensors"))
+            name = _run_name(stage, checkpointing, compiled)
+            save_file(weights, str(out_dir / f"{name}.safetensors"))
             result = {"loss": loss.item(), "grad_norm": grad_norm, "micro_batches": len(mbs)}
             result["world_size"] = info.world_size
             result["gathered"] = gathered
-            (out_dir / f"stage{stage}.json").write_text(json.dumps(result))
+            result["mlp0_forwards"] = layer_calls[0]
+            result["micro_batches_run"] = run_count
+            result["compiled_frames"] = compiled_frames
+            result["graph_breaks"] = graph_breaks
+            (out_dir / f"{name}.json").write_text(json.dumps(result))
     if extras:
         _ppo_with_critic(out_dir, model_dir)
         _reference(out_dir, model_dir, info)
+
+
+def _run_name(stage: int, checkpointing: bool | str, compiled: bool) -> str:
+    suffix = {False: "", True: "-checkpointed", "selective": "-selective"}[checkpointing]
+    return f"stage{stage}{suffix}{'-compiled' if compiled else ''}"
 
 
 def _reference(out_dir: Path, model_dir: Path, info) -> None:  # type: ignore[no-untyped-def]
@@ -288,17 +327,30 @@ def test_ppo_with_gae_and_a_critic_steps_both_models_on_two_zero3_ranks(runs) ->
     assert m["loss/value"] > 0 and m["value/returns_mean"] != 0.0
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_zero_stage_step_on_two_gloo_ranks_matches_plain_torch(runs, stage: int) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("stage", "checkpointing", "compiled"), [(s, False, False) for s in STAGES] + list(VARIANTS)
+)
+def test_zero_stage_step_on_two_gloo_ranks_matches_plain_torch(  # type: ignore[no-untyped-def]
+    runs, stage: int, checkpointing: bool | str, compiled: bool
+) -> None:
     from safetensors.torch import load_file
 
     root, (ref_loss, ref_norm, ref_weights, moved) = runs
-    result = json.loads((root / f"stage{stage}.json").read_text())
-    weights = load_file(str(root / f"stage{stage}.safetensors"))
+    name = _run_name(stage, checkpointing, compiled)
+    result = json.loads((root / f"{name}.json").read_text())
+    weights = load_file(str(root / f"{name}.safetensors"))
     worst = max(
         (weights[k] - ref_weights[k]).abs().max().item() for k in weights if k in ref_weights
     )
     assert result["micro_batches"] >= 2  # accumulation ran
+    # Each micro-batch's layers (padding ones included) ran forward once, and once more in the
+    # backward when checkpointed.
+    if compiled:  # dynamo compiled the layers (checkpoint included), nothing fell back to eager
+        assert result["compiled_frames"] > 0 and result["graph_breaks"] == 0, result
+    else:
+        assert result["compiled_frames"] == 0
+        ran = result["micro_batches_run"]
+        assert result["mlp0_forwards"] == ran * (2 if checkpointing else 1)
     assert result["loss"] == pytest.approx(ref_loss, rel=1e-5)
     assert result["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
     assert set(weights) <= set(ref_weights)

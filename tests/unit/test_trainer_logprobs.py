@@ -173,7 +173,8 @@ def test_outputs_at_the_response_positions_equal_every_positions_outputs_gathere
 @pytest.mark.slow
 def test_compiled_decoder_layers_give_the_eager_logprobs_and_gradients(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # trainer.compile_model: every decoder layer compiled in place (one graph for all), on
-    # right-padded batches of two lengths; outputs and every gradient match the eager model.
+    # right-padded batches of two lengths; outputs and every gradient match the eager model,
+    # and so do no-grad outputs (the reference policy is compiled too).
     from kuberl.common.modelbuild import build_model
     from kuberl.trainer.engine import PolicyModel, compile_decoder_layers, load_causal_lm
 
@@ -194,6 +195,8 @@ def test_compiled_decoder_layers_give_the_eager_logprobs_and_gradients(tmp_path)
             results.append([out.detach()] + [p.grad.clone() for p in model.parameters()])
         for a, b in zip(*results, strict=True):
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+        with torch.no_grad():  # a frozen KL reference built the same way (its own graph)
+            assert torch.allclose(eager(ids, mask), fused(ids, mask), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.gpu
