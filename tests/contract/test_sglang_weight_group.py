@@ -30,7 +30,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
-from kuberl.common.redis_server import free_port
+from kuberl.common.redis_server import PortReservation
 from kuberl.common.weights import Manifest, plan
 from kuberl.common.weights import sglang as bodies
 from kuberl.common.weights.transports import BroadcastReceiver, BroadcastSender
@@ -133,7 +133,10 @@ def test_our_engine_receiver_joins_a_group_hosted_by_sglangs_own_code(tmp_path: 
     tensors = _tensors()
     manifest, _ = _version(tensors)
     save_file(tensors, str(tmp_path / "send.safetensors"))
-    port = free_port()
+    # Held (bound, never listening) until the peer's TCPStore binds it alongside: no other
+    # process can take the port in the seconds the peer spends importing.
+    reservation = PortReservation()
+    port = reservation.take()
     group = pb.BroadcastGroup(
         group_name="kuberl-contract-hosted", backend="gloo", master_address="127.0.0.1",
         master_port=port, world_size=2,
@@ -145,6 +148,7 @@ def test_our_engine_receiver_joins_a_group_hosted_by_sglangs_own_code(tmp_path: 
         assert peer.wait(TIMEOUT_S) == 0
     finally:
         peer.kill()
+        reservation.release()
     assert _bit_identical(got_manifest.views(flat), tensors) == []
 
 
