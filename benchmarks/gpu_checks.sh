@@ -4,9 +4,11 @@
 #   1. the GPU tests (tests/gpu: CUDA IPC, weight-sync's GPU transports, the offloaded reference,
 #      CUDA IPC into SGLang's consumer code; the chunked logprob head on a 150k vocabulary),
 #   2. trainer MFU (benchmarks/trainer_mfu.py: stock DeepSpeed ZeRO-2 and kuberl's step, with a
-#      torch.profiler table of one step of each), then kuberl's step with the fused head
-#      (trainer.compile_logprobs) and with compiled decoder layers too (trainer.compile_model):
-#      the figures of the one open performance goal come before everything measured already,
+#      torch.profiler table of one step of each), then both again with every kuberl option on
+#      (micro-batch 16, selective activation checkpointing, trainer.compile_logprobs and
+#      trainer.compile_model), then kuberl's with the fused head (compile_logprobs) alone and with
+#      compiled decoder layers too (compile_model): the figures of the one open performance
+#      goal come before everything measured already,
 #   3. the CUDA-IPC weight-sync update,
 #   4. `kuberl run --device cuda` (the demo, shortened as tests/gpu/test_local_run_cuda.py runs
 #      it), with the lines of its service logs that say what happened,
@@ -90,6 +92,11 @@ step tests.log 90 "$PY" -m pytest -p no:cacheprovider -v -rs --timeout 80 --tb=s
 grep -E "^(FAILED|ERROR)|^E  " "$OUT/tests.log" | cut -c1-300 | head -n 20
 step mfu.log 150 "$PY" benchmarks/trainer_mfu.py --steps 3 --warmup 1 --micro-batch-seqs 4 \
   --kuberl-micro-batch-seqs 8 --chunk 16384 --profile-dir "$OUT"
+# Every option on at once (the best guess at the top figure), before each alone; with stock
+# again, so that the table can take it (report.py keeps a run's best line of both variants).
+step mfu.log 200 "$PY" benchmarks/trainer_mfu.py --steps 3 --warmup 1 --micro-batch-seqs 4 \
+  --kuberl-micro-batch-seqs 16 --chunk 16384 --gradient-checkpointing selective \
+  --compile-logprobs --compile-model
 step mfu.log 120 "$PY" benchmarks/trainer_mfu.py --variants kuberl --steps 3 --warmup 1 \
   --kuberl-micro-batch-seqs 8 --chunk 16384 --compile-logprobs
 step mfu.log 150 "$PY" benchmarks/trainer_mfu.py --variants kuberl --steps 3 --warmup 1 \

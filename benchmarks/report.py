@@ -364,7 +364,7 @@ def rows_trainer_mfu(r: dict[str, Any]) -> list[Row]:
     return [
         Row(
             f"trainer MFU ({what})",
-            f"{k['mfu']:.1%}",
+            f"{k['mfu']:.1%} ({mfu_settings(r)})",
             f"{s.get('mfu', 0):.1%} (stock DeepSpeed ZeRO-2)",
             f"{k['mfu'] / s['mfu']:.2f}x" if s.get("mfu") else "n/a",
             ">= 40%",
@@ -385,6 +385,24 @@ def rows_trainer_mfu(r: dict[str, Any]) -> list[Row]:
             else "n/a",
         ),
     ]
+
+
+def mfu_settings(r: dict[str, Any]) -> str:
+    """kuberl's trainer settings in a trainer_mfu line, in words."""
+    parts = []
+    if "kuberl_micro_batch_sequences" in r:
+        parts.append(f"micro-batch {r['kuberl_micro_batch_sequences']} x {r['sequence_tokens']:,}")
+    if "logprob_chunk_size" in r:
+        parts.append(f"chunk {r['logprob_chunk_size']:,}")
+    checkpointing = r.get("gradient_checkpointing")
+    if checkpointing:
+        parts.append("selective checkpointing" if checkpointing == "selective" else "checkpointing")
+    compiled = [
+        n for n, key in (("head", "compile_logprobs"), ("layers", "compile_model")) if r.get(key)
+    ]
+    if compiled:
+        parts.append("compiled " + " and ".join(compiled))
+    return ", ".join(parts) or "defaults"
 
 
 ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
@@ -576,6 +594,15 @@ def render(
     return "\n".join(out)
 
 
+def kept_conditions(path: Path) -> str:
+    """The conditions note of an existing report (what `--note` gave when its rows were run)."""
+    old = path.read_text() if path.exists() else ""
+    for line in old[: old.find(NOTES_MARKER)].splitlines():
+        if line.startswith("**Conditions:** "):
+            return line.removeprefix("**Conditions:** ")
+    return ""
+
+
 def kept_notes(path: Path) -> str:
     """The hand-written part of an existing report (from `NOTES_MARKER` on), or just the marker."""
     old = path.read_text() if path.exists() else ""
@@ -628,19 +655,27 @@ def merge_gpu_run(folder: Path, gpu_results: Path, mfu_runs: Path) -> list[str]:
     """Merge a `gpu_checks.sh` run into the GPU result lines; returns the benchmarks merged.
 
     The table shows one line per benchmark, the newest. A trainer_mfu line only replaces it if
-    it measured both variants (stock and kuberl in the same run: their ratio means something);
-    every trainer_mfu line, variants included, is appended to `mfu_runs`."""
+    it measured both variants (stock and kuberl in the same run: their ratio means something),
+    and of several such lines in the run, the one whose kuberl settings gave the highest MFU
+    (the table names the settings); every trainer_mfu line, variants included, is appended to
+    `mfu_runs`."""
     results = read_results(gpu_results)
-    merged = []
+    merged: list[str] = []
+    best_mfu = -1.0
     for line in gpu_lines_from_run(folder):
         name = str(line["benchmark"])
         if name == "trainer_mfu":
             with mfu_runs.open("a") as f:
                 f.write(json.dumps(line, sort_keys=True) + "\n")
-            if not ({"stock", "kuberl"} <= line.keys() and "error" not in line["kuberl"]):
+            kuberl = line.get("kuberl", {})
+            if not ({"stock", "kuberl"} <= line.keys() and "mfu" in kuberl):
                 continue
+            if kuberl["mfu"] < best_mfu:
+                continue
+            best_mfu = kuberl["mfu"]
         results[name] = line
-        merged.append(name)
+        if name not in merged:
+            merged.append(name)
     write_results(gpu_results, results)
     return merged
 
@@ -653,7 +688,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS, help="the JSON lines file")
     parser.add_argument("--gpu-results", type=Path, default=GPU_RESULTS)
     parser.add_argument("--out", type=Path, default=REPORT, help="the report")
-    parser.add_argument("--note", default="", help="conditions of the run, shown in the report")
+    parser.add_argument(
+        "--note",
+        default="",
+        help="conditions of the run, shown in the report (with --no-run, the report's own is kept "
+        "unless given)",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="per benchmark, seconds")
     parser.add_argument("--logs", type=Path, help="folder for each benchmark's output")
     parser.add_argument(
@@ -683,7 +723,9 @@ def main(argv: list[str] | None = None) -> int:
             write_results(args.results, results)  # after each: a later failure keeps these
     gpu = read_results(args.gpu_results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render(results, gpu, args.note) + "\n" + kept_notes(args.out))
+    # Rewriting the report without running anything keeps the note of the run its rows are from.
+    note = args.note or (kept_conditions(args.out) if args.no_run else "")
+    args.out.write_text(render(results, gpu, note) + "\n" + kept_notes(args.out))
     print(f"[bench] wrote {args.out}", file=sys.stderr)
     return 1 if any("error" in results[n] for n in results) else 0
 

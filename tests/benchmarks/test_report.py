@@ -231,7 +231,7 @@ def test_gpu_figures_are_listed_unmeasured_until_a_gpu_run_is_merged() -> None:
     ) == (
         True,
         False,
-        ["29.4%", "19.6% (stock DeepSpeed ZeRO-2)", "1.50x", ">= 40%", "**no**"],
+        ["29.4% (defaults)", "19.6% (stock DeepSpeed ZeRO-2)", "1.50x", ">= 40%", "**no**"],
         True,
     )
 
@@ -272,24 +272,22 @@ def test_a_benchmark_run_is_recorded_with_its_last_json_line(tmp_path: Path) -> 
 def test_regenerating_the_report_keeps_the_hand_written_notes(tmp_path: Path) -> None:
     results, out = tmp_path / "results.jsonl", tmp_path / "report.md"
     results.write_text(json.dumps(_results()["buffer_throughput"]) + "\n")
-    out.write_text(f"# old table\n\n{report.NOTES_MARKER}\n## Where the time goes\nprofile\n")
-    report.main(
-        [
-            "--no-run",
-            "--results",
-            str(results),
-            "--gpu-results",
-            str(tmp_path / "g"),
-            "--out",
-            str(out),
-        ]
+    out.write_text(
+        "# old table\n\n**Conditions:** idle VM, code of abc123\n\n"
+        f"{report.NOTES_MARKER}\n## Where the time goes\nprofile\n"
     )
+    args = ["--no-run", "--results", str(results), "--gpu-results", str(tmp_path / "g")]
+    report.main([*args, "--out", str(out)])
     text = out.read_text()
     assert (
         "# old table" in text,
         "| buffer: trajectories/s" in text,
         text.endswith(f"{report.NOTES_MARKER}\n## Where the time goes\nprofile\n"),
-    ) == (False, True, True)
+        "**Conditions:** idle VM, code of abc123" in text,  # the rows' run is still described
+    ) == (False, True, True, True)
+    report.main([*args, "--out", str(out), "--note", "a new note"])
+    text = out.read_text()
+    assert ("abc123" in text, "**Conditions:** a new note" in text) == (False, True)
 
 
 def test_a_gpu_checks_run_is_merged_with_its_commands_device_and_mfu_variants(
@@ -304,13 +302,22 @@ def test_a_gpu_checks_run_is_merged_with_its_commands_device_and_mfu_variants(
         "torch 2.11.0+cu130 cuda 13.0 NVIDIA H100 80GB HBM3\n"
     )
     mfu = {"benchmark": "trainer_mfu", "date": "2026-11-26 10:31 UTC", "sequence_tokens": 2048}
-    both = {**mfu, "stock": {"mfu": 0.2}, "kuberl": {"mfu": 0.1}}
+    both = {**mfu, "stock": {"mfu": 0.2}, "kuberl": {"mfu": 0.1}, "kuberl_micro_batch_sequences": 8}
     variant = {**mfu, "kuberl": {"mfu": 0.3}, "compile_logprobs": True}
+    # Two more runs of both variants: the better kuberl one is the table's, a failed one never.
+    measured = {"tokens_per_second": 45_000, "peak_memory_gib": 30.0}
+    better = {**both, "kuberl": {"mfu": 0.15, **measured}, "compile_model": True}
+    better["logprob_chunk_size"] = 16384
+    worse = {**both, "kuberl": {"mfu": 0.12}}
+    failed = {**both, "kuberl": {"error": "CUDA out of memory"}}
     (run / "mfu.log").write_text(
         "== python3 benchmarks/trainer_mfu.py --steps 3 (limit 150s)\nnoise\n"
         + json.dumps(both)
         + "\n== python3 benchmarks/trainer_mfu.py --variants kuberl --compile-logprobs "
         "(limit 120s)\n" + json.dumps(variant) + "\n"
+        "== python3 benchmarks/trainer_mfu.py --compile-model (limit 150s)\n"
+        + "\n".join(json.dumps(x) for x in (better, worse, failed))
+        + "\n"
     )
     (run / "bench.log").write_text(
         "== python3 benchmarks/gae.py (limit 60s)\n"
@@ -328,9 +335,11 @@ def test_a_gpu_checks_run_is_merged_with_its_commands_device_and_mfu_variants(
     assert (merged, sorted(results), results["trainer_mfu"]["kuberl"]) == (
         ["gae", "trainer_mfu"],
         ["gae", "trainer_mfu"],
-        {"mfu": 0.1},
+        {"mfu": 0.15, **measured},
     )
-    assert [r.get("compile_logprobs", False) for r in runs] == [False, True]
+    assert [r.get("compile_logprobs", False) for r in runs] == [False, True, False, False, False]
+    row = report.rows_trainer_mfu(results["trainer_mfu"])[0]
+    assert row.ours == "15.0% (micro-batch 8 x 2,048, chunk 16,384, compiled layers)"
     assert results["gae"]["_run"] == {
         "name": "gae",
         "command": "python3 benchmarks/gae.py",
