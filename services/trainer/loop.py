@@ -137,6 +137,9 @@ class Status:
     epoch: int = 0
     world_size: int = 1
     last_checkpoint: str = ""
+    # (path, step) of the newest checkpoint in one assignment: a reader never pairs one
+    # checkpoint's path with a step the trainer reached later (CheckpointNow answers with it).
+    saved: tuple[str, int] = ("", 0)
     metrics: dict[str, float] = field(default_factory=dict)
     finished: bool = False
     ready: bool = False
@@ -287,6 +290,7 @@ class Trainer:
             log.info("trainer.version_jump", checkpoint=self.cursor.policy_version, seen=seen)
             self.cursor.policy_version = seen + 1
         self.status.last_checkpoint = str(path)
+        self.status.saved = (str(path), self.cursor.step)
         self._sync_status()
         log.info("trainer.resumed", path=str(path), step=self.cursor.step)
 
@@ -929,6 +933,7 @@ class Trainer:
         CHECKPOINT_SECONDS.observe(time.perf_counter() - started)
         self._checkpointed_step = self.cursor.step
         self.status.last_checkpoint = str(path)
+        self.status.saved = (str(path), self.cursor.step)
         self.checkpoint_request.clear()
         with self.checkpoint_done:
             self.checkpoint_done.notify_all()

@@ -88,9 +88,8 @@ class _Servicer(trainer_pb2_grpc.TrainerServiceServicer):
                     trainer.checkpoint_done.wait(1.0)
 
         await asyncio.to_thread(wait)
-        return trainer_pb2.CheckpointNowResponse(
-            path=trainer.status.last_checkpoint, step=trainer.status.step
-        )
+        path, step = trainer.status.saved  # the checkpoint's own step, not the trainer's now
+        return trainer_pb2.CheckpointNowResponse(path=path, step=step)
 
 
 class TrainerService(Service):
