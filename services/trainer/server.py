@@ -83,11 +83,14 @@ class _Servicer(trainer_pb2_grpc.TrainerServiceServicer):
         trainer.checkpoint_request.set()
 
         def wait() -> None:
+            status = trainer.status
             with trainer.checkpoint_done:
-                while trainer.checkpoint_request.is_set() and not trainer.status.finished:
+                while trainer.checkpoint_request.is_set() and not (status.finished or status.error):
                     trainer.checkpoint_done.wait(1.0)
 
         await asyncio.to_thread(wait)
+        if trainer.checkpoint_request.is_set() and trainer.status.error:
+            raise Unavailable(f"training failed before the checkpoint: {trainer.status.error}")
         path, step = trainer.status.saved  # the checkpoint's own step, not the trainer's now
         return trainer_pb2.CheckpointNowResponse(path=path, step=step)
 
