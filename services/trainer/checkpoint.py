@@ -71,6 +71,23 @@ def tag_for(step: int) -> str:
     return f"step-{step:06d}"
 
 
+def fresh_tag(directory: Path, step: int) -> str:
+    """The folder name for a new checkpoint at `step`: `tag_for(step)`, or that name with a
+    suffix (`step-000040.1`, ...) when a complete checkpoint already has it.
+
+    A second checkpoint at one step (CheckpointNow after the periodic one, the SFT warm-up's
+    steps, which leave `step` at 0) must not be written into the folder `latest` may name: a
+    crash halfway would leave `latest` pointing at half-written files. Names sort by step, then
+    by suffix, so pruning keeps the newest."""
+    base = tag_for(step)
+    taken = [p.name for p in directory.glob(f"{base}*") if (p / "cursor.json").exists()]
+    taken = [n for n in taken if n == base or n.removeprefix(base + ".").isdigit()]
+    if not taken:
+        return base
+    suffixes = [int(n.removeprefix(base + ".")) for n in taken if n != base]
+    return f"{base}.{max(suffixes, default=0) + 1}"
+
+
 def latest(directory: Path) -> Path | None:
     """The last complete checkpoint folder, or None."""
     pointer = directory / LATEST
@@ -115,12 +132,18 @@ def write_cursor(path: Path, cursor: Cursor) -> None:
     os.replace(tmp, path / "cursor.json")
 
 
+def _order(path: Path) -> tuple[str, int]:
+    """Sort key of a checkpoint folder: its step's name, then its suffix (`fresh_tag`)."""
+    base, _, suffix = path.name.partition(".")
+    return base, int(suffix) if suffix.isdigit() else 0
+
+
 def commit(directory: Path, path: Path, keep: int) -> None:
     """Point `latest` at `path` (atomically), then delete all but the newest `keep`."""
     tmp = directory / f".{LATEST}.tmp"
     tmp.write_text(path.name)
     os.replace(tmp, directory / LATEST)
-    done = sorted(p for p in directory.glob("step-*") if (p / "cursor.json").exists())
+    done = sorted((p for p in directory.glob("step-*") if (p / "cursor.json").exists()), key=_order)
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     log.info("checkpoint.committed", path=str(path))

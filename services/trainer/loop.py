@@ -140,6 +140,7 @@ class Status:
     # (path, step) of the newest checkpoint in one assignment: a reader never pairs one
     # checkpoint's path with a step the trainer reached later (CheckpointNow answers with it).
     saved: tuple[str, int] = ("", 0)
+    checkpoints: int = 0  # written by this process; counted after `saved` is set
     metrics: dict[str, float] = field(default_factory=dict)
     finished: bool = False
     ready: bool = False
@@ -291,6 +292,7 @@ class Trainer:
             self.cursor.policy_version = seen + 1
         self.status.last_checkpoint = str(path)
         self.status.saved = (str(path), self.cursor.step)
+        self._checkpointed_step = self.cursor.step  # its weights are the checkpoint's
         self._sync_status()
         log.info("trainer.resumed", path=str(path), step=self.cursor.step)
 
@@ -319,6 +321,10 @@ class Trainer:
         try:
             self._run()
             self._flush_ack()
+        except BaseException as exc:
+            # Before `finished`: a CheckpointNow waiting on both must see the failure.
+            self.status.error = f"{type(exc).__name__}: {exc}"
+            raise
         finally:
             self.status.finished = True
             with self.checkpoint_done:
@@ -908,7 +914,9 @@ class Trainer:
         assert self.engine is not None
         started = time.perf_counter()
         root = self.checkpoint_root
-        tag = ckpt.tag_for(self.cursor.step)
+        # Rank 0 names it (never a complete checkpoint's folder) and every rank writes there.
+        tag = ckpt.fresh_tag(root, self.cursor.step) if self.dist.is_main else None
+        tag = broadcast_bytes(tag.encode() if tag else None, self.dist).decode()
         path = root / tag
         if self.dist.is_main:
             path.mkdir(parents=True, exist_ok=True)
@@ -934,6 +942,7 @@ class Trainer:
         self._checkpointed_step = self.cursor.step
         self.status.last_checkpoint = str(path)
         self.status.saved = (str(path), self.cursor.step)
+        self.status.checkpoints += 1
         self.checkpoint_request.clear()
         with self.checkpoint_done:
             self.checkpoint_done.notify_all()

@@ -80,18 +80,24 @@ class _Servicer(trainer_pb2_grpc.TrainerServiceServicer):
             raise FailedPrecondition(
                 f"the job has finished; its last checkpoint is {trainer.status.last_checkpoint!r}"
             )
+        status = trainer.status
+        before = status.checkpoints
         trainer.checkpoint_request.set()
 
         def wait() -> None:
-            status = trainer.status
             with trainer.checkpoint_done:
-                while trainer.checkpoint_request.is_set() and not (status.finished or status.error):
+                while status.checkpoints == before and not (status.finished or status.error):
                     trainer.checkpoint_done.wait(1.0)
 
         await asyncio.to_thread(wait)
-        if trainer.checkpoint_request.is_set() and trainer.status.error:
-            raise Unavailable(f"training failed before the checkpoint: {trainer.status.error}")
-        path, step = trainer.status.saved  # the checkpoint's own step, not the trainer's now
+        if status.checkpoints == before:  # none written since the request: say why
+            if status.error:
+                raise Unavailable(f"training failed before the checkpoint: {status.error}")
+            raise FailedPrecondition(
+                "the job finished before a checkpoint could be taken; its last checkpoint is "
+                f"{status.last_checkpoint!r}"
+            )
+        path, step = status.saved  # the checkpoint's own step, not the trainer's now
         return trainer_pb2.CheckpointNowResponse(path=path, step=step)
 
 

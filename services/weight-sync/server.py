@@ -752,6 +752,14 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                 self.store.unpin(stored)
         engine.pins = keep
 
+    def _retire_held(self, engine: Engine) -> None:
+        """A dropped engine (silent, not gone: it may be stalled) serving from a segment in place
+        keeps that segment's bytes: the segment is never rewritten with a later version."""
+        assert self.store is not None
+        for stored in engine.pins:
+            if engine.shm_in_place and stored.version == engine.loaded_version:
+                self.store.retire(stored.segment)
+
     def _count_out(self, transport: str, nbytes: int, seconds: float) -> None:
         self.metrics.bytes.labels(transport, "out").inc(nbytes)
         if seconds > 0:
@@ -786,6 +794,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         for engine in self.registry.expired():
             self.registry.remove(engine.engine_id)
             self._end_assignment(engine)
+            self._retire_held(engine)
             self._unpin(engine)
             self.metrics.timeouts.labels("heartbeat").inc()
             self.metrics.leaves.labels("dropped").inc()

@@ -295,6 +295,13 @@ class VersionStore:
     def unpin(self, stored: StoredVersion) -> None:
         stored.segment.readers = max(0, stored.segment.readers - 1)
 
+    def retire(self, segment: Segment) -> None:
+        """An engine this service no longer hears from may still serve from `segment` in place:
+        never rewrite it; delete it once its version is pruned (now, if it was already)."""
+        segment.recycle = False
+        if segment in self.segments and not (segment.version or segment.writing):
+            self._delete(segment)  # its readers keep their mappings
+
     def _prune(self) -> None:
         for version in sorted(self.versions)[: -self.retain]:
             stored = self.versions.pop(version)

@@ -741,6 +741,35 @@ def test_an_engine_serving_from_shared_memory_in_place_keeps_its_version_unchang
         assert identical
 
 
+def test_the_segment_a_dropped_in_place_engine_serves_from_is_never_rewritten(
+    tmp_path: Path,
+) -> None:
+    # An engine serving v1 from its shared-memory file in place stalls (SIGSTOP) and is dropped
+    # for silence. v2 and v3 are published meanwhile (the relay keeps one version), so v1's
+    # segment is pruned: it must be deleted, not reused for v3 under the stalled engine. Back,
+    # the engine registers again, takes v3 and finds v1 as it left it.
+    for svc in _service(tmp_path, ["shm", "snapshot"], retain=1):
+        engine = _engine(svc, tmp_path, "stalled", "--shm-in-place")
+        try:
+            _wait(lambda: len(_status(svc).engines) == 1, "engine registered", svc)  # noqa: B023
+            with WeightPublisher(svc.address) as pub:
+                pub.publish(1, iter(make_tensors(31).items()))
+                _wait(lambda: "stalled" in _holding(svc, 1), "engine at v1", svc)  # noqa: B023
+                engine.send_signal(signal.SIGSTOP)
+                _wait(lambda: not _registered(svc), "the silent engine dropped", svc)  # noqa: B023
+                pub.publish(2, iter(make_tensors(32).items()))
+                pub.publish(3, iter(make_tensors(33).items()))
+            engine.send_signal(signal.SIGCONT)
+            _wait(lambda: "stalled" in _holding(svc, 3), "engine back at v3", svc)  # noqa: B023
+            lines = [json.loads(x) for x in (tmp_path / "stalled.jsonl").read_text().splitlines()]
+            identical = all(_bit_identical(tmp_path, "stalled", v, 30 + v) for v in (1, 3))
+        finally:
+            engine.send_signal(signal.SIGCONT)
+            _stop(engine)
+        assert [(x["version"], x["held_intact"]) for x in lines] == [(1, True), (3, True)]
+        assert identical
+
+
 def _fake_cuda_ipc_export(gpu: str, bucket_sizes: list[int]) -> str:
     """Well-formed CUDA IPC handles (JSON) pointing at nothing: this machine has no GPU, so the
     engine's open fails, which is the path under test (routing, the wire form, the fallback)."""

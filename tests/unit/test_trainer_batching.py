@@ -134,6 +134,27 @@ def test_only_the_newest_checkpoints_are_kept_and_latest_names_the_last(tmp_path
     assert ckpt.latest(tmp_path) == tmp_path / "step-000006"
 
 
+def test_a_second_checkpoint_at_one_step_gets_a_folder_of_its_own(tmp_path: Path) -> None:
+    # CheckpointNow right after the periodic checkpoint, or at every SFT warm-up step (step 0):
+    # never written into the folder `latest` names; pruning orders the folders by suffix.
+    names = []
+    for step in (6, 6, 6, 7):
+        tag = ckpt.fresh_tag(tmp_path, step)
+        names.append(tag)
+        (tmp_path / tag).mkdir()
+        ckpt.write_cursor(tmp_path / tag, ckpt.Cursor(step=step))
+        ckpt.commit(tmp_path, tmp_path / tag, keep=3)
+    assert names == ["step-000006", "step-000006.1", "step-000006.2", "step-000007"]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == names[1:]
+    (tmp_path / "step-000008").mkdir()  # a save killed before its cursor: the name is reused
+    (tmp_path / "step-000009.x").mkdir()  # not a suffix of ours: no bearing on the next name
+    assert (ckpt.fresh_tag(tmp_path, 8), ckpt.fresh_tag(tmp_path, 9)) == (
+        "step-000008",
+        "step-000009",
+    )
+    assert ckpt.latest(tmp_path) == tmp_path / "step-000007"
+
+
 def test_model_init_builds_an_hf_folder_with_a_tokenizer_trained_on_the_data(
     tmp_path: Path,
 ) -> None:

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from kuberl.api.trainer.v1 import trainer_pb2
-from kuberl.common.errors import Unavailable
+from kuberl.common.errors import FailedPrecondition, Unavailable
 from kuberl.trainer.loop import Status
 from kuberl.trainer.server import _Servicer
 
@@ -53,6 +53,7 @@ def _save(trainer: SimpleNamespace, path: str, step: int) -> None:
     """What `Trainer._checkpoint` does at its end."""
     trainer.status.last_checkpoint = path
     trainer.status.saved = (path, step)
+    trainer.status.checkpoints += 1
     trainer.checkpoint_request.clear()
     with trainer.checkpoint_done:
         trainer.checkpoint_done.notify_all()
@@ -69,9 +70,36 @@ def test_the_answer_pairs_a_checkpoints_path_with_its_own_step() -> None:
     assert (response.path, response.step) == ("/ckpt/step-000001", 1)
 
 
+def _finish(trainer: SimpleNamespace) -> None:
+    """What `Trainer.run` does at its end."""
+    trainer.status.finished = True
+    with trainer.checkpoint_done:
+        trainer.checkpoint_done.notify_all()
+
+
 def test_a_training_failure_while_waiting_answers_unavailable_instead_of_hanging() -> None:
     def loop_side(trainer: SimpleNamespace) -> None:
-        trainer.status.error = "RuntimeError: boom"  # what TrainerService._train records
+        trainer.status.error = "RuntimeError: boom"  # Trainer.run records it, then finishes
+        _finish(trainer)
 
     with pytest.raises(Unavailable, match="training failed before the checkpoint: RuntimeError"):
         _call(_trainer(), loop_side)
+
+
+def test_a_job_that_ends_without_the_checkpoint_answers_failed_precondition() -> None:
+    # The data ran out (or a stop came) before the trainer took the request: the last
+    # checkpoint is older than the request, so it is named, not returned as the answer.
+    trainer = _trainer()
+    trainer.status.last_checkpoint = "/ckpt/step-000004"
+    trainer.status.saved = ("/ckpt/step-000004", 4)
+    with pytest.raises(FailedPrecondition, match="finished before a checkpoint.*step-000004"):
+        _call(trainer, _finish)
+
+
+def test_the_final_checkpoint_of_a_job_that_ends_meanwhile_is_the_answer() -> None:
+    def loop_side(trainer: SimpleNamespace) -> None:
+        _save(trainer, "/ckpt/step-000010", 10)
+        _finish(trainer)
+
+    response = _call(_trainer(), loop_side)
+    assert (response.path, response.step) == ("/ckpt/step-000010", 10)
