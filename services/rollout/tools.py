@@ -31,6 +31,7 @@ import math
 import operator
 import re
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -327,11 +328,17 @@ def tool_schema(name: str, fn: Any) -> dict[str, Any]:
     }
 
 
+#: Threads for plain-function tools: calls beyond this many at once wait (within their timeout).
+TOOL_THREADS = 16
+
+
 class ToolRegistry:
     """The tools of a job (`rollout.multi_turn.tools`), run with a timeout and output limit.
 
-    Plain functions run in a thread (at the timeout the registry stops waiting, but a thread
-    cannot be killed); `async def` tools are cancelled at the timeout; the `python` tool keeps
+    Plain functions run in a thread of the registry's own pool (at the timeout the registry
+    stops waiting, but a thread cannot be killed: a tool that hangs keeps one of the pool's
+    `TOOL_THREADS`, never one of the event loop's default executor, which the engine's pause and
+    weight loads need); `async def` tools are cancelled at the timeout; the `python` tool keeps
     its own wall clock, counted once its sandbox slot is free.
     """
 
@@ -360,6 +367,7 @@ class ToolRegistry:
                 self.tools[spec.rpartition(":")[2]] = fn
         self.timeout_seconds = timeout_seconds
         self.max_output_chars = max_output_chars
+        self._threads = ThreadPoolExecutor(TOOL_THREADS, thread_name_prefix="tool")
 
     @classmethod
     def from_config(cls, config: MultiTurnConfig) -> ToolRegistry:
@@ -382,6 +390,7 @@ class ToolRegistry:
     def close(self) -> None:
         if self.python is not None:
             self.python.close()
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
     async def _call(self, name: str, arguments: dict[str, Any]) -> Any:
         fn = self.tools[name]
@@ -389,7 +398,8 @@ class ToolRegistry:
             return await self.python(arguments)
         if inspect.iscoroutinefunction(fn):
             return await asyncio.wait_for(fn(arguments), self.timeout_seconds)
-        return await asyncio.wait_for(asyncio.to_thread(fn, arguments), self.timeout_seconds)
+        call = asyncio.get_running_loop().run_in_executor(self._threads, fn, arguments)
+        return await asyncio.wait_for(call, self.timeout_seconds)
 
     async def run(self, call: ToolCall) -> tuple[str, str]:
         """(output text for the model, outcome: ok / error / timeout / bad_call)."""

@@ -4,6 +4,7 @@ the registry that turns every failure into feedback for the model."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from kuberl.common.plugins import PluginError
 from kuberl.rollout import metrics as m
 from kuberl.rollout.tools import (
+    TOOL_THREADS,
     ToolCall,
     ToolRegistry,
     calculate,
@@ -30,6 +32,14 @@ def slow_tool(arguments: dict) -> str:
 
 def echo_tool(arguments: dict) -> str:
     return f"echo {arguments['text']}"
+
+
+RELEASE_HUNG = threading.Event()
+
+
+def hung_tool(arguments: dict) -> str:
+    RELEASE_HUNG.wait(30)  # a tool that never returns (until the test lets it)
+    return "hung"
 
 
 def test_a_tool_call_is_parsed_from_the_text_around_it() -> None:
@@ -137,6 +147,27 @@ def test_a_failing_tool_becomes_an_error_message_and_is_counted() -> None:
 def test_a_slow_tool_times_out() -> None:
     registry = ToolRegistry([f"{MOD}:slow_tool"], timeout_seconds=0.2)
     assert _run(registry, ToolCall("slow_tool", {})) == ("error: slow_tool timed out", "timeout")
+
+
+def test_tools_that_hang_never_take_the_threads_the_engine_needs() -> None:
+    # More hung calls than the event loop's default executor has threads: each times out, and
+    # the default executor (the torch engine's pause and weight loads) still runs at once.
+    registry = ToolRegistry([f"{MOD}:hung_tool"], timeout_seconds=0.2)
+
+    async def scenario() -> tuple[list[tuple[str, str]], float]:
+        calls = [registry.run(ToolCall("hung_tool", {})) for _ in range(TOOL_THREADS + 4)]
+        outcomes = await asyncio.gather(*calls)
+        started = time.monotonic()
+        await asyncio.wait_for(asyncio.to_thread(lambda: None), 5)
+        return outcomes, time.monotonic() - started
+
+    try:
+        outcomes, waited = asyncio.run(scenario())
+    finally:
+        RELEASE_HUNG.set()
+        registry.close()
+    assert {o for _, o in outcomes} == {"timeout"} and len(outcomes) == TOOL_THREADS + 4
+    assert waited < 1.0
 
 
 def test_long_tool_output_is_truncated() -> None:
