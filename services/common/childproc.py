@@ -10,13 +10,19 @@ pid stays the same, so `Popen.pid` is the program's pid.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
+# argv: signal, the parent's pid, the program. A parent that died before the prctl (the child's
+# interpreter takes tens of ms to get there) never sends the signal: the child has been
+# reparented by then, so it checks and sends the signal to itself.
 _SET_PDEATHSIG_AND_EXEC = (
     "import ctypes, os, sys\n"
     "ctypes.CDLL(None, use_errno=True).prctl(1, int(sys.argv[1]), 0, 0, 0)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "if os.getppid() != int(sys.argv[2]):\n"
+    "    os.kill(os.getpid(), int(sys.argv[1]))\n"
+    "os.execvp(sys.argv[3], sys.argv[3:])\n"
 )
 
 
@@ -25,4 +31,5 @@ def die_with_parent(argv: list[str], sig: int = signal.SIGKILL) -> list[str]:
     exits (PR_SET_PDEATHSIG). Pass the result to `subprocess.Popen` without a `preexec_fn`."""
     if not sys.platform.startswith("linux"):
         return list(argv)
-    return [sys.executable, "-I", "-S", "-c", _SET_PDEATHSIG_AND_EXEC, str(int(sig)), *argv]
+    parent = str(os.getpid())
+    return [sys.executable, "-I", "-S", "-c", _SET_PDEATHSIG_AND_EXEC, str(int(sig)), parent, *argv]
