@@ -280,9 +280,12 @@ class ManagedProcess:
     def refresh_tree(self, table: dict[int, tuple[int, int]] | None = None) -> None:
         """Remember the process's current descendants; forget the ones that are gone."""
         table = _process_table() if table is None else table
+        # A new dict, never one updated in place: the supervisor's second-Ctrl-C handler runs
+        # this between two bytecodes of a loop over the old one.
+        tree = dict(self.tree)
         if self.running() and self.proc is not None:
-            self.tree.update(descendants(self.proc.pid, table))
-        self.tree = {p: t for p, t in self.tree.items() if _alive(p, t, table)}
+            tree.update(descendants(self.proc.pid, table))
+        self.tree = {p: t for p, t in tree.items() if _alive(p, t, table)}
 
     def signal(self, sig: int) -> None:
         """Send sig to the process group; SIGKILL also to every descendant seen, wherever it
@@ -296,7 +299,7 @@ class ManagedProcess:
             os.killpg(self.proc.pid, sig)
         if sig != signal.SIGKILL:
             return
-        for pid in self.tree:
+        for pid in list(self.tree):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
 

@@ -194,7 +194,7 @@ class Supervisor:
         self._stop.set()
         if self._sigints > 1 and self.group is not None:
             # Second Ctrl-C: no more draining.
-            for proc in self.group.processes.values():
+            for proc in list(self.group.processes.values()):
                 proc.signal(signal.SIGKILL)
 
     def _check_stop(self) -> None:

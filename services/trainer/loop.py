@@ -396,6 +396,7 @@ class Trainer:
         else:
             self.cursor.step += 1
         self.cursor.note_trained(batch_id)
+        self._sync_status()  # GetStatus never shows a checkpoint of a step it does not show
         self._write_trained(self._trained_row("step", batch))
         metrics.update(self._speed(batch["tokens"], time.perf_counter() - started))
         warmup = sft and self.tc.mode == "rl"
