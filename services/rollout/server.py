@@ -290,7 +290,10 @@ class RolloutService(Service):
         with tempfile.NamedTemporaryFile(dir=folder, suffix=".safetensors", delete=False) as f:
             f.write(safetensors_header(manifest))
             f.write(flat.numpy().tobytes())
-        self._in_loop(got, lambda: engine.apply_snapshot(Path(f.name), got, folder))
+        try:
+            self._in_loop(got, lambda: engine.apply_snapshot(Path(f.name), got, folder))
+        finally:  # moved into place when applied; a model-sized file never stays behind
+            Path(f.name).unlink(missing_ok=True)
 
 
 def create_service(config: JobConfig) -> RolloutService:

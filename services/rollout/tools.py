@@ -417,5 +417,7 @@ class ToolRegistry:
                 outcome, text = "timeout", f"error: {call.name} timed out"
             except Exception as exc:  # the tool's own failure is the model's feedback
                 outcome, text = "error", f"error: {type(exc).__name__}: {exc}"
-        m.TOOL_CALLS.labels(call.name or "<unparsed>", outcome).inc()
+        # The label is a tool of the job's, never a name the model made up (unbounded series).
+        label = call.name if call.name in self.tools else "<unknown>" if call.name else "<unparsed>"
+        m.TOOL_CALLS.labels(label, outcome).inc()
         return _truncate(text, self.max_output_chars), outcome

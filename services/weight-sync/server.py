@@ -384,12 +384,12 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             and request.gpu_uuid
         ):
             announced.trainer_host, announced.gpu_uuid = request.trainer_host, request.gpu_uuid
-            # Idle ones only: a busy engine is skipped at commit and its set would never be
-            # opened (the trainer's GPU memory behind it would stay allocated).
+            # The engines the fan-out would give a set to if it ran now: a set nobody opens
+            # keeps the trainer's GPU memory behind it allocated (torch's IPC limbo).
             ipc_engines = sum(
                 1
                 for e in self.registry.engines.values()
-                if e.assignment is None and self._colocated(e, announced)
+                if self._fan_out_transport(e, version, announced) == pb.TRANSPORT_CUDA_IPC
             )
         self.announced[version] = announced
         send = pb.UpdateInstruction(version=version, transport=transport)
@@ -578,15 +578,24 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
 
     # ------------------------------------------------------------------ relay
 
-    def _choose(self, engine: Engine, stored: StoredVersion) -> int:
+    def _fan_out_transport(
+        self, engine: Engine, version: int, ipc: _Announced | None
+    ) -> int | None:
+        """How the fan-out of `version` updates `engine` (None: it does not, the engine is
+        busy or has it); `ipc` says where the version's CUDA IPC handles open, if it has any."""
+        if engine.assignment is not None or engine.loaded_version >= version:
+            return None
+        if version < engine.catch_up_below or engine.overdue is not None:
+            return pb.TRANSPORT_SNAPSHOT  # still busy: a broadcast group would wait for it
+        return self._choose(engine, ipc)
+
+    def _choose(self, engine: Engine, ipc: _Announced | None) -> int:
         """The first transport of the relay's preference the engine offers and can use now."""
         for transport in self.offered:
             if transport not in engine.transports:
                 continue
             if transport == pb.TRANSPORT_CUDA_IPC:
-                if stored.cuda_ipc_sets and self._colocated(
-                    engine, _Announced(0, 0, 0, stored.cuda_ipc_host, stored.cuda_ipc_gpu)
-                ):
+                if ipc is not None and self._colocated(engine, ipc):
                     return transport
             elif transport == pb.TRANSPORT_NCCL:
                 # Two ranks of one NCCL group cannot share a GPU ("Duplicate GPU detected").
@@ -606,15 +615,15 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
 
     def _fan_out(self, stored: StoredVersion) -> list[str]:
         started = []
+        ipc = None
+        if stored.cuda_ipc_sets:
+            ipc = _Announced(0, 0, 0, stored.cuda_ipc_host, stored.cuda_ipc_gpu)
         for engine in list(self.registry.engines.values()):
-            if engine.assignment is not None or engine.loaded_version >= stored.version:
+            transport = self._fan_out_transport(engine, stored.version, ipc)
+            if transport is None:
                 continue
-            # An overdue engine is still busy: a broadcast group would wait for it.
-            transport = (
-                pb.TRANSPORT_SNAPSHOT
-                if stored.version < engine.catch_up_below or engine.overdue is not None
-                else self._choose(engine, stored)
-            )
+            if transport == pb.TRANSPORT_CUDA_IPC and not stored.cuda_ipc_sets:
+                transport = self._choose(engine, None)  # more engines than sets: the next best
             self._assign(engine, stored, transport)
             started.append(engine.engine_id)
         return started

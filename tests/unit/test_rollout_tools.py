@@ -131,8 +131,13 @@ def test_the_registry_runs_builtin_and_custom_tools() -> None:
 
 
 def test_an_unknown_tool_is_answered_with_the_available_ones() -> None:
+    before = m.TOOL_CALLS.labels("<unknown>", "bad_call")._value.get()
     text, outcome = _run(ToolRegistry(["calculator"]), ToolCall("search", {}))
     assert (text, outcome) == ("error: unknown tool 'search'; available: calculator", "bad_call")
+    # Counted under one label: names the model makes up never become series of their own.
+    seen = {s.labels["tool"] for metric in m.TOOL_CALLS.collect() for s in metric.samples}
+    assert m.TOOL_CALLS.labels("<unknown>", "bad_call")._value.get() == before + 1
+    assert "search" not in seen
 
 
 def test_a_failing_tool_becomes_an_error_message_and_is_counted() -> None:

@@ -69,3 +69,35 @@ def test_an_sglang_engine_registers_one_rank_per_tensor_parallel_rank() -> None:
     registry, _ = _registry()
     engine, _ = registry.register(sent[0].engine)
     assert (sent[0].engine.ranks, engine.ranks) == (2, 2)
+
+
+def test_publish_asks_for_a_cuda_ipc_set_only_per_engine_the_fan_out_would_give_one(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    # A set nobody opens keeps the trainer's GPU memory behind it allocated, so the count
+    # follows the fan-out's own rule: idle colocated engines that are neither overdue nor
+    # catching up (those get a snapshot) nor busy (they get nothing).
+    import asyncio
+
+    from kuberl.common.config import WeightSyncConfig
+    from kuberl.weight_sync.registry import Assignment
+    from kuberl.weight_sync.server import WeightSyncService
+    from kuberl.weight_sync.store import VersionStore
+
+    service = WeightSyncService(WeightSyncConfig(transports=["cuda_ipc", "snapshot"]))
+    service.store = VersionStore(tmp_path / "store", 2)
+    ipc = [pb.TRANSPORT_CUDA_IPC, pb.TRANSPORT_SNAPSHOT]
+    for name in ("idle", "overdue", "catching-up", "busy", "other-gpu"):
+        gpu = "GPU-other" if name == "other-gpu" else "GPU-0"
+        info = pb.EngineInfo(engine_id=name, transports=ipc, host="h", gpu_uuid=gpu)
+        service.registry.register(info)
+    engines = service.registry.engines
+    late = Assignment(pb.UpdateInstruction(version=1), started=0.0, deadline=1.0)
+    engines["overdue"].overdue = late
+    engines["catching-up"].catch_up_below = 3
+    engines["busy"].assignment = late
+    request = pb.PublishRequest(
+        version=2, transports=ipc, trainer_host="h", gpu_uuid="GPU-0"
+    )  # fmt: skip
+    answer = asyncio.run(service.Publish(request, None))  # type: ignore[arg-type]
+    assert answer.cuda_ipc_engines == 1

@@ -74,6 +74,29 @@ def test_the_shm_receiver_copies_each_version_into_the_spare_buffer_leaving_the_
     assert (int(v1.min()), int(v1.max()), int(v2.min()), int(v2.max())) == (1, 1, 2, 2)
 
 
+def test_the_shm_receiver_lets_go_of_files_the_relay_deleted_keeping_what_is_in_use(
+    tmp_path: Path,
+) -> None:
+    # The relay deletes a segment (a failed or superseded publish, a retired one) and makes new
+    # ones under new names: the receiver must not keep a deleted file's pages mapped for good,
+    # yet an in-place engine's weights on such a file stay as they were.
+    manifest = _manifest()
+    receiver = ShmReceiver(in_place=True)
+
+    def receive(name: str, fill: int) -> torch.Tensor:
+        path = tmp_path / name
+        path.write_bytes(bytes([fill]) * manifest.total_bytes)
+        handle = json.dumps({"path": str(path)})
+        return receiver.receive(_instruction(manifest, pb.TRANSPORT_SHM, handles_json=handle))[1]
+
+    held = receive("seg0.bin", 1)
+    receive("seg1.bin", 2)
+    (tmp_path / "seg0.bin").unlink()
+    receive("seg2.bin", 3)
+    assert sorted(Path(p).name for p in receiver._maps) == ["seg1.bin", "seg2.bin"]
+    assert (int(held.min()), int(held.max())) == (1, 1)
+
+
 def test_the_shm_receiver_refuses_a_file_shorter_than_the_manifest(tmp_path: Path) -> None:
     manifest = _manifest()
     path = tmp_path / "seg0.bin"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +42,8 @@ from kuberl.common.weights.transports import (
 
 log = get_logger(__name__)
 
+#: Versions `EngineClient.history` remembers.
+HISTORY_KEPT = 64
 #: `load(named_tensors, version)`: swap the engine's weights to these tensors (all at once).
 LoadFn = Callable[[dict[str, torch.Tensor], int], None]
 #: `apply(instruction)`: receive and load a version by the engine's own means (SGLang).
@@ -106,7 +109,8 @@ class EngineClient:
         #: Last error of a failed update (for the replica's status page).
         self.last_error = ""
         #: (version, transport name) of every version loaded, oldest first.
-        self.history: list[tuple[int, str]] = []
+        #: The last versions loaded and how they came, newest last (bounded: a job loads many).
+        self.history: deque[tuple[int, str]] = deque(maxlen=HISTORY_KEPT)
         #: Transport of the update being delivered to `load` right now.
         self.current_transport = ""
 

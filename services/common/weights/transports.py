@@ -433,7 +433,21 @@ class ShmReceiver(Receiver):
         self.in_place = in_place
         self._maps: dict[str, _Mapping] = {}
 
+    def _forget_gone(self) -> None:
+        """Drop the mappings of files the service deleted or replaced since (a deleted file's
+        pages stay allocated while it is mapped: one model's worth each). Tensors still using
+        a mapping (an in-place engine's weights) keep it alive until they are gone."""
+        for path, cached in list(self._maps.items()):
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                del self._maps[path]
+                continue
+            if (st.st_dev, st.st_ino, st.st_size) != cached.key:
+                del self._maps[path]
+
     def _map(self, path: str, nbytes: int) -> torch.Tensor:
+        self._forget_gone()
         st = os.stat(path)
         if st.st_size < nbytes:
             raise ValueError(f"{path}: {st.st_size} of {nbytes} bytes (truncated shared memory)")
