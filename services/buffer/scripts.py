@@ -54,6 +54,8 @@ local function ack_batch(batch, groups, deadlines, state, payloads, batch_id, ki
     n = n + 1
   end
   redis.call('HSET', batch, 'state', 'acked')
+  -- Kept (for `ttl`) only to answer a repeated Ack: the entry list is of no use any more.
+  redis.call('HDEL', batch, 'entries')
   redis.call('PEXPIRE', batch, ttl)
   redis.call('ZREM', deadlines, batch_id)
   redis.call('HINCRBY', state, 'c:' .. kind .. ':acked_batches', 1)

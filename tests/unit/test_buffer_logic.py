@@ -414,16 +414,24 @@ def test_get_batch_waits_for_groups_put_meanwhile(redis_url: str, tmp_path: Path
 def test_ack_is_idempotent_and_unknown_batches_are_not_found(
     redis_url: str, tmp_path: Path
 ) -> None:
-    async def scenario() -> tuple[bool, bool]:
+    import redis
+
+    async def scenario() -> tuple[bool, bool, list[bytes], list[bytes]]:
         async with buffer(redis_url, tmp_path, prompts=1) as svc:
             await complete(svc, (await lease(svc, 1)).prompts)
             batch = await get(svc, 1)
+            record = svc.db.keys.batch(batch.batch_id)
+            issued = sorted(redis.Redis.from_url(redis_url).hkeys(record))
             first, second = await ack(svc, batch.batch_id), await ack(svc, batch.batch_id)
             with pytest.raises(NotFound):
                 await ack(svc, "train-0123")
-            return first.already_acked, second.already_acked
+            acked = sorted(redis.Redis.from_url(redis_url).hkeys(record))
+            return first.already_acked, second.already_acked, issued, acked
 
-    assert run(scenario()) == (False, True)
+    first, second, issued, acked = run(scenario())
+    assert (first, second) == (False, True)
+    # What stays of an acknowledged batch (for a repeated Ack) is no longer its entry list.
+    assert b"entries" in issued and b"entries" not in acked and b"state" in acked
 
 
 # -- backpressure ---------------------------------------------------------------------------------
