@@ -132,6 +132,19 @@ def write_cursor(path: Path, cursor: Cursor) -> None:
     os.replace(tmp, path / "cursor.json")
 
 
+def record_eval_round(path: Path, eval_round: int) -> None:
+    """Raise the eval round in a checkpoint's cursor (replaced atomically).
+
+    A checkpoint is written before the step's eval round; once that round's groups are read and
+    acknowledged, a trainer resumed from the checkpoint must ask for the next round, not wait
+    (`eval_timeout_seconds`) for groups that are gone. Nothing else in the cursor changes: the
+    round is the buffer's, not the weights'."""
+    cursor = Cursor.from_json((path / "cursor.json").read_text())
+    if cursor.eval_round < eval_round:
+        cursor.eval_round = eval_round
+        write_cursor(path, cursor)
+
+
 def _order(path: Path) -> tuple[str, int]:
     """Sort key of a checkpoint folder: its step's name, then its suffix (`fresh_tag`)."""
     base, _, suffix = path.name.partition(".")
@@ -144,7 +157,10 @@ def commit(directory: Path, path: Path, keep: int) -> None:
     tmp.write_text(path.name)
     os.replace(tmp, directory / LATEST)
     done = sorted((p for p in directory.glob("step-*") if (p / "cursor.json").exists()), key=_order)
-    for old in done[:-keep]:
+    # Folders that sort after the one committed are left over from a trainer that died before
+    # committing them (or from a run `latest` was moved back from): never kept in its place.
+    older = [p for p in done if _order(p) <= _order(path)]
+    for old in older[:-keep] + [p for p in done if _order(p) > _order(path)]:
         shutil.rmtree(old, ignore_errors=True)
     log.info("checkpoint.committed", path=str(path))
 

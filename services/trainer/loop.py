@@ -272,29 +272,40 @@ class Trainer:
         return p if p.is_absolute() else self.base / p
 
     def _resume(self) -> None:
-        if not self.tc.resume:
-            return
-        path = ckpt.latest(self.checkpoint_root)
-        if path is None:
-            return
-        assert self.engine is not None
-        if self.tc.mode != "eval":  # eval mode needs only the cursor: the engines hold weights
-            self.engine.load(path / "policy", path.name)
-            if self.critic is not None:
-                self.critic.load(path / "critic", path.name)
-        self.cursor = ckpt.read_cursor(path, self.dist.rank)
-        # Versions published after this checkpoint belong to weights that are now lost: jump
-        # past them, so the checkpoint's weights go out under a new, higher version.
+        path = ckpt.latest(self.checkpoint_root) if self.tc.resume else None
+        if path is not None:
+            assert self.engine is not None
+            if self.tc.mode != "eval":  # eval mode needs only the cursor: engines hold weights
+                self.engine.load(path / "policy", path.name)
+                if self.critic is not None:
+                    self.critic.load(path / "critic", path.name)
+            self.cursor = ckpt.read_cursor(path, self.dist.rank)
+        # Versions published after the checkpoint (or by a trainer of this job that died before
+        # its first one) belong to weights that are now lost: jump past them, so these weights
+        # go out under a new, higher version (weight-sync and the buffer refuse lower ones).
         seen = self._versions_elsewhere() if self.dist.is_main else 0
         seen = int(broadcast_bytes(str(seen).encode(), self.dist).decode())
         if seen > self.cursor.policy_version:
             log.info("trainer.version_jump", checkpoint=self.cursor.policy_version, seen=seen)
             self.cursor.policy_version = seen + 1
+        if path is None:
+            self._sync_status()
+            return
         self.status.last_checkpoint = str(path)
         self.status.saved = (str(path), self.cursor.step)
         self._checkpointed_step = self.cursor.step  # its weights are the checkpoint's
         self._sync_status()
         log.info("trainer.resumed", path=str(path), step=self.cursor.step)
+
+    def _held_elsewhere(self, version: int) -> bool:
+        """Weight-sync holds `version` or a newer one: a refused publish is a real conflict.
+        Otherwise the refusal came from a half-done earlier attempt (its reply lost, or
+        weight-sync restarted between Publish and CommitPublish) and the publish is retried."""
+        try:
+            return int(self.publisher.current_version()) >= version
+        except Exception as exc:
+            log.warning("weight_sync.unreachable", error=str(exc)[:300])
+            return False
 
     def _versions_elsewhere(self) -> int:
         """The highest policy version the buffer or weight-sync knows (0 if unreachable)."""
@@ -401,7 +412,9 @@ class Trainer:
         metrics.update(self._speed(batch["tokens"], time.perf_counter() - started))
         warmup = sft and self.tc.mode == "rl"
         every = self.tc.checkpoint_every
-        if every and not warmup and self.cursor.step % every == 0:
+        # The SFT warm-up counts its own steps (`step` stays 0: its checkpoints are step-000000,
+        # step-000000.1, ...); its batches may come from the buffer and are acknowledged too.
+        if every and (self.cursor.sft_step if warmup else self.cursor.step) % every == 0:
             self._checkpoint()  # before the Ack: see the module docstring
         if self.dist.is_main:
             self._flush_ack()  # a step that came from elsewhere (SFT file) left none behind
@@ -820,6 +833,11 @@ class Trainer:
         round_ = self.cursor.eval_round
         result = self._eval_round(round_) if self.dist.is_main else {}
         self.cursor.eval_round = round_ + 1
+        saved = self.status.saved[0]
+        if self.dist.is_main and saved and result:
+            # The round's groups are consumed: a trainer resumed from the newest checkpoint
+            # (written before this round) must go on with the next round, not wait for these.
+            ckpt.record_eval_round(Path(saved), self.cursor.eval_round)
         if result:
             self.status.metrics.update(result)
             self._write_jsonl({"kind": "eval", "round": round_, "step": self.cursor.step, **result})
@@ -900,7 +918,7 @@ class Trainer:
         except Exception as exc:
             from kuberl.common.weights import VersionConflict
 
-            conflict = isinstance(exc, VersionConflict)
+            conflict = isinstance(exc, VersionConflict) and self._held_elsewhere(version)
             PUBLISH_FAILURES.labels("version_conflict" if conflict else "error").inc()
             log.warning("weights.publish_failed", version=version, error=str(exc)[:300])
             # A conflict means weight-sync already holds this version or a newer one; any

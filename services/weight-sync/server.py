@@ -348,7 +348,10 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             self.metrics.rejected.labels("bad_version").inc()
             raise InvalidArgument(f"version must be a positive integer, got {version}")
         latest = max(self.current, self.highest_announced)
-        if version <= latest:
+        # The highest announced version, never committed, may be announced again: the trainer
+        # retries a Publish whose reply it lost (or whose upload failed) under the same number.
+        again = version == self.highest_announced > self.current
+        if version <= latest and not again:
             self.metrics.rejected.labels("stale_version").inc()
             raise FailedPrecondition(
                 f"version {version} is not above the latest published version {latest}; "
@@ -371,8 +374,9 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                 "the trainer must offer shm (on this service's host) or snapshot (a gRPC "
                 f"upload); it offered {sorted(transport_name(t) for t in offered)}"
             )
-        # A lower announced version can no longer win: forget it.
-        for old in [v for v in self.announced if v < version]:
+        # A lower announced version can no longer win, nor can an earlier announcement of
+        # this one: forget them (their bytes, if any, are deleted, never committed).
+        for old in [v for v in self.announced if v <= version]:
             self.announced.pop(old)
             self.store.discard(old)
         self.highest_announced = version

@@ -61,10 +61,24 @@ def test_without_cuda_the_benchmark_prints_that_it_was_skipped() -> None:
     )
 
 
+# benchmarks/gpu_checks.sh's variant with every kuberl option on, whose GPU run is still to come.
+EVERY_OPTION = (
+    "--kuberl-micro-batch-seqs", "16", "--chunk", "16384", "--gradient-checkpointing",
+    "selective", "--compile-logprobs", "--compile-model",
+)  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_dry_run_trains_both_variants_on_the_cpu_with_the_same_model() -> None:
-    result = _run("--dry-run", timeout=380)
+@pytest.mark.parametrize("options", [(), EVERY_OPTION], ids=["defaults", "every-option"])
+def test_dry_run_trains_both_variants_on_the_cpu_with_the_same_model(
+    options: tuple[str, ...],
+) -> None:
+    result = _run("--dry-run", *options, timeout=380)
+    every = bool(options)
+    assert (
+        result["gradient_checkpointing"], result["compile_logprobs"], result["compile_model"]
+    ) == ("selective" if every else False, every, every)  # fmt: skip
     stock, ours = result["stock"], result["kuberl"]
     assert (
         result["dry_run"],

@@ -155,6 +155,19 @@ def test_a_second_checkpoint_at_one_step_gets_a_folder_of_its_own(tmp_path: Path
     assert ckpt.latest(tmp_path) == tmp_path / "step-000007"
 
 
+def test_a_leftover_newer_than_the_committed_checkpoint_never_pushes_it_out(tmp_path: Path) -> None:
+    # A trainer died after writing step 200's cursor, before committing it; the one resumed
+    # from step 100 commits step 150 with keep_checkpoints 1: step 150 stays, 200 goes.
+    for step in (100, 200, 150):
+        path = tmp_path / ckpt.tag_for(step)
+        path.mkdir()
+        ckpt.write_cursor(path, ckpt.Cursor(step=step))
+        if step != 200:
+            ckpt.commit(tmp_path, path, keep=1)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000150"]
+    assert ckpt.latest(tmp_path) == tmp_path / "step-000150"
+
+
 def test_model_init_builds_an_hf_folder_with_a_tokenizer_trained_on_the_data(
     tmp_path: Path,
 ) -> None:
