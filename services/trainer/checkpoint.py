@@ -12,14 +12,16 @@ Layout under `trainer.checkpoint_dir`::
       hf/                        HF safetensors export of the policy (rank 0, `export_hf`)
     latest                       the name of the last complete checkpoint, replaced atomically
 
-Every rank writes its DeepSpeed shards; after a barrier rank 0 replaces `latest`. A trainer
-killed mid-save resumes from the previous `latest`. DeepSpeed's files are its own format
+Every rank writes its DeepSpeed shards and fsyncs the folder; after a barrier rank 0 replaces
+`latest` (fsynced, and its folder). A trainer killed mid-save, or a node lost, resumes from the
+previous `latest`. DeepSpeed's files are its own format
 (torch.save); everything kuberl adds is JSON or safetensors.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -132,6 +134,26 @@ def write_cursor(path: Path, cursor: Cursor) -> None:
     os.replace(tmp, path / "cursor.json")
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(path: Path) -> None:
+    """fsync every file and folder under `path` (and `path` itself): what a rank wrote must be
+    on disk before `latest` names it, or a lost node (not only a killed process) could leave
+    `latest` naming files that were never written out."""
+    for folder, _, files in os.walk(path):
+        for name in [*files, ""]:
+            # Every rank walks the folder after writing its own files (each is synced by its
+            # writer, at least); another rank may rename one of its files away meanwhile.
+            with contextlib.suppress(FileNotFoundError):
+                _fsync(Path(folder) / name)
+
+
 def record_eval_round(path: Path, eval_round: int) -> None:
     """Raise the eval round in a checkpoint's cursor (replaced atomically).
 
@@ -155,7 +177,9 @@ def commit(directory: Path, path: Path, keep: int) -> None:
     """Point `latest` at `path` (atomically), then delete all but the newest `keep`."""
     tmp = directory / f".{LATEST}.tmp"
     tmp.write_text(path.name)
+    _fsync(tmp)
     os.replace(tmp, directory / LATEST)
+    _fsync(directory)  # the rename itself
     done = sorted((p for p in directory.glob("step-*") if (p / "cursor.json").exists()), key=_order)
     # Folders that sort after the one committed are left over from a trainer that died before
     # committing them (or from a run `latest` was moved back from): never kept in its place.

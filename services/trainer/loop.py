@@ -953,6 +953,7 @@ class Trainer:
         if self.dist.is_main:
             self.cursor.metrics = {k: v for k, v in self.status.metrics.items() if math.isfinite(v)}
             ckpt.write_cursor(path, self.cursor)
+        ckpt.sync_tree(path)  # on disk before `latest` names it
         barrier(self.dist)
         if self.dist.is_main:
             ckpt.commit(root, path, self.tc.keep_checkpoints)

@@ -155,6 +155,34 @@ def test_a_second_checkpoint_at_one_step_gets_a_folder_of_its_own(tmp_path: Path
     assert ckpt.latest(tmp_path) == tmp_path / "step-000007"
 
 
+def test_a_checkpoint_is_on_disk_before_latest_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What every rank wrote (files and folders) is fsynced before the commit, and `latest` is
+    # fsynced before its rename and its folder after: a lost node never leaves `latest` naming
+    # files the disk never got.
+    import os
+
+    synced: list[Path] = []
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    path = tmp_path / "step-000001"
+    (path / "policy").mkdir(parents=True)
+    (path / "policy" / "shard.pt").write_bytes(b"weights")
+    ckpt.write_cursor(path, ckpt.Cursor(step=1))
+    ckpt.sync_tree(path)
+    before_commit = set(synced)
+    ckpt.commit(tmp_path, path, keep=2)
+    expected = {path / "policy" / "shard.pt", path / "cursor.json", path / "policy", path}
+    assert expected <= before_commit
+    assert synced[len(before_commit) :] == [tmp_path / ".latest.tmp", tmp_path]
+
+
 def test_a_leftover_newer_than_the_committed_checkpoint_never_pushes_it_out(tmp_path: Path) -> None:
     # A trainer died after writing step 200's cursor, before committing it; the one resumed
     # from step 100 commits step 150 with keep_checkpoints 1: step 150 stays, 200 goes.
