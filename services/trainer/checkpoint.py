@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,9 @@ log = get_logger(__name__)
 LATEST = "latest"
 # Far more than the batches a buffer can have un-acknowledged at once (max_inflight_groups).
 TRAINED_BATCHES_KEPT = 1024
+# RL groups (`<prompt>@<epoch>`) of the last trained batches: far more than a second of a job's
+# groups, the most a Redis with `appendfsync everysec` can lose on a host crash.
+TRAINED_GROUPS_KEPT = 4096
 
 
 @dataclass
@@ -53,11 +57,18 @@ class Cursor:
     # Ids of the last batches this checkpoint's weights were trained on (newest last, at most
     # TRAINED_BATCHES_KEPT): a re-delivered batch named here is acknowledged, not trained again.
     trained_batches: list[str] = field(default_factory=list)
+    # Keys (`<prompt>@<epoch>`) of the RL groups of the last trained batches (newest last, at
+    # most TRAINED_GROUPS_KEPT): a group named here that comes back in another batch (its
+    # batch's record lost with the last second of a Redis host's writes) is not trained again.
+    trained_groups: list[str] = field(default_factory=list)
 
-    def note_trained(self, batch_id: str) -> None:
+    def note_trained(self, batch_id: str, group_keys: Sequence[str] = ()) -> None:
         if batch_id:
             self.trained_batches.append(batch_id)
             del self.trained_batches[:-TRAINED_BATCHES_KEPT]
+        if group_keys:
+            self.trained_groups.extend(group_keys)
+            del self.trained_groups[:-TRAINED_GROUPS_KEPT]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)

@@ -406,7 +406,8 @@ class Trainer:
             self.cursor.sft_step += 1
         else:
             self.cursor.step += 1
-        self.cursor.note_trained(batch_id)
+        keys = [] if sft else [f"{g.prompt_id}@{g.epoch}" for g in batch["groups"]]
+        self.cursor.note_trained(batch_id, keys)
         self._sync_status()  # GetStatus never shows a checkpoint of a step it does not show
         self._write_trained(self._trained_row("step", batch))
         metrics.update(self._speed(batch["tokens"], time.perf_counter() - started))
@@ -486,17 +487,20 @@ class Trainer:
         groups: list[Group],
         same_size: bool = True,
         rejected: list[dict[str, str]] | None = None,
+        trained: set[str] | None = None,
     ) -> list[Group]:
         """Groups the model can train on; the others are counted and left out. Token ids
         must be inside the vocabulary, prompts non-empty, arrays of one length and finite, and
         (RL, `same_size`) a batch's groups of one size; rejection sampling's SFT groups keep any
-        number of samples."""
+        number of samples. A group whose key is in `trained` was trained on already."""
         sizes = [len(g.trajectories) for g in groups]
         common = max(set(sizes), key=sizes.count) if sizes else 0
         kept = []
         for g in groups:
             reason = None
-            if same_size and len(g.trajectories) != common:
+            if trained is not None and f"{g.prompt_id}@{g.epoch}" in trained:
+                reason = "already_trained"
+            elif same_size and len(g.trajectories) != common:
                 reason = "group_size"
             for t in g.trajectories:
                 ids = np.concatenate([t.prompt_token_ids, t.response_token_ids])
@@ -544,7 +548,10 @@ class Trainer:
         resp = buffer_pb2.GetBatchResponse.FromString(body)
         rejected_keys: list[dict[str, str]] = []
         groups = self._usable(
-            [Group.from_proto(g) for g in resp.groups], same_size=not sft, rejected=rejected_keys
+            [Group.from_proto(g) for g in resp.groups],
+            same_size=not sft,
+            rejected=rejected_keys,
+            trained=None if sft else set(self.cursor.trained_groups),
         )
         samples = samples_from_groups(groups)
         return MSG_BATCH, {
