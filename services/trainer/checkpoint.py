@@ -142,7 +142,9 @@ def write_rank_files(path: Path, rank: int) -> None:
 def write_cursor(path: Path, cursor: Cursor) -> None:
     tmp = path / "cursor.json.tmp"
     tmp.write_text(cursor.to_json())
+    _fsync(tmp)
     os.replace(tmp, path / "cursor.json")
+    _fsync(path)
 
 
 def _fsync(path: Path) -> None:
@@ -186,6 +188,8 @@ def _order(path: Path) -> tuple[str, int]:
 
 def commit(directory: Path, path: Path, keep: int) -> None:
     """Point `latest` at `path` (atomically), then delete all but the newest `keep`."""
+    pointer = directory / LATEST
+    previous = directory / pointer.read_text().strip() if pointer.exists() else None
     tmp = directory / f".{LATEST}.tmp"
     tmp.write_text(path.name)
     _fsync(tmp)
@@ -194,8 +198,12 @@ def commit(directory: Path, path: Path, keep: int) -> None:
     done = sorted((p for p in directory.glob("step-*") if (p / "cursor.json").exists()), key=_order)
     # Folders that sort after the one committed are left over from a trainer that died before
     # committing them (or from a run `latest` was moved back from): never kept in its place.
-    older = [p for p in done if _order(p) <= _order(path)]
-    for old in older[:-keep] + [p for p in done if _order(p) > _order(path)]:
+    # So are folders between the previous `latest` and this one (a step-N left behind and
+    # this step-N.1 written after it).
+    lowest = _order(previous) if previous is not None else ("", -1)
+    left = [p for p in done if _order(p) > _order(path) or lowest < _order(p) < _order(path)]
+    older = [p for p in done if p not in left and _order(p) <= _order(path)]
+    for old in older[:-keep] + left:
         shutil.rmtree(old, ignore_errors=True)
     log.info("checkpoint.committed", path=str(path))
 

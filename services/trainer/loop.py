@@ -157,6 +157,8 @@ MSG_WAIT = b"W"
 # groups too stale to train on, and the trainer, which publishes only after a step, waits forever.
 MSG_PUBLISH = b"P"
 PUBLISH_RETRY_SECONDS = 2.0
+# Publishes refused as conflicts, though weight-sync does not hold the version, retried in a row.
+PUBLISH_CONFLICT_RETRIES = 3
 
 
 class Trainer:
@@ -192,6 +194,7 @@ class Trainer:
         self._sft_samples: list[Sample] = []
         self.stopped = False
         self._publish_failed_at: float | None = None  # rank 0: the last publish failed then
+        self._conflicts_retried = 0  # rank 0: refused publishes retried since the last success
         #: The policy version last handed to `_publish` (every rank; failures are retried apart).
         self._published_version = -1
         self.vocab_size = 0
@@ -299,8 +302,8 @@ class Trainer:
 
     def _held_elsewhere(self, version: int) -> bool:
         """Weight-sync holds `version` or a newer one: a refused publish is a real conflict.
-        Otherwise the refusal came from a half-done earlier attempt (its reply lost, or
-        weight-sync restarted between Publish and CommitPublish) and the publish is retried."""
+        Otherwise the refusal may come from a weight-sync restarted between Publish and
+        CommitPublish, and the publish is retried (at most PUBLISH_CONFLICT_RETRIES times)."""
         try:
             return int(self.publisher.current_version()) >= version
         except Exception as exc:
@@ -551,7 +554,10 @@ class Trainer:
             [Group.from_proto(g) for g in resp.groups],
             same_size=not sft,
             rejected=rejected_keys,
-            trained=None if sft else set(self.cursor.trained_groups),
+            # (A re-delivered batch of a known id is acknowledged untrained by `_one_step`.)
+            trained=None
+            if sft or resp.batch_id in self.cursor.trained_batches
+            else set(self.cursor.trained_groups),
         )
         samples = samples_from_groups(groups)
         return MSG_BATCH, {
@@ -840,14 +846,18 @@ class Trainer:
         round_ = self.cursor.eval_round
         result = self._eval_round(round_) if self.dist.is_main else {}
         self.cursor.eval_round = round_ + 1
-        saved = self.status.saved[0]
-        if self.dist.is_main and saved and result:
-            # The round's groups are consumed: a trainer resumed from the newest checkpoint
-            # (written before this round) must go on with the next round, not wait for these.
-            ckpt.record_eval_round(Path(saved), self.cursor.eval_round)
         if result:
             self.status.metrics.update(result)
             self._write_jsonl({"kind": "eval", "round": round_, "step": self.cursor.step, **result})
+        saved = self.status.saved[0]
+        if self.dist.is_main and result and saved and self.tc.mode == "rl":
+            # The round's groups are consumed: a trainer resumed from the newest checkpoint
+            # (written before this round) must go on with the next round, not wait for these.
+            # (Not in eval mode: its checkpoints are the training job's.)
+            try:
+                ckpt.record_eval_round(Path(saved), self.cursor.eval_round)
+            except OSError as exc:  # pruned meanwhile, or read-only: the round is still done
+                log.warning("eval.round_not_recorded", path=saved, error=str(exc)[:300])
         barrier(self.dist)
 
     def _eval_round(self, round_: int) -> dict[str, float]:
@@ -922,10 +932,16 @@ class Trainer:
             self.publisher.publish(version, tensors())
             PUBLISH_SECONDS.observe(time.perf_counter() - started)
             self._publish_failed_at = None
+            self._conflicts_retried = 0
         except Exception as exc:
             from kuberl.common.weights import VersionConflict
 
-            conflict = isinstance(exc, VersionConflict) and self._held_elsewhere(version)
+            conflict = isinstance(exc, VersionConflict)
+            if conflict and self._conflicts_retried < PUBLISH_CONFLICT_RETRIES:
+                # Refused, but weight-sync may not hold it: it restarted between Publish and
+                # CommitPublish. A few retries; a refusal that lasts is a real conflict.
+                conflict = self._held_elsewhere(version)
+                self._conflicts_retried += 0 if conflict else 1
             PUBLISH_FAILURES.labels("version_conflict" if conflict else "error").inc()
             log.warning("weights.publish_failed", version=version, error=str(exc)[:300])
             # A conflict means weight-sync already holds this version or a newer one; any
@@ -938,6 +954,9 @@ class Trainer:
     def _checkpoint(self) -> str:
         """Save engines, cursor, RNG and an HF export; collective."""
         assert self.engine is not None
+        # Cleared now, not at the end: a CheckpointNow arriving while this one is written asks
+        # for another, after it.
+        self.checkpoint_request.clear()
         started = time.perf_counter()
         root = self.checkpoint_root
         # Rank 0 names it (never a complete checkpoint's folder) and every rank writes there.
@@ -970,7 +989,6 @@ class Trainer:
         self.status.last_checkpoint = str(path)
         self.status.saved = (str(path), self.cursor.step)
         self.status.checkpoints += 1
-        self.checkpoint_request.clear()
         with self.checkpoint_done:
             self.checkpoint_done.notify_all()
         log.info(

@@ -348,10 +348,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             self.metrics.rejected.labels("bad_version").inc()
             raise InvalidArgument(f"version must be a positive integer, got {version}")
         latest = max(self.current, self.highest_announced)
-        # The highest announced version, never committed, may be announced again: the trainer
-        # retries a Publish whose reply it lost (or whose upload failed) under the same number.
-        again = version == self.highest_announced > self.current
-        if version <= latest and not again:
+        if version <= latest:
             self.metrics.rejected.labels("stale_version").inc()
             raise FailedPrecondition(
                 f"version {version} is not above the latest published version {latest}; "
@@ -374,9 +371,8 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                 "the trainer must offer shm (on this service's host) or snapshot (a gRPC "
                 f"upload); it offered {sorted(transport_name(t) for t in offered)}"
             )
-        # A lower announced version can no longer win, nor can an earlier announcement of
-        # this one: forget them (their bytes, if any, are deleted, never committed).
-        for old in [v for v in self.announced if v <= version]:
+        # A lower announced version can no longer win: forget it.
+        for old in [v for v in self.announced if v < version]:
             self.announced.pop(old)
             self.store.discard(old)
         self.highest_announced = version
@@ -769,8 +765,8 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         """A dropped engine (silent, not gone: it may be stalled) serving from a segment in place
         keeps that segment's bytes: the segment is never rewritten with a later version."""
         assert self.store is not None
-        for stored in engine.pins:
-            if engine.shm_in_place and stored.version == engine.loaded_version:
+        for stored in engine.pins:  # the one it serves from, and one it may be loading
+            if engine.shm_in_place and stored.version >= engine.loaded_version:
                 self.store.retire(stored.segment)
 
     def _count_out(self, transport: str, nbytes: int, seconds: float) -> None:

@@ -697,21 +697,6 @@ def test_corrupt_truncated_or_gapped_snapshot_uploads_are_rejected_and_can_be_se
     assert _metric(service, metric) - rejected_before == 3
 
 
-def test_a_publish_whose_announcement_reply_was_lost_is_published_again_under_its_version(
-    service: ServiceProcess,
-) -> None:
-    # The trainer's Publish(v) reached the service but its reply did not reach the trainer; the
-    # retry announces v again (not refused as stale: v was never committed) and goes through.
-    v = _next_version(service)
-    with sync_channel(service.address) as channel:
-        stub = pb_grpc.WeightSyncServiceStub(channel)
-        stub.Publish(pb.PublishRequest(version=v, transports=[pb.TRANSPORT_SNAPSHOT]), timeout=10)
-    with WeightPublisher(service.address, transports=("snapshot",)) as pub:
-        result = pub.publish(v, iter(make_tensors(41, total_mb=1).items()))
-        current = pub.current_version()
-    assert (result.version, current) == (v, v)
-
-
 def test_a_trainer_and_engine_on_the_services_host_move_weights_through_shared_memory(
     tmp_path: Path,
 ) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -160,6 +161,8 @@ def test_tools_that_hang_never_take_the_threads_the_engine_needs() -> None:
     registry = ToolRegistry([f"{MOD}:hung_tool"], timeout_seconds=0.2)
 
     async def scenario() -> tuple[list[tuple[str, str]], float]:
+        # A default executor smaller than the hung calls, whatever this machine's CPU count.
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(4))
         calls = [registry.run(ToolCall("hung_tool", {})) for _ in range(TOOL_THREADS + 4)]
         outcomes = await asyncio.gather(*calls)
         started = time.monotonic()

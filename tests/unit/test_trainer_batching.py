@@ -176,11 +176,11 @@ def test_a_checkpoint_is_on_disk_before_latest_names_it(
     (path / "policy" / "shard.pt").write_bytes(b"weights")
     ckpt.write_cursor(path, ckpt.Cursor(step=1))
     ckpt.sync_tree(path)
-    before_commit = set(synced)
+    before_commit = len(synced)
     ckpt.commit(tmp_path, path, keep=2)
     expected = {path / "policy" / "shard.pt", path / "cursor.json", path / "policy", path}
-    assert expected <= before_commit
-    assert synced[len(before_commit) :] == [tmp_path / ".latest.tmp", tmp_path]
+    assert expected <= set(synced[:before_commit])
+    assert synced[before_commit:] == [tmp_path / ".latest.tmp", tmp_path]
 
 
 def test_a_leftover_newer_than_the_committed_checkpoint_never_pushes_it_out(tmp_path: Path) -> None:
@@ -194,6 +194,22 @@ def test_a_leftover_newer_than_the_committed_checkpoint_never_pushes_it_out(tmp_
             ckpt.commit(tmp_path, path, keep=1)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000150"]
     assert ckpt.latest(tmp_path) == tmp_path / "step-000150"
+
+
+def test_a_leftover_at_the_step_of_the_next_checkpoint_goes_too(tmp_path: Path) -> None:
+    # latest is step 40; a dead trainer left step 50 uncommitted; the resumed one writes its
+    # step 50 as step-000050.1, which sorts after the leftover: keep 2 keeps 40 and 50.1.
+    for name in ("step-000040", "step-000050"):
+        (tmp_path / name).mkdir()
+        ckpt.write_cursor(tmp_path / name, ckpt.Cursor(step=int(name[-2:])))
+        if name == "step-000040":
+            ckpt.commit(tmp_path, tmp_path / name, keep=2)
+    tag = ckpt.fresh_tag(tmp_path, 50)
+    assert tag == "step-000050.1"
+    (tmp_path / tag).mkdir()
+    ckpt.write_cursor(tmp_path / tag, ckpt.Cursor(step=50))
+    ckpt.commit(tmp_path, tmp_path / tag, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000040", "step-000050.1"]
 
 
 def test_model_init_builds_an_hf_folder_with_a_tokenizer_trained_on_the_data(

@@ -50,11 +50,12 @@ def _call(trainer: SimpleNamespace, loop_side) -> trainer_pb2.CheckpointNowRespo
 
 
 def _save(trainer: SimpleNamespace, path: str, step: int) -> None:
-    """What `Trainer._checkpoint` does at its end."""
+    """What `Trainer._checkpoint` does to the handshake: clear the request first, then (once
+    written) set `saved`, count, notify."""
+    trainer.checkpoint_request.clear()
     trainer.status.last_checkpoint = path
     trainer.status.saved = (path, step)
     trainer.status.checkpoints += 1
-    trainer.checkpoint_request.clear()
     with trainer.checkpoint_done:
         trainer.checkpoint_done.notify_all()
 
