@@ -98,6 +98,7 @@ def _engine_main(args: argparse.Namespace) -> None:
             held = holder.get("held")
             line["held_intact"] = held is None or digest(held[0]) == held[1]
             holder["held"] = (tensors, digest(tensors))
+            line["digest"] = holder["held"][1]  # what it serves from once loaded
         with (out / f"{args.name}.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -768,6 +769,39 @@ def test_the_segment_a_dropped_in_place_engine_serves_from_is_never_rewritten(
             _stop(engine)
         assert [(x["version"], x["held_intact"]) for x in lines] == [(1, True), (3, True)]
         assert identical
+
+
+def test_the_segment_a_dropped_in_place_engine_is_loading_from_is_never_rewritten(
+    tmp_path: Path,
+) -> None:
+    # As above, but the engine stalls in the middle of loading v2 in place (it took the views
+    # of v2's segment and is still in `load`): that segment must not be reused either.
+    for svc in _service(tmp_path, ["shm", "snapshot"], retain=1):
+        engine = _engine(svc, tmp_path, "loading", "--shm-in-place", "--load-seconds", "2")
+        try:
+            _wait(lambda: len(_status(svc).engines) == 1, "engine registered", svc)  # noqa: B023
+            with WeightPublisher(svc.address) as pub:
+                pub.publish(1, iter(make_tensors(51).items()))
+                _wait(lambda: "loading" in _holding(svc, 1), "engine at v1", svc)  # noqa: B023
+                pub.publish(2, iter(make_tensors(52).items()))
+                _wait((tmp_path / "loading.loading-v2").exists, "the engine loading v2", svc)
+                engine.send_signal(signal.SIGSTOP)
+                _wait(lambda: not _registered(svc), "the silent engine dropped", svc)  # noqa: B023
+                for v in (3, 4):
+                    pub.publish(v, iter(make_tensors(50 + v).items()))
+            engine.send_signal(signal.SIGCONT)
+            _wait(lambda: "loading" in _holding(svc, 4), "engine back at v4", svc)  # noqa: B023
+            lines = [json.loads(x) for x in (tmp_path / "loading.jsonl").read_text().splitlines()]
+        finally:
+            engine.send_signal(signal.SIGCONT)
+            _stop(engine)
+        # v2's views were still v2 at the end of its load, after the stall.
+        v2 = next(x for x in lines if x["version"] == 2)
+        h = hashlib.sha256()
+        for t in make_tensors(52).values():
+            h.update(t.contiguous().view(-1).view(torch.uint8).numpy().data)
+        assert v2["digest"] == h.hexdigest()
+        assert all(x["held_intact"] for x in lines), lines
 
 
 def _fake_cuda_ipc_export(gpu: str, bucket_sizes: list[int]) -> str:
