@@ -133,3 +133,12 @@ def escape_targets(tmp_path: Path) -> list[Path]:
         REPO / f"escaped-{uuid.uuid4().hex}.txt",
         Path("/tmp") / f"kuberl-escaped-{uuid.uuid4().hex}.txt",
     ]
+
+
+def process_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (Linux: /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -196,14 +196,12 @@ def commit(directory: Path, path: Path, keep: int) -> None:
     os.replace(tmp, directory / LATEST)
     _fsync(directory)  # the rename itself
     done = sorted((p for p in directory.glob("step-*") if (p / "cursor.json").exists()), key=_order)
-    # Folders that sort after the one committed are left over from a trainer that died before
-    # committing them (or from a run `latest` was moved back from): never kept in its place.
-    # So are folders between the previous `latest` and this one (a step-N left behind and
-    # this step-N.1 written after it).
-    lowest = _order(previous) if previous is not None else ("", -1)
-    left = [p for p in done if _order(p) > _order(path) or lowest < _order(p) < _order(path)]
-    older = [p for p in done if p not in left and _order(p) <= _order(path)]
-    for old in older[:-keep] + left:
+    # Kept, the newest `keep` of: the checkpoints up to the previous `latest`, and this one.
+    # Any other folder was left over by a trainer that died before committing it (after the
+    # previous `latest`, or after this one, or a step-N under this step-N.1): never kept.
+    low = _order(previous) if previous is not None else ("", -1)
+    committed = [p for p in done if _order(p) <= low or p == path]
+    for old in committed[:-keep] + [p for p in done if p not in committed]:
         shutil.rmtree(old, ignore_errors=True)
     log.info("checkpoint.committed", path=str(path))
 

@@ -136,7 +136,6 @@ class Status:
     policy_version: int = 0
     epoch: int = 0
     world_size: int = 1
-    last_checkpoint: str = ""
     # (path, step) of the newest checkpoint in one assignment: a reader never pairs one
     # checkpoint's path with a step the trainer reached later (CheckpointNow answers with it).
     saved: tuple[str, int] = ("", 0)
@@ -145,6 +144,10 @@ class Status:
     finished: bool = False
     ready: bool = False
     error: str = ""
+
+    @property
+    def last_checkpoint(self) -> str:
+        return self.saved[0]
 
 
 # Control messages broadcast by rank 0 (first byte), followed by a payload.
@@ -283,6 +286,8 @@ class Trainer:
                 if self.critic is not None:
                     self.critic.load(path / "critic", path.name)
             self.cursor = ckpt.read_cursor(path, self.dist.rank)
+            self.status.saved = (str(path), self.cursor.step)
+            self._checkpointed_step = self.cursor.step  # its weights are the checkpoint's
         # Versions published after the checkpoint (or by a trainer of this job that died before
         # its first one) belong to weights that are now lost: jump past them, so these weights
         # go out under a new, higher version (weight-sync and the buffer refuse lower ones).
@@ -291,14 +296,9 @@ class Trainer:
         if seen > self.cursor.policy_version:
             log.info("trainer.version_jump", checkpoint=self.cursor.policy_version, seen=seen)
             self.cursor.policy_version = seen + 1
-        if path is None:
-            self._sync_status()
-            return
-        self.status.last_checkpoint = str(path)
-        self.status.saved = (str(path), self.cursor.step)
-        self._checkpointed_step = self.cursor.step  # its weights are the checkpoint's
         self._sync_status()
-        log.info("trainer.resumed", path=str(path), step=self.cursor.step)
+        if path is not None:
+            log.info("trainer.resumed", path=str(path), step=self.cursor.step)
 
     def _held_elsewhere(self, version: int) -> bool:
         """Weight-sync holds `version` or a newer one: a refused publish is a real conflict.
@@ -986,7 +986,6 @@ class Trainer:
         barrier(self.dist)
         CHECKPOINT_SECONDS.observe(time.perf_counter() - started)
         self._checkpointed_step = self.cursor.step
-        self.status.last_checkpoint = str(path)
         self.status.saved = (str(path), self.cursor.step)
         self.status.checkpoints += 1
         with self.checkpoint_done:
@@ -1022,7 +1021,7 @@ class Trainer:
             self.status.metrics.update(self.cursor.metrics)
 
     def _record(self, metrics: dict[str, float], kind: str) -> None:
-        self._sync_status()
+        # The status took the step already (`_one_step`, before the checkpoint).
         self.status.metrics.update(metrics)
         self.status.metrics["step"] = float(self.cursor.step)
         STEPS.labels(kind).inc()

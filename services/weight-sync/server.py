@@ -765,8 +765,10 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         """A dropped engine (silent, not gone: it may be stalled) serving from a segment in place
         keeps that segment's bytes: the segment is never rewritten with a later version."""
         assert self.store is not None
+        if not engine.shm_in_place:
+            return
         for stored in engine.pins:  # the one it serves from, and one it may be loading
-            if engine.shm_in_place and stored.version >= engine.loaded_version:
+            if stored.version >= engine.loaded_version:
                 self.store.retire(stored.segment)
 
     def _count_out(self, transport: str, nbytes: int, seconds: float) -> None:

@@ -57,6 +57,14 @@ def make_tensors(seed: int, total_mb: float = 4.0) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- the processes' programs
 
 
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of the tensors' bytes, in order."""
+    h = hashlib.sha256()
+    for v in tensors.values():
+        h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
 def _engine_main(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if args.die_after_buckets or args.stall_after_buckets:
@@ -80,12 +88,6 @@ def _engine_main(args: argparse.Namespace) -> None:
         transports.broadcast = hooked_broadcast
     holder: dict[str, Any] = {}
 
-    def digest(tensors: dict[str, torch.Tensor]) -> str:
-        h = hashlib.sha256()
-        for v in tensors.values():
-            h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
-        return h.hexdigest()
-
     def load(tensors: dict[str, torch.Tensor], version: int) -> None:
         (out / f"{args.name}.loading-v{version}").touch()
         save_file(
@@ -96,8 +98,8 @@ def _engine_main(args: argparse.Namespace) -> None:
         time.sleep(args.load_seconds)  # a slow engine: later versions are published meanwhile
         if args.shm_in_place:  # the version held until now must not have changed under us
             held = holder.get("held")
-            line["held_intact"] = held is None or digest(held[0]) == held[1]
-            holder["held"] = (tensors, digest(tensors))
+            line["held_intact"] = held is None or _digest(held[0]) == held[1]
+            holder["held"] = (tensors, _digest(tensors))
             line["digest"] = holder["held"][1]  # what it serves from once loaded
         with (out / f"{args.name}.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
@@ -254,10 +256,26 @@ def _registered(svc: ServiceProcess) -> set[str]:
     return {e.engine_id for e in _status(svc).engines}
 
 
-def _history(tmp_path: Path, name: str) -> list[tuple[int, str]]:
+def _lines(tmp_path: Path, name: str) -> list[dict[str, Any]]:
+    """What the test engine `name` recorded of each version it loaded."""
     path = tmp_path / f"{name}.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [(json.loads(x)["version"], json.loads(x)["transport"]) for x in lines]
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _history(tmp_path: Path, name: str) -> list[tuple[int, str]]:
+    return [(x["version"], x["transport"]) for x in _lines(tmp_path, name)]
+
+
+def _stall_through(
+    svc: ServiceProcess, engine: subprocess.Popen[bytes], pub: WeightPublisher, seeds: dict
+) -> None:
+    """Stop `engine` (SIGSTOP) until the service drops it, publish `seeds` (version -> seed of
+    `make_tensors`) meanwhile, then let it go on."""
+    engine.send_signal(signal.SIGSTOP)
+    _wait(lambda: not _registered(svc), "the silent engine dropped", svc)
+    for version, seed in seeds.items():
+        pub.publish(version, iter(make_tensors(seed).items()))
+    engine.send_signal(signal.SIGCONT)
 
 
 def _bit_identical(tmp_path: Path, name: str, version: int, seed: int, mb: float = 4) -> bool:
@@ -731,7 +749,7 @@ def test_an_engine_serving_from_shared_memory_in_place_keeps_its_version_unchang
                 _wait(loading.exists, "the engine loading v2", svc)
                 pub.publish(3, iter(make_tensors(23).items()))
             _wait(lambda: "inplace" in _holding(svc, 3), "engine at v3", svc)  # noqa: B023
-            lines = [json.loads(x) for x in (tmp_path / "inplace.jsonl").read_text().splitlines()]
+            lines = _lines(tmp_path, "inplace")
             identical = all(_bit_identical(tmp_path, "inplace", v, 20 + v) for v in (1, 2, 3))
         finally:
             _stop(engine)
@@ -756,13 +774,9 @@ def test_the_segment_a_dropped_in_place_engine_serves_from_is_never_rewritten(
             with WeightPublisher(svc.address) as pub:
                 pub.publish(1, iter(make_tensors(31).items()))
                 _wait(lambda: "stalled" in _holding(svc, 1), "engine at v1", svc)  # noqa: B023
-                engine.send_signal(signal.SIGSTOP)
-                _wait(lambda: not _registered(svc), "the silent engine dropped", svc)  # noqa: B023
-                pub.publish(2, iter(make_tensors(32).items()))
-                pub.publish(3, iter(make_tensors(33).items()))
-            engine.send_signal(signal.SIGCONT)
+                _stall_through(svc, engine, pub, {2: 32, 3: 33})
             _wait(lambda: "stalled" in _holding(svc, 3), "engine back at v3", svc)  # noqa: B023
-            lines = [json.loads(x) for x in (tmp_path / "stalled.jsonl").read_text().splitlines()]
+            lines = _lines(tmp_path, "stalled")
             identical = all(_bit_identical(tmp_path, "stalled", v, 30 + v) for v in (1, 3))
         finally:
             engine.send_signal(signal.SIGCONT)
@@ -785,22 +799,15 @@ def test_the_segment_a_dropped_in_place_engine_is_loading_from_is_never_rewritte
                 _wait(lambda: "loading" in _holding(svc, 1), "engine at v1", svc)  # noqa: B023
                 pub.publish(2, iter(make_tensors(52).items()))
                 _wait((tmp_path / "loading.loading-v2").exists, "the engine loading v2", svc)
-                engine.send_signal(signal.SIGSTOP)
-                _wait(lambda: not _registered(svc), "the silent engine dropped", svc)  # noqa: B023
-                for v in (3, 4):
-                    pub.publish(v, iter(make_tensors(50 + v).items()))
-            engine.send_signal(signal.SIGCONT)
+                _stall_through(svc, engine, pub, {3: 53, 4: 54})
             _wait(lambda: "loading" in _holding(svc, 4), "engine back at v4", svc)  # noqa: B023
-            lines = [json.loads(x) for x in (tmp_path / "loading.jsonl").read_text().splitlines()]
+            lines = _lines(tmp_path, "loading")
         finally:
             engine.send_signal(signal.SIGCONT)
             _stop(engine)
         # v2's views were still v2 at the end of its load, after the stall.
         v2 = next(x for x in lines if x["version"] == 2)
-        h = hashlib.sha256()
-        for t in make_tensors(52).values():
-            h.update(t.contiguous().view(-1).view(torch.uint8).numpy().data)
-        assert v2["digest"] == h.hexdigest()
+        assert v2["digest"] == _digest(make_tensors(52))
         assert all(x["held_intact"] for x in lines), lines
 
 

@@ -20,6 +20,7 @@ from kuberl.local.accounting import (
 )
 from kuberl.local.chaos import KINDS, PROFILES, ChaosMonkey
 from kuberl.local.procs import ProcessGroup, ProcessSpec
+from tests.support import process_alive
 
 REPLICAS = ["rollout-0", "rollout-1"]
 
@@ -219,14 +220,6 @@ def test_eval_accuracy_before_the_first_fault_and_after_the_last_recovery() -> N
     assert (out["eval_accuracy_before_faults"], out["eval_accuracy_after_faults"]) == (0.4, 0.6)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_sigkill_reaches_a_child_that_started_its_own_session(tmp_path: Path) -> None:
     pid_file = tmp_path / "child.pid"
@@ -250,11 +243,11 @@ def test_a_sigkill_reaches_a_child_that_started_its_own_session(tmp_path: Path) 
         child = int(pid_file.read_text())
         proc.signal(9)
         deadline = time.monotonic() + 10
-        while _alive(child) and time.monotonic() < deadline:
+        while process_alive(child) and time.monotonic() < deadline:
             time.sleep(0.05)
-        survived = _alive(child)
+        survived = process_alive(child)
     finally:
         group.stop_all(grace=2.0)
-        if pid_file.exists() and pid_file.read_text() and _alive(int(pid_file.read_text())):
+        if pid_file.exists() and pid_file.read_text() and process_alive(int(pid_file.read_text())):
             os.kill(int(pid_file.read_text()), 9)
     assert not survived

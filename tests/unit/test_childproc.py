@@ -11,6 +11,7 @@ import time
 import pytest
 
 from kuberl.common.childproc import die_with_parent
+from tests.support import process_alive
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
 
@@ -36,9 +37,9 @@ def test_a_child_is_killed_when_its_parent_dies() -> None:
     out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=60)
     pid = int(out.stdout)
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and _alive(pid):
+    while time.monotonic() < deadline and process_alive(pid):
         time.sleep(0.05)
-    assert not _alive(pid)
+    assert not process_alive(pid)
 
 
 def test_a_child_whose_parent_died_before_the_signal_was_set_kills_itself() -> None:
@@ -49,11 +50,3 @@ def test_a_child_whose_parent_died_before_the_signal_was_set_kills_itself() -> N
     argv[at] = "1"  # not this process
     proc = subprocess.Popen(argv)
     assert proc.wait(30) == -signal.SIGTERM
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

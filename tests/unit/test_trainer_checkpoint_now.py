@@ -53,7 +53,6 @@ def _save(trainer: SimpleNamespace, path: str, step: int) -> None:
     """What `Trainer._checkpoint` does to the handshake: clear the request first, then (once
     written) set `saved`, count, notify."""
     trainer.checkpoint_request.clear()
-    trainer.status.last_checkpoint = path
     trainer.status.saved = (path, step)
     trainer.status.checkpoints += 1
     with trainer.checkpoint_done:
@@ -63,9 +62,8 @@ def _save(trainer: SimpleNamespace, path: str, step: int) -> None:
 def test_the_answer_pairs_a_checkpoints_path_with_its_own_step() -> None:
     def loop_side(trainer: SimpleNamespace) -> None:
         _save(trainer, "/ckpt/step-000001", 1)
-        # The trainer goes on before the server reads the status: step 2, a newer path alone.
+        # The trainer goes on before the server reads the status: step 2.
         trainer.status.step = 2
-        trainer.status.last_checkpoint = "/ckpt/step-000002"
 
     response = _call(_trainer(), loop_side)
     assert (response.path, response.step) == ("/ckpt/step-000001", 1)
@@ -91,7 +89,6 @@ def test_a_job_that_ends_without_the_checkpoint_answers_failed_precondition() ->
     # The data ran out (or a stop came) before the trainer took the request: the last
     # checkpoint is older than the request, so it is named, not returned as the answer.
     trainer = _trainer()
-    trainer.status.last_checkpoint = "/ckpt/step-000004"
     trainer.status.saved = ("/ckpt/step-000004", 4)
     with pytest.raises(FailedPrecondition, match="finished before a checkpoint.*step-000004"):
         _call(trainer, _finish)

@@ -416,6 +416,12 @@ class _Mapping:
     flat: torch.Tensor
 
 
+def _file_key(st: os.stat_result) -> tuple[int, int, int]:
+    """What identifies a file's content for a kept mapping: a new file, or a resized one,
+    differs."""
+    return (st.st_dev, st.st_ino, st.st_size)
+
+
 class ShmReceiver(Receiver):
     """Copies a version out of the service's shared-memory file into the engine's buffer.
 
@@ -439,11 +445,10 @@ class ShmReceiver(Receiver):
         a mapping (an in-place engine's weights) keep it alive until they are gone."""
         for path, cached in list(self._maps.items()):
             try:
-                st = os.stat(path)
+                same = _file_key(os.stat(path)) == cached.key
             except FileNotFoundError:
-                del self._maps[path]
-                continue
-            if (st.st_dev, st.st_ino, st.st_size) != cached.key:
+                same = False
+            if not same:
                 del self._maps[path]
 
     def _map(self, path: str, nbytes: int) -> torch.Tensor:
@@ -451,7 +456,7 @@ class ShmReceiver(Receiver):
         st = os.stat(path)
         if st.st_size < nbytes:
             raise ValueError(f"{path}: {st.st_size} of {nbytes} bytes (truncated shared memory)")
-        key = (st.st_dev, st.st_ino, st.st_size)
+        key = _file_key(st)
         cached = self._maps.get(path)
         if cached is None or cached.key != key:
             self._maps.pop(path, None)
