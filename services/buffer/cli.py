@@ -24,6 +24,8 @@ FIELDS = (
     "prompts_leased",
     "groups_pending",
     "batches_unacked",
+    "batches_held",
+    "groups_held",
     "exhausted",
 )
 

@@ -19,7 +19,17 @@ GROUPS_PENDING = metrics.gauge(
 )
 GROUPS_IN_BATCHES = metrics.gauge(
     "kuberl_buffer_groups_in_batches",
-    "Groups handed to the trainer in batches not yet acknowledged",
+    "Groups handed to the trainer in batches not yet acknowledged (nor held)",
+    ["kind"],
+)
+GROUPS_HELD = metrics.gauge(
+    "kuberl_buffer_groups_held",
+    "Groups of trained batches the trainer holds until its next checkpoint",
+    ["kind"],
+)
+BATCHES_HELD = metrics.gauge(
+    "kuberl_buffer_batches_held",
+    "Trained batches the trainer holds until its next checkpoint",
     ["kind"],
 )
 PROMPTS_LEASED = metrics.gauge(
@@ -66,7 +76,9 @@ BATCHES_TOTAL = metrics.counter(
     ["kind", "delivery"],
 )
 ACKS_TOTAL = metrics.counter(
-    "kuberl_buffer_acks_total", "Ack calls, by result (acked, already_acked)", ["kind", "result"]
+    "kuberl_buffer_acks_total",
+    "Acknowledgements, by result (acked, already_acked, held, already_held)",
+    ["kind", "result"],
 )
 GROUPS_DROPPED_TOTAL = metrics.counter(
     "kuberl_buffer_groups_dropped_total",

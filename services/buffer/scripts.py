@@ -38,12 +38,33 @@ end
 # Acknowledge a batch: its groups are trained and leave the stream. Idempotent. A function, so
 # that TAKE can acknowledge the trainer's previous batch in the same call (GetBatch's
 # `ack_batch_id`: one round trip per training step instead of two).
-# Returns 1 acked now, 0 acked before, -1 unknown.
+# With `hold` ('1'), hold it instead: trained, but not in a checkpoint yet. Its groups stay in
+# the stream (still pending for the trainer group) and the batch stays re-deliverable, but it
+# leaves the ack deadlines (no re-delivery to a live trainer that is merely checkpointing
+# rarely) for `held` (scored by issue time), and `<kind>:held_groups` in state takes its groups
+# out of the backpressure count and of `exhausted`. An Ack without hold, after the checkpoint,
+# acknowledges it as usual; REOPEN hands it out again to a restarted trainer.
+# Returns 1 acked (held) now, 0 acked (held or acked) before, -1 unknown.
 _ACK_FN = """
-local function ack_batch(batch, groups, deadlines, state, payloads, batch_id, kind, ttl)
+local function ack_batch(batch, groups, deadlines, held, state, payloads, batch_id, kind, ttl,
+                         hold)
   local st = redis.call('HGET', batch, 'state')
   if st == 'acked' then return 0 end
-  if st ~= 'issued' then return -1 end
+  if st ~= 'issued' and st ~= 'held' then return -1 end
+  local size = tonumber(redis.call('HGET', batch, 'n') or '0')
+  if hold == '1' then
+    if st == 'held' then return 0 end
+    redis.call('HSET', batch, 'state', 'held')
+    redis.call('ZREM', deadlines, batch_id)
+    redis.call('ZADD', held, redis.call('HGET', batch, 'issued_ms') or '0', batch_id)
+    redis.call('HINCRBY', state, kind .. ':held_groups', size)
+    redis.call('HINCRBY', state, 'c:' .. kind .. ':held_batches', 1)
+    return 1
+  end
+  if st == 'held' then
+    redis.call('ZREM', held, batch_id)
+    redis.call('HINCRBY', state, kind .. ':held_groups', -size)
+  end
   local ids = redis.call('HGET', batch, 'entries') or ''
   local n = 0
   for id in string.gmatch(ids, '%S+') do
@@ -124,11 +145,14 @@ while #out < n and budget > 0 do
   end
 end
 if cursor ~= start then redis.call('HSET', state, cursor_field, cursor) end
--- 2. backpressure: leased prompts plus accepted-but-untrained groups stay <= limit.
+-- 2. backpressure: leased prompts plus accepted-but-untrained groups stay <= limit (the
+--    groups of held batches are trained: they stay in the streams but do not count).
 local room = n - #out
 if limit >= 0 then
+  local held = redis.call('HMGET', state, 'train:held_groups', 'sft:held_groups')
   local inflight = redis.call('XPENDING', stream, 'rollout')[1]
     + redis.call('XLEN', KEYS[6]) + redis.call('XLEN', KEYS[7])
+    - num(held[1], 0) - num(held[2], 0)
   if limit - inflight < room then room = limit - inflight end
   if room <= 0 and #out == 0 then
     if ARGV[8] ~= '0' then
@@ -300,9 +324,9 @@ return n
 # has passed instead of taking anything (pushing its deadline to ARGV[9], so no other replica
 # claims it too): an un-acked batch is re-delivered before any new group.
 # KEYS: group stream, batch record, deadlines, state, payloads, acked batch's record (any key
-#       when none)
+#       when none), held batches
 # ARGV: consumer, count, batch id, deadline ms, kind, acked batch id or '', acked-batch ttl ms,
-#       now ms or '', reclaimed batch's new deadline ms
+#       now ms or '', reclaimed batch's new deadline ms, hold the acked batch ('1') or not
 # Returns {"ack_unknown"}, {"reclaim", ack, batch id} or {last stream id, ack, id, prompt id,
 # epoch, version, zero-variance, payload field, ...}; ack: 1 acked now, 0 before, -2 none asked.
 TAKE = (
@@ -311,7 +335,8 @@ TAKE = (
     + """
 local acked = -2
 if ARGV[6] ~= '' then
-  acked = ack_batch(KEYS[6], KEYS[1], KEYS[3], KEYS[4], KEYS[5], ARGV[6], ARGV[5], ARGV[7])
+  acked = ack_batch(KEYS[6], KEYS[1], KEYS[3], KEYS[7], KEYS[4], KEYS[5], ARGV[6], ARGV[5],
+                    ARGV[7], ARGV[10])
   if acked < 0 then return {'ack_unknown'} end
 end
 if ARGV[8] ~= '' then
@@ -443,15 +468,33 @@ return res
 """
 )
 
-# Acknowledge a batch (see _ACK_FN).
-# KEYS: batch record, group stream, deadlines, state, payloads; ARGV: batch id, kind, ttl ms
+# Acknowledge (or hold) a batch (see _ACK_FN).
+# KEYS: batch record, group stream, deadlines, state, payloads, held batches
+# ARGV: batch id, kind, ttl ms, hold ('1') or not
 ACK = (
     _PRELUDE
     + _ACK_FN
     + """
-return ack_batch(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], ARGV[2], ARGV[3])
+return ack_batch(KEYS[1], KEYS[2], KEYS[3], KEYS[6], KEYS[4], KEYS[5], ARGV[1], ARGV[2], ARGV[3],
+                 ARGV[4])
 """
 )
+
+# Hand a held batch out again (the trainer restarted from a checkpoint that may predate it): it
+# is issued again, due at once, in issue order (its score in `held`), so the next GetBatch
+# re-delivers it with its id before any new group. KEYS: batch record, held batches, deadlines,
+# state; ARGV: batch id, kind. Returns 1 reopened, 0 not held (acknowledged meanwhile, gone).
+REOPEN = """
+local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+if redis.call('HGET', KEYS[1], 'state') ~= 'held' then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'issued')
+redis.call('ZADD', KEYS[3], score or '0', ARGV[1])
+redis.call('HINCRBY', KEYS[4], ARGV[2] .. ':held_groups',
+           -tonumber(redis.call('HGET', KEYS[1], 'n') or '0'))
+redis.call('HINCRBY', KEYS[4], 'c:' .. ARGV[2] .. ':batches_reopened', 1)
+return 1
+"""
 
 # Monotonic policy version. KEYS: state; ARGV: version. Returns {1, v} or {0, current}.
 SET_VERSION = """

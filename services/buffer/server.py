@@ -205,6 +205,8 @@ class BufferService(Service):
                     m.GROUPS_PENDING.labels(kind).set(s["groups_pending"])
                     m.GROUPS_IN_BATCHES.labels(kind).set(s["groups_in_batches"])
                     m.BATCHES_UNACKED.labels(kind).set(s["batches_unacked"])
+                    m.GROUPS_HELD.labels(kind).set(s["groups_held"])
+                    m.BATCHES_HELD.labels(kind).set(s["batches_held"])
                     if "prompts_leased" in s:
                         m.PROMPTS_LEASED.labels(kind).set(s["prompts_leased"])
             except Exception as exc:  # metrics must never take the service down
@@ -496,11 +498,15 @@ class BufferService(Service):
         consumer = request.consumer or "trainer"
         wait = _wait_seconds("GetBatch", request.wait_seconds)
         db = self.db
-        ack_id = request.ack_batch_id
+        ack_id, hold = request.ack_batch_id, request.hold
         ack = -2
         if ack_id and not ack_id.startswith(f"{kind}-"):  # another kind's: its own call
-            ack = await self._ack(ack_id, "GetBatch")
+            ack = await self._ack(ack_id, "GetBatch", hold=hold)
             ack_id = ""
+        if request.reopen_held:
+            reopened = await db.reopen_held(kind)
+            if reopened:
+                log.info("batches.reopened", kind=kind, batches=reopened)
 
         # 1. A batch handed out before and not acknowledged in time goes first, unchanged. The
         #    first TAKE looks for one (and acknowledges `ack_batch_id`) before taking anything.
@@ -516,15 +522,14 @@ class BufferService(Service):
                 batch_id,
                 int(time.time() * 1000) + hold_ms,
                 ack_batch_id=ack_id,
+                hold=hold,
                 reclaim=True,
             )
             if ack_id:
                 if taken.ack == -1:
                     raise self._unknown_batch("GetBatch", ack_id)
                 ack, ack_id = taken.ack, ""
-                m.ACKS_TOTAL.labels(kind, "acked" if ack == 1 else "already_acked").inc()
-                if ack == 1:
-                    self._room.notify()
+                self._count_ack(kind, ack, hold)
             if taken.reclaimed is None:
                 pending, last_id = taken.groups, taken.last_id
                 break
@@ -619,25 +624,32 @@ class BufferService(Service):
             ),
         )
 
-    async def _ack(self, batch_id: str, method: str) -> int:
-        """Acknowledge a batch on its own: 1 now, 0 before; NOT_FOUND when unknown."""
+    async def _ack(self, batch_id: str, method: str, *, hold: bool = False) -> int:
+        """Acknowledge (or hold) a batch on its own: 1 now, 0 before; NOT_FOUND when unknown."""
         kind, _, rest = batch_id.partition("-")
         if kind not in ("train", "eval", "sft") or not rest:
             raise _reject(
                 method, "unknown_batch", NotFound(f"batch {batch_id!r} is not a batch id")
             )
-        res = await self.db.ack(kind, batch_id)
+        res = await self.db.ack(kind, batch_id, hold=hold)
         if res < 0:
             raise self._unknown_batch(method, batch_id)
+        self._count_ack(kind, res, hold)
+        return res
+
+    def _count_ack(self, kind: str, res: int, hold: bool) -> None:
+        """Count an acknowledgement's result; one that frees room in the in-flight window (a
+        batch acknowledged or held now) wakes the leases waiting for it."""
+        verb = "held" if hold else "acked"
+        m.ACKS_TOTAL.labels(kind, verb if res == 1 else f"already_{verb}").inc()
         if res == 1:
             self._room.notify()
-        m.ACKS_TOTAL.labels(kind, "acked" if res == 1 else "already_acked").inc()
-        return res
 
     async def Ack(
         self, request: bpb.AckRequest, context: grpc.aio.ServicerContext
     ) -> bpb.AckResponse:
-        return bpb.AckResponse(already_acked=await self._ack(request.batch_id, "Ack") == 0)
+        res = await self._ack(request.batch_id, "Ack", hold=request.hold)
+        return bpb.AckResponse(already_acked=res == 0)
 
     # -- job state ----------------------------------------------------------------------------
 
@@ -690,6 +702,8 @@ def stats_response(stats: dict[str, Any], exhausted: bool) -> bpb.GetStatsRespon
         groups_pending=train["groups_pending"],
         batches_unacked=train["batches_unacked"],
         counters=counters,
+        batches_held=train["batches_held"],
+        groups_held=train["groups_held"],
         exhausted=exhausted,
     )
 

@@ -11,7 +11,7 @@ train prompts), each key prefixed by `kuberl:{<job>}:`:
 - `state` (hash): policy_version, seed, `<kind>:epochs` (epochs to queue), `<kind>:filled`
   (last epoch queued), `<kind>:epoch` / `<kind>:cursor` (epoch being handed out, prompts of it
   handed out so far), `<kind>:claim_cursor` (where the next scan for expired leases goes on),
-  and the job's counters `c:<kind>:<name>`.
+  `<kind>:held_groups` (groups of held batches), and the job's counters `c:<kind>:<name>`.
 - `datasets` (hash): dataset name -> JSON {path, kind, num_prompts, num_epochs}.
 - `prompt_data` (hash): prompt id (`<dataset>:<row>`) -> JSON {t: text, a: answer, m: metadata}.
 - `prompts:<kind>` (stream, consumer group `rollout`): one entry per prompt and epoch, queued one
@@ -20,8 +20,10 @@ train prompts), each key prefixed by `kuberl:{<job>}:`:
 - `groups:<kind>` (stream, consumer group `trainer`): one entry per accepted group.
 - `payloads:<kind>` (hash): the serialized `kuberl.common.v1.Group` of each entry of `groups`.
 - `accepted:<kind>` (hash): `<prompt>@<epoch>` of every accepted group (the idempotency record).
-- `batch:<id>` (hash): state (assembling, issued, acked) and the entry ids of a batch.
+- `batch:<id>` (hash): state (assembling, issued, held, acked) and the entry ids of a batch.
 - `batches:<kind>` (sorted set): batch id -> deadline in ms, for re-delivery after the timeout.
+- `held:<kind>` (sorted set): batch id -> issue time in ms of each held batch (trained, kept
+  until the trainer's next checkpoint; re-issued in this order when the trainer restarts).
 
 Requests that find Redis unreachable (a restart, a failover) are retried with backoff for up to
 `redis.connect_timeout_seconds`, then answered UNAVAILABLE.
@@ -112,6 +114,9 @@ class Keys:
 
     def batches(self, kind: str) -> str:
         return f"{self.prefix}batches:{kind}"
+
+    def held(self, kind: str) -> str:
+        return f"{self.prefix}held:{kind}"
 
 
 @dataclass(frozen=True)
@@ -242,6 +247,7 @@ class BufferStore:
                 "FINALIZE",
                 "FETCH",
                 "ACK",
+                "REOPEN",
                 "SET_VERSION",
                 "RAISE_EPOCHS",
             )
@@ -608,12 +614,13 @@ class BufferStore:
         deadline_ms: int,
         *,
         ack_batch_id: str = "",
+        hold: bool = False,
         reclaim: bool = False,
     ) -> Taken:
         """Read up to `count` new groups into an assembling batch (metadata only: `payloads`
         reads their bytes). In the same script, first acknowledge `ack_batch_id` (a batch of
-        this kind; unknown: nothing is taken) and, with `reclaim`, claim a batch past its ack
-        deadline instead of taking anything."""
+        this kind; unknown: nothing is taken; with `hold`, hold it instead) and, with
+        `reclaim`, claim a batch past its ack deadline instead of taking anything."""
         now = now_ms()
         keys = [
             self.keys.groups(kind),
@@ -622,9 +629,11 @@ class BufferStore:
             self.keys.state,
             self.keys.payloads(kind),
             self.keys.batch(ack_batch_id) if ack_batch_id else self.keys.batch(batch_id),
+            self.keys.held(kind),
         ]
         args = [consumer, count, batch_id, deadline_ms, kind, ack_batch_id]
         args += [self.acked_batch_ttl_ms, now if reclaim else "", now + self.batch_ack_timeout_ms]
+        args += ["1" if hold else "0"]
         res = await self._script("TAKE", keys, args)
         head = _s(res[0])
         if head == "ack_unknown":
@@ -758,16 +767,33 @@ class BufferStore:
         now = now_ms()
         return keys, [batch_id, now + self.batch_ack_timeout_ms, kind, now, *kept]
 
-    async def ack(self, kind: str, batch_id: str) -> int:
-        """1 acknowledged now, 0 acknowledged before, -1 unknown batch."""
+    async def ack(self, kind: str, batch_id: str, *, hold: bool = False) -> int:
+        """1 acknowledged (with `hold`: held) now, 0 before, -1 unknown batch."""
         keys = [
             self.keys.batch(batch_id),
             self.keys.groups(kind),
             self.keys.batches(kind),
             self.keys.state,
             self.keys.payloads(kind),
+            self.keys.held(kind),
         ]
-        return int(await self._script("ACK", keys, [batch_id, kind, self.acked_batch_ttl_ms]))
+        args = [batch_id, kind, self.acked_batch_ttl_ms, "1" if hold else "0"]
+        return int(await self._script("ACK", keys, args))
+
+    async def reopen_held(self, kind: str) -> int:
+        """Hand every held batch of `kind` out again (REOPEN, one batch per script, oldest
+        first): the number reopened."""
+        held = await self._retry(lambda: self.r.zrange(self.keys.held(kind), 0, -1), "held")
+        reopened = 0
+        for batch_id in map(_s, held):
+            keys = [
+                self.keys.batch(batch_id),
+                self.keys.held(kind),
+                self.keys.batches(kind),
+                self.keys.state,
+            ]
+            reopened += int(await self._script("REOPEN", keys, [batch_id, kind]))
+        return reopened
 
     # -- job state ----------------------------------------------------------------------------
 
@@ -776,25 +802,26 @@ class BufferStore:
         return bool(ok), int(v)
 
     async def exhausted(self, kind: str) -> bool:
-        """No group of kind is left and none can come: see GetBatchResponse.exhausted."""
+        """No group of kind is left and none can come: see GetBatchResponse.exhausted. The
+        groups of held batches are trained: they do not count."""
         src = lease_kind(kind)
 
         async def read() -> list[Any]:
             pipe = self.r.pipeline(transaction=False)
-            pipe.hmget(self.keys.state, [f"{src}:filled", f"{src}:epochs"])
+            pipe.hmget(self.keys.state, [f"{src}:filled", f"{src}:epochs", f"{kind}:held_groups"])
             pipe.xinfo_stream(self.keys.prompts(src))
             pipe.xinfo_groups(self.keys.prompts(src))
             pipe.xlen(self.keys.groups(kind))
             return list(await pipe.execute())
 
-        (filled, epochs), info, groups, pending_groups = await self._retry(read, "exhausted")
+        (filled, epochs, held), info, groups, in_stream = await self._retry(read, "exhausted")
         if (int(filled) if filled is not None else -1) < int(epochs or 0) - 1:
             return False
         rollout = next(g for g in groups if _s(g["name"]) == "rollout")
         return (
             _s(rollout["last-delivered-id"]) == _s(info["last-generated-id"])
             and int(rollout["pending"]) == 0
-            and int(pending_groups) == 0
+            and int(in_stream) - int(held or 0) == 0
         )
 
     async def stats(self) -> dict[str, Any]:
@@ -809,6 +836,7 @@ class BufferStore:
                 pipe.xlen(self.keys.groups(k))
                 pipe.xpending(self.keys.groups(k), "trainer")
                 pipe.zcard(self.keys.batches(k))
+                pipe.zcard(self.keys.held(k))
             return list(await pipe.execute())
 
         res = await self._retry(read, "stats")
@@ -833,9 +861,12 @@ class BufferStore:
             i += 1
         for k in KINDS:
             total, in_batches, batches = int(res[i]), int(res[i + 1]["pending"]), int(res[i + 2])
+            held_groups = int(state.get(f"{k}:held_groups", 0))
             entry = out["kinds"].setdefault(k, {})
             entry["groups_pending"] = total - in_batches
-            entry["groups_in_batches"] = in_batches
+            entry["groups_in_batches"] = in_batches - held_groups
             entry["batches_unacked"] = batches
-            i += 3
+            entry["groups_held"] = held_groups
+            entry["batches_held"] = int(res[i + 3])
+            i += 4
         return out

@@ -870,6 +870,15 @@ class TrainerConfig(Section):
         True, description="Publish to weight-sync (endpoints.weight_sync); off for SFT-only jobs."
     )
     checkpoint_every: int = Field(50, ge=0, description="0 disables periodic checkpoints.")
+    ack_after_checkpoint: bool = Field(
+        True,
+        description="Hold each trained batch in the buffer until a checkpoint holds its step, "
+        "and acknowledge it then: a trainer that dies between checkpoints trains those batches "
+        "again from its checkpoint, so every group is in the final weights exactly once. The "
+        "buffer keeps their groups meanwhile (up to checkpoint_every batches, in Redis, outside "
+        "buffer.max_inflight_groups). False: acknowledge each batch right after its step; a "
+        "crash then loses up to checkpoint_every - 1 steps of groups from the weights.",
+    )
     checkpoint_dir: str = Field(
         "checkpoints", description="DeepSpeed checkpoints, job cursor and HF exports go here."
     )

@@ -37,7 +37,8 @@ from kuberl.common.logs import get_logger
 log = get_logger(__name__)
 
 LATEST = "latest"
-# Far more than the batches a buffer can have un-acknowledged at once (max_inflight_groups).
+# Far more than the batches a buffer can have un-acknowledged at once (max_inflight_groups);
+# a trainer that acknowledges after its checkpoints keeps at least `checkpoint_every`.
 TRAINED_BATCHES_KEPT = 1024
 # RL groups (`<prompt>@<epoch>`) of the last trained batches: far more than a second of a job's
 # groups, the most a Redis with `appendfsync everysec` can lose on a host crash.
@@ -62,10 +63,13 @@ class Cursor:
     # batch's record lost with the last second of a Redis host's writes) is not trained again.
     trained_groups: list[str] = field(default_factory=list)
 
-    def note_trained(self, batch_id: str, group_keys: Sequence[str] = ()) -> None:
+    def note_trained(
+        self, batch_id: str, group_keys: Sequence[str] = (), keep: int = TRAINED_BATCHES_KEPT
+    ) -> None:
+        """Note a trained batch; `keep` (at least TRAINED_BATCHES_KEPT) batch ids are kept."""
         if batch_id:
             self.trained_batches.append(batch_id)
-            del self.trained_batches[:-TRAINED_BATCHES_KEPT]
+            del self.trained_batches[: -max(keep, TRAINED_BATCHES_KEPT)]
         if group_keys:
             self.trained_groups.extend(group_keys)
             del self.trained_groups[:-TRAINED_GROUPS_KEPT]

@@ -11,19 +11,24 @@ One RL step (every rank runs it; rank 0 alone talks to the buffer and weight-syn
     -> buffer SetPolicyVersion -> publish the weights every `publish_every` steps (ZeRO-3
        parameters gathered bucket by bucket, streamed to weight-sync)
     -> the next GetBatch acknowledges this batch in the same call (`ack_batch_id`; a separate
-       Ack when the job ends, stops or evaluates first).
+       Ack when the job ends, stops or evaluates first); between checkpoints it *holds* it
+       instead (`hold`), and the batches held since the last checkpoint are acknowledged right
+       after the next one.
 
-What a crash costs: the restarted trainer resumes from its latest checkpoint. On a checkpoint
-step the checkpoint is written *before* the Ack and names the batch (`Cursor.trained_batches`),
-so a crash between the two makes the buffer re-deliver a batch the resumed trainer recognises and
-only acknowledges; a crash before the checkpoint re-delivers a batch the resumed weights never
-saw, and it is trained again. With `checkpoint_every: 1` every group is therefore in the final
-weights exactly once. Between checkpoints (`checkpoint_every` > 1) batches are acknowledged right
-after their step (with the next GetBatch): a crash loses those steps' groups from the weights (up to
-`checkpoint_every - 1` steps), the price of not holding that many groups un-acknowledged in the
-buffer. With `KUBERL_TRAINED_JSONL` set, rank 0 appends one row per trained batch (the
-(prompt, epoch) of each group, its replica and policy versions) and one per start, so a run's
-accounting (`kuberl run --chaos`) can tell which steps the final weights descend from.
+What a crash costs: the restarted trainer resumes from its latest checkpoint. A batch is
+acknowledged only once a checkpoint holds its step (`ack_after_checkpoint`, the default), and
+that checkpoint names it (`Cursor.trained_batches`). Until then the buffer holds it: its groups
+stay in Redis (outside the backpressure window) and are not re-delivered to this trainer, and the
+restarted trainer's first GetBatch of each kind (`reopen_held`) gets every held batch back with
+its id. So after a crash a batch the checkpoint names is only acknowledged, one trained after the
+checkpoint is trained again, and one never trained comes back after its ack timeout: every group
+is in the final weights exactly once, whatever `checkpoint_every`. With `ack_after_checkpoint:
+false` batches between checkpoints are acknowledged right after their step, and a crash loses up
+to `checkpoint_every - 1` steps of groups from the weights.
+
+With `KUBERL_TRAINED_JSONL` set, rank 0 appends one row per trained batch (the (prompt, epoch)
+of each group, its replica and policy versions) and one per start, so a run's accounting
+(`kuberl run --chaos`) can tell which steps the final weights descend from.
 
 `sft` mode trains on a JSONL file (or the buffer's SFT stream) with the loss on the response;
 `eval` mode, and `eval_every` in rl mode, queue an eval round in the buffer
@@ -192,8 +197,13 @@ class Trainer:
         self._trained_file = os.environ.get(TRAINED_JSONL_ENV)
         self._sft_iter: Iterator[tuple[int, list[Sample]]] | None = None
         self._checkpointed_step = -1
-        #: The last trained batch, acknowledged by the next GetBatch (rank 0).
+        #: The last trained batch, acknowledged (or held) by the next GetBatch (rank 0).
         self._unacked = ""
+        self._unacked_hold = False
+        #: Batches trained since the last checkpoint, held in the buffer until it (rank 0).
+        self._uncommitted: list[str] = []
+        #: Stream kinds whose held batches this trainer has asked back (its first GetBatch).
+        self._reopened: set[int] = set()
         self._sft_samples: list[Sample] = []
         self.stopped = False
         self._publish_failed_at: float | None = None  # rank 0: the last publish failed then
@@ -367,11 +377,10 @@ class Trainer:
             return
         if tc.mode == "rl" and (not tc.eval_every or self.cursor.step % tc.eval_every):
             self._evaluate()  # the final weights' round, unless the last step just had one
-        done = self.cursor.step >= tc.total_steps
         if self.cursor.policy_version > 0:
             self._publish_current()  # the engines end on the final weights
-        if done and tc.checkpoint_every and self._checkpointed_step != self.cursor.step:
-            self._checkpoint()
+        if tc.checkpoint_every and self._checkpointed_step != self.cursor.step:
+            self._checkpoint()  # the last steps, also when the data ran out first
         log.info("trainer.finished", step=self.cursor.step, version=self.cursor.policy_version)
 
     def _one_step(self, sft: bool) -> bool:
@@ -392,11 +401,12 @@ class Trainer:
         batch_id = batch.get("batch_id", "")
         if batch_id and batch_id in self.cursor.trained_batches:
             # Trained and checkpointed, then the Ack was lost (a crash in between): the weights
-            # already hold this batch, so it is only acknowledged.
+            # already hold this batch, so it is only acknowledged. One trained since the last
+            # checkpoint (re-delivered on its ack timeout before this trainer held it) is held.
             ALREADY_TRAINED.inc()
             log.warning("batch.already_trained", batch_id=batch_id)
             self._write_trained({"event": "already_trained", "batch_id": batch_id})
-            self._ack(batch_id)
+            self._ack(batch_id, hold=batch_id in self._uncommitted)
             return True
         if not batch["samples"]:  # every group was unusable: acknowledge, count, go on
             self._write_trained(self._trained_row("rejected", batch))
@@ -410,7 +420,7 @@ class Trainer:
         else:
             self.cursor.step += 1
         keys = [] if sft else [f"{g.prompt_id}@{g.epoch}" for g in batch["groups"]]
-        self.cursor.note_trained(batch_id, keys)
+        self.cursor.note_trained(batch_id, keys, keep=self.tc.checkpoint_every)
         self._sync_status()  # GetStatus never shows a checkpoint of a step it does not show
         self._write_trained(self._trained_row("step", batch))
         metrics.update(self._speed(batch["tokens"], time.perf_counter() - started))
@@ -422,7 +432,16 @@ class Trainer:
             self._checkpoint()  # before the Ack: see the module docstring
         if self.dist.is_main:
             self._flush_ack()  # a step that came from elsewhere (SFT file) left none behind
-            self._unacked = batch_id  # acknowledged by the next GetBatch
+            # Acknowledged by the next GetBatch; held there until a checkpoint has its step.
+            self._unacked = batch_id
+            self._unacked_hold = bool(
+                batch_id
+                and self.tc.ack_after_checkpoint
+                and every
+                and self._checkpointed_step != self.cursor.step
+            )
+            if self._unacked_hold:
+                self._uncommitted.append(batch_id)
         self._set_buffer_version()
         if self.cursor.policy_version % self.tc.publish_every == 0:
             self._publish()
@@ -465,25 +484,42 @@ class Trainer:
             os.fsync(f.fileno())
 
     def _flush_ack(self) -> None:
-        """Acknowledge the last trained batch now (rank 0) instead of with the next GetBatch."""
+        """Acknowledge (or hold) the last trained batch now (rank 0) instead of with the next
+        GetBatch."""
         batch_id, self._unacked = self._unacked, ""
-        self._ack(batch_id)
+        self._ack(batch_id, hold=self._unacked_hold)
 
-    def _ack(self, batch_id: str) -> None:
-        """Acknowledge a trained batch (rank 0). A batch that cannot be acknowledged is
-        re-delivered by the buffer later and trained on again; that is logged."""
+    def _ack(self, batch_id: str, hold: bool = False) -> bool:
+        """Acknowledge (or hold) a trained batch (rank 0); False when it could not be. Such a
+        batch is re-delivered by the buffer later: recognised by its id, it is acknowledged
+        (held) then; that is logged."""
         if not batch_id or not self.dist.is_main:
-            return
+            return True
         from kuberl.api.buffer.v1 import buffer_pb2
 
         for attempt in range(5):
             try:
-                self.buffer.Ack(buffer_pb2.AckRequest(batch_id=batch_id), timeout=30)
-                return
+                self.buffer.Ack(buffer_pb2.AckRequest(batch_id=batch_id, hold=hold), timeout=30)
+                return True
             except Exception as exc:
+                if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.NOT_FOUND:
+                    # The buffer does not know the batch (its Redis lost it): nothing to ack.
+                    log.error("buffer.ack_unknown", batch_id=batch_id, error=exc.details())
+                    return True
                 log.warning("buffer.ack_failed", batch_id=batch_id, attempt=attempt, error=str(exc))
-                time.sleep(min(2**attempt, 10))
+            time.sleep(min(2**attempt, 10))
         log.error("buffer.ack_gave_up", batch_id=batch_id)
+        return False
+
+    def _commit_held(self) -> None:
+        """After a checkpoint (rank 0): acknowledge the batches held since the previous one (a
+        batch that could not be acknowledged is tried again after the next checkpoint), and the
+        last trained batch, still to be sent, is acknowledged rather than held."""
+        self._unacked_hold = False
+        held, self._uncommitted = self._uncommitted, []
+        for batch_id in held:
+            if batch_id != self._unacked and not self._ack(batch_id):
+                self._uncommitted.append(batch_id)
 
     def _usable(
         self,
@@ -619,10 +655,13 @@ class Trainer:
                         wait_seconds=self.tc.batch_wait_seconds,
                         kind=kind,
                         ack_batch_id=self._unacked,
+                        hold=self._unacked_hold,
+                        reopen_held=kind not in self._reopened,
                     ),
                     timeout=self.tc.batch_wait_seconds + 30,
                 )[0]
                 self._unacked = ""
+                self._reopened.add(kind)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND and self._unacked:
                     # The buffer does not know the batch (its Redis lost it): nothing to ack.
@@ -986,6 +1025,8 @@ class Trainer:
         barrier(self.dist)
         CHECKPOINT_SECONDS.observe(time.perf_counter() - started)
         self._checkpointed_step = self.cursor.step
+        if self.dist.is_main:
+            self._commit_held()
         self.status.saved = (str(path), self.cursor.step)
         self.status.checkpoints += 1
         with self.checkpoint_done:

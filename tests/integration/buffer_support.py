@@ -116,6 +116,8 @@ class Client:
         wait: float = 0.0,
         kind: int = tpb.STREAM_KIND_TRAIN,
         ack: str = "",
+        hold: bool = False,
+        reopen: bool = False,
     ) -> bpb.GetBatchResponse:
         req = bpb.GetBatchRequest(
             num_groups=n,
@@ -125,11 +127,13 @@ class Client:
             wait_seconds=wait,
             kind=kind,
             ack_batch_id=ack,
+            hold=hold,
+            reopen_held=reopen,
         )
         return self.stub.GetBatch(req, timeout=30 + wait)
 
-    def ack(self, batch_id: str) -> bpb.AckResponse:
-        return self.stub.Ack(bpb.AckRequest(batch_id=batch_id), timeout=30)
+    def ack(self, batch_id: str, hold: bool = False) -> bpb.AckResponse:
+        return self.stub.Ack(bpb.AckRequest(batch_id=batch_id, hold=hold), timeout=30)
 
     def stats(self) -> bpb.GetStatsResponse:
         return self.stub.GetStats(bpb.GetStatsRequest(), timeout=30)

@@ -386,6 +386,66 @@ def test_get_batch_acknowledges_the_previous_batch_in_the_same_call(
     assert 'kuberl_buffer_acks_total{kind="train",result="already_acked"} 1.0' in text
 
 
+def test_held_batches_leave_the_window_stay_until_acknowledged_and_come_back_when_reopened(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # A trainer that acknowledges after its checkpoints holds each trained batch until then.
+    # Held groups must not count against max_inflight_groups (rollout goes on) nor keep the data
+    # from ending, must not come back on the ack timeout (the trainer is alive), must stay until
+    # acknowledged, and must all come back, oldest first, to a restarted trainer.
+    config = write_job(
+        tmp_path, redis_url, prompts=6, max_inflight_groups=4, batch_ack_timeout_seconds=1
+    )
+    with start_buffer(config, tmp_path) as proc, Client(proc.address) as client:
+        client.complete(client.lease(4).prompts)
+        full = _code(lambda: client.lease(1))
+        first = client.get(2)
+        second = client.get(2, ack=first.batch_id, hold=True)
+        rest = list(client.lease(4).prompts)  # first's two groups left the window
+        client.complete(rest)
+        time.sleep(1.5)  # past batch_ack_timeout_seconds: held batches must not come back
+        third = client.get(2, ack=second.batch_id, hold=True)
+        end = client.get(2, ack=third.batch_id, hold=True)
+        held = client.stats()
+        rehold = client.ack(first.batch_id, hold=True).already_acked
+        unknown = _code(lambda: client.ack("train-" + "0" * 32, hold=True))
+        committed = client.ack(first.batch_id).already_acked  # the checkpoint had its step
+        # The trainer restarts: its first GetBatch asks the held batches back.
+        again = [client.get(2, reopen=True)]
+        again.append(client.get(2, ack=again[0].batch_id))
+        last = client.get(2, ack=again[1].batch_id)
+        stats = client.stats()
+        text = _metrics(proc)
+    assert (full, len(rest), [len(b.groups) for b in (first, second, third)]) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        2,
+        [2, 2, 2],
+    )
+    assert (third.redelivered, len(end.groups), end.exhausted) == (False, 0, True)
+    assert (held.batches_held, held.groups_held, held.groups_pending, held.batches_unacked) == (
+        3,
+        6,
+        0,
+        0,
+    )
+    assert (rehold, unknown, committed) == (True, grpc.StatusCode.NOT_FOUND, False)
+    assert [(b.batch_id, b.redelivered) for b in again] == [
+        (second.batch_id, True),
+        (third.batch_id, True),
+    ]
+    assert (len(last.groups), last.exhausted, stats.batches_held, stats.groups_held) == (
+        0,
+        True,
+        0,
+        0,
+    )
+    counters = stats.counters
+    assert (counters["train:acked_batches"], counters["train:trained_groups"]) == (3, 6)
+    assert (counters["train:held_batches"], counters["train:batches_reopened"]) == (3, 2)
+    assert 'kuberl_buffer_acks_total{kind="train",result="held"} 3.0' in text
+    assert 'kuberl_buffer_acks_total{kind="train",result="already_held"} 1.0' in text
+
+
 def test_the_client_stubs_group_by_group_puts_are_stored_and_served_unchanged(
     redis_url: str, tmp_path: Path
 ) -> None:

@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -74,10 +74,18 @@ class AckHoldingProxy(grpc.GenericRpcHandler):
     GetBatch with `ack_batch_id`), which it records and never forwards (the caller waits until
     it gives up or dies). With `forget_first`, the first GetBatch acknowledgement is forwarded
     instead, naming a batch the buffer never issued (what a buffer whose Redis lost the batch
-    answers), and everything after it goes through unchanged."""
+    answers), and everything after it goes through unchanged. With `stall_reply`, only calls
+    it picks are recorded, and they are forwarded (the buffer acts on them) but never answered;
+    everything else goes through."""
 
-    def __init__(self, target: str, forget_first: bool = False) -> None:
+    def __init__(
+        self,
+        target: str,
+        forget_first: bool = False,
+        stall_reply: Callable[[str, bytes], bool] | None = None,
+    ) -> None:
         self.forget_first = forget_first
+        self.stall_reply = stall_reply
         self.channel = grpc.insecure_channel(target)
         self.acks: list[bytes] = []
         self.release = threading.Event()
@@ -97,6 +105,12 @@ class AckHoldingProxy(grpc.GenericRpcHandler):
                     self.acks.append(request)
                     get.ack_batch_id = "train-" + "0" * 32
                     request = get.SerializeToString()
+            elif self.stall_reply is not None:
+                if self.stall_reply(method, request):
+                    call(request, timeout=context.time_remaining())
+                    self.acks.append(request)
+                    self.release.wait(120)
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "reply held by the test")
             elif not self.forget_first and _acknowledges(method, request):
                 self.acks.append(request)
                 self.release.wait(120)
@@ -116,27 +130,32 @@ class AckHoldingProxy(grpc.GenericRpcHandler):
 
 
 @contextlib.contextmanager
-def _eight_groups(tmp: Path) -> Iterator[tuple[Path, ServiceProcess, Client, list[tpb.Prompt]]]:
-    """A buffer on its own Redis holding one group for each of 8 prompts, put one by one (so
-    the first batch of four is the first four prompts): (job file, buffer, client, prompts)."""
+def _eight_groups(
+    tmp: Path, prompts: int = 8
+) -> Iterator[tuple[Path, ServiceProcess, Client, list[tpb.Prompt]]]:
+    """A buffer on its own Redis holding one group for each of 8 (`prompts`) prompts, put one
+    by one (so the first batch of four is the first four prompts): (job file, buffer, client,
+    prompts)."""
     from kuberl.common.redis_server import EmbeddedRedis
 
     with EmbeddedRedis(tmp / "redis", die_with_parent=True) as redis_server:
         base = write_job(
             tmp,
             redis_server.url,
-            prompts=8,
+            prompts=prompts,
             batch_ack_timeout_seconds=2,
             job=f"eo{uuid.uuid4().hex[:8]}",
         )
         with start_buffer(base, tmp) as buffer, Client(buffer.address) as client:
-            prompts = list(client.lease(8).prompts)
+            prompts = list(client.lease(prompts).prompts)
             for i, p in enumerate(prompts):
                 client.put([_group(p, i)], [p.lease_id])
             yield base, buffer, client, prompts
 
 
-def _trainer_job(tmp: Path, base: Path, model: Path, buffer: str, name: str) -> Path:
+def _trainer_job(
+    tmp: Path, base: Path, model: Path, buffer: str, name: str, **trainer: Any
+) -> Path:
     doc = yaml.safe_load(base.read_text())
     doc["model"] = {"path": str(model)}
     doc["endpoints"] = {"buffer": buffer}
@@ -153,6 +172,7 @@ def _trainer_job(tmp: Path, base: Path, model: Path, buffer: str, name: str) -> 
         "linger_seconds": 0.2,
         "max_staleness": -1,
         "optimizer": {"lr": 1e-3},
+        **trainer,
     }
     path = tmp / name
     path.write_text(yaml.safe_dump(doc))
@@ -333,3 +353,106 @@ def _stale(prompt: tpb.Prompt) -> tpb.Group:
 
 def _key(job: str) -> str:
     return f"kuberl:{{{job}}}:accepted:train"
+
+
+@pytest.fixture(scope="module")
+def crash_between_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """`checkpoint_every: 2`, four steps of four groups. The trainer checkpoints at step 2,
+    trains step 3 and holds its batch with the GetBatch that fetches batch 4; that call reaches
+    the buffer but its reply never comes back (the proxy stalls it), and the trainer is
+    SIGKILLed there: step 3's weights are lost, and the buffer holds its batch."""
+    from kuberl.common.modelbuild import build_model
+
+    tmp = tmp_path_factory.mktemp("between-checkpoints")
+    model = build_model(tmp / "model", tokenizer="digits", seed=4)
+    record = tmp / "trained.jsonl"
+    env = {"KUBERL_TRAINED_JSONL": str(record)}
+    steps = {"total_steps": 4, "checkpoint_every": 2}
+    acks: list[str] = []
+
+    def third_ack(method: str, request: bytes) -> bool:
+        # GetBatch acknowledges (or holds) batches 1, 2 and 3 as it fetches 2, 3 and 4.
+        if method != GET_BATCH_METHOD or not _acknowledges(method, request):
+            return False
+        acks.append(method)
+        return len(acks) == 3
+
+    with _eight_groups(tmp, prompts=16) as (base, buffer, client, prompts):
+        proxy = AckHoldingProxy(buffer.address, stall_reply=third_ack)
+        try:
+            job1 = _trainer_job(tmp, base, model, f"127.0.0.1:{proxy.port}", "t1.yaml", **steps)
+            first = ServiceProcess.kuberl("trainer", job1, tmp, name="trainer-1", env=env)
+            try:
+                _wait(lambda: proxy.acks, 240, "the hold of batch 3", first)
+                latest = (tmp / "ckpt" / "latest").read_text().strip()
+                held = client.stats()
+                os.killpg(first.proc.pid, signal.SIGKILL)
+                first.proc.wait(30)
+            finally:
+                first.stop()
+        finally:
+            proxy.close()
+        job2 = _trainer_job(tmp, base, model, buffer.address, "t2.yaml", **steps)
+        second = ServiceProcess.kuberl("trainer", job2, tmp, name="trainer-2", env=env)
+        try:
+            code = second.proc.wait(240)
+            log = second.log()
+        finally:
+            second.stop()
+        stats = client.stats()
+    return {
+        "latest": latest,
+        "held": held,
+        "code": code,
+        "log": log,
+        "rows": read_rows(record),
+        "stats": stats,
+        "prompts": sorted(f"{p.prompt_id}@{p.epoch}" for p in prompts),
+    }
+
+
+@pytest.mark.slow
+def test_a_batch_trained_after_the_last_checkpoint_is_held_not_acknowledged(
+    crash_between_checkpoints: dict[str, Any],
+) -> None:
+    run = crash_between_checkpoints
+    held = run["held"]
+    assert (run["latest"], held.batches_held, held.groups_held) == ("step-000002", 1, 4)
+    assert (held.counters["train:acked_batches"], held.batches_unacked) == (2, 1)
+
+
+@pytest.mark.slow
+def test_the_resumed_trainer_gets_the_held_batch_back_and_trains_it_again(
+    crash_between_checkpoints: dict[str, Any],
+) -> None:
+    run = crash_between_checkpoints
+    assert run["code"] == 0, run["log"][-3000:]
+    events = [(r["event"], r.get("step"), r.get("batch_id")) for r in run["rows"]]
+    assert [(e, s) for e, s, _ in events] == [
+        ("start", 0),
+        ("step", 1),
+        ("step", 2),
+        ("step", 3),
+        ("start", 2),
+        ("step", 3),
+        ("step", 4),
+    ], events
+    assert events[5][2] == events[3][2]  # the same batch, by id
+
+
+@pytest.mark.slow
+def test_every_prompt_is_in_the_final_weights_exactly_once_between_checkpoints(
+    crash_between_checkpoints: dict[str, Any],
+) -> None:
+    run = crash_between_checkpoints
+    lineage = trained_lineage(run["rows"])
+    keys = [g["key"] for row in lineage["steps"].values() for g in row["groups"]]
+    assert (sorted(keys), len(lineage["discarded"])) == (run["prompts"], 1)
+    stats = run["stats"]
+    counters = stats.counters
+    assert (counters["train:acked_batches"], counters["train:trained_groups"]) == (4, 16)
+    assert (counters["train:batches_reopened"], stats.batches_held, stats.exhausted) == (
+        1,
+        0,
+        True,
+    )

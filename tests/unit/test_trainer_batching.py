@@ -290,3 +290,20 @@ def test_a_group_trained_before_is_left_out_when_it_comes_back_in_another_batch(
         "x:0@0",
         ckpt.TRAINED_GROUPS_KEPT,
     )
+
+
+def test_the_cursor_keeps_the_ids_of_every_batch_a_checkpoint_acknowledges() -> None:
+    # A trainer acknowledges the batches of up to `checkpoint_every` steps after a checkpoint;
+    # a crash before those Acks re-delivers them all, and the checkpoint must name every one
+    # (else one would be trained twice), also with checkpoint_every above the default bound.
+    cursor = ckpt.Cursor()
+    every = ckpt.TRAINED_BATCHES_KEPT + 500
+    for i in range(every + 10):
+        cursor.note_trained(f"train-{i}", keep=every)
+    assert (len(cursor.trained_batches), cursor.trained_batches[-1]) == (
+        every,
+        f"train-{every + 9}",
+    )
+    for i in range(3):
+        cursor.note_trained(f"sft-{i}", keep=2)  # never fewer than the default bound
+    assert len(cursor.trained_batches) == ckpt.TRAINED_BATCHES_KEPT

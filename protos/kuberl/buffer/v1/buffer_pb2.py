@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kuberl.api.common.v1 import trajectory_pb2 as kuberl_dot_common_dot_v1_dot_trajectory__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkuberl/buffer/v1/buffer.proto\x12\x10kuberl.buffer.v1\x1a!kuberl/common/v1/trajectory.proto\"A\n\rColumnMapping\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x02 \x01(\t\x12\x10\n\x08metadata\x18\x03 \x03(\t\"\xbf\x01\n\x12LoadDatasetRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x30\n\x07\x63olumns\x18\x03 \x01(\x0b\x32\x1f.kuberl.buffer.v1.ColumnMapping\x12*\n\x04kind\x18\x04 \x01(\x0e\x32\x1c.kuberl.common.v1.StreamKind\x12\x12\n\nnum_epochs\x18\x05 \x01(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\r\n\x05limit\x18\x07 \x01(\x03\":\n\x13LoadDatasetResponse\x12\x13\n\x0bnum_prompts\x18\x01 \x01(\x03\x12\x0e\n\x06loaded\x18\x02 \x01(\x08\"~\n\x13LeasePromptsRequest\x12\x13\n\x0bmax_prompts\x18\x01 \x01(\x05\x12\x10\n\x08\x63onsumer\x18\x02 \x01(\t\x12*\n\x04kind\x18\x03 \x01(\x0e\x32\x1c.kuberl.common.v1.StreamKind\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\"l\n\x14LeasePromptsResponse\x12)\n\x07prompts\x18\x01 \x03(\x0b\x32\x18.kuberl.common.v1.Prompt\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x11\n\texhausted\x18\x03 \x01(\x08\"h\n\x15ReleasePromptsRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\x12\x10\n\x08\x63onsumer\x18\x02 \x01(\t\x12*\n\x04kind\x18\x03 \x01(\x0e\x32\x1c.kuberl.common.v1.StreamKind\"*\n\x16ReleasePromptsResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"\x92\x01\n\x16PutTrajectoriesRequest\x12\'\n\x06groups\x18\x01 \x03(\x0b\x32\x17.kuberl.common.v1.Group\x12\x10\n\x08\x63onsumer\x18\x02 \x01(\t\x12*\n\x04kind\x18\x03 \x01(\x0e\x32\x1c.kuberl.common.v1.StreamKind\x12\x11\n\tlease_ids\x18\x04 \x03(\t\"J\n\tPutResult\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.kuberl.buffer.v1.PutStatus\"G\n\x17PutTrajectoriesResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.kuberl.buffer.v1.PutResult\"\xbf\x01\n\x0fGetBatchRequest\x12\x12\n\nnum_groups\x18\x01 \x01(\x05\x12\x15\n\rmax_staleness\x18\x02 \x01(\x03\x12\x17\n\x0f\x63urrent_version\x18\x03 \x01(\x03\x12\x10\n\x08\x63onsumer\x18\x04 \x01(\t\x12\x14\n\x0cwait_seconds\x18\x05 \x01(\x01\x12*\n\x04kind\x18\x06 \x01(\x0e\x32\x1c.kuberl.common.v1.StreamKind\x12\x14\n\x0c\x61\x63k_batch_id\x18\x07 \x01(\t\"\x82\x02\n\x10GetBatchResponse\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\'\n\x06groups\x18\x02 \x03(\x0b\x32\x17.kuberl.common.v1.Group\x12@\n\x07\x64ropped\x18\x03 \x03(\x0b\x32/.kuberl.buffer.v1.GetBatchResponse.DroppedEntry\x12\x13\n\x0bredelivered\x18\x04 \x01(\x08\x12\x11\n\texhausted\x18\x05 \x01(\x08\x12\x19\n\x11\x61\x63k_already_acked\x18\x06 \x01(\x08\x1a.\n\x0c\x44roppedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x1e\n\nAckRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\"$\n\x0b\x41\x63kResponse\x12\x15\n\ralready_acked\x18\x01 \x01(\x08\"*\n\x17SetPolicyVersionRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"+\n\x18SetPolicyVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x11\n\x0fGetStatsRequest\"\xbe\x02\n\x10GetStatsResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x0e\n\x06\x63ursor\x18\x04 \x01(\x03\x12\x15\n\rprompts_total\x18\x05 \x01(\x03\x12\x16\n\x0eprompts_leased\x18\x06 \x01(\x03\x12\x16\n\x0egroups_pending\x18\x07 \x01(\x03\x12\x17\n\x0f\x62\x61tches_unacked\x18\x08 \x01(\x03\x12\x42\n\x08\x63ounters\x18\t \x03(\x0b\x32\x30.kuberl.buffer.v1.GetStatsResponse.CountersEntry\x12\x11\n\texhausted\x18\n \x01(\x08\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"!\n\x10StartEvalRequest\x12\r\n\x05round\x18\x01 \x01(\x03\"I\n\x11StartEvalResponse\x12\x0e\n\x06rounds\x18\x01 \x01(\x03\x12\x13\n\x0bnum_prompts\x18\x02 \x01(\x03\x12\x0f\n\x07started\x18\x03 \x01(\x08*Z\n\tPutStatus\x12\x1a\n\x16PUT_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13PUT_STATUS_ACCEPTED\x10\x01\x12\x18\n\x14PUT_STATUS_DUPLICATE\x10\x02\x32\xc2\x06\n\rBufferService\x12Z\n\x0bLoadDataset\x12$.kuberl.buffer.v1.LoadDatasetRequest\x1a%.kuberl.buffer.v1.LoadDatasetResponse\x12]\n\x0cLeasePrompts\x12%.kuberl.buffer.v1.LeasePromptsRequest\x1a&.kuberl.buffer.v1.LeasePromptsResponse\x12\x63\n\x0eReleasePrompts\x12\'.kuberl.buffer.v1.ReleasePromptsRequest\x1a(.kuberl.buffer.v1.ReleasePromptsResponse\x12\x66\n\x0fPutTrajectories\x12(.kuberl.buffer.v1.PutTrajectoriesRequest\x1a).kuberl.buffer.v1.PutTrajectoriesResponse\x12Q\n\x08GetBatch\x12!.kuberl.buffer.v1.GetBatchRequest\x1a\".kuberl.buffer.v1.GetBatchResponse\x12\x42\n\x03\x41\x63k\x12\x1c.kuberl.buffer.v1.AckRequest\x1a\x1d.kuberl.buffer.v1.AckResponse\x12i\n\x10SetPolicyVersion\x12).kuberl.buffer.v1.SetPolicyVersionRequest\x1a*.kuberl.buffer.v1.SetPolicyVersionResponse\x12Q\n\x08GetStats\x12!.kuberl.buffer.v1.GetStatsRequest\x1a\".kuberl.buffer.v1.GetStatsResponse\x12T\n\tStartEval\x12\".kuberl.buffer.v1.StartEvalRequest\x1a#.kuberl.buffer.v1.StartEvalResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkuberl/buffer/v1/buffer.proto\x12\x10kuberl.buffer.v1\x1a!kuberl/common/v1/trajectory.proto\"A\n\rColumnMapping\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x02 \x01(\t\x12\x10\n\x08metadata\x18\x03 \x03(\t\"\xbf\x01\n\x12LoadDatasetRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x30\n\x07\x63olumns\x18\x03 \x01(\x0b\x32\x1f.kuberl.buffer.v1.ColumnMapping\x12*\n\x04kind\x18\x04 \x01(\x0e\x32\x1c.kuberl.common.v1.StreamKind\x12\x12\n\nnum_epochs\x18\x05 \x01(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\r\n\x05limit\x18\x07 \x01(\x03\":\n\x13LoadDatasetResponse\x12\x13\n\x0bnum_prompts\x18\x01 \x01(\x03\x12\x0e\n\x06loaded\x18\x02 \x01(\x08\"~\n\x13LeasePromptsRequest\x12\x13\n\x0bmax_prompts\x18\x01 \x01(\x05\x12\x10\n\x08\x63onsumer\x18\x02 \x01(\t\x12*\n\x04kind\x18\x03 \x01(\x0e\x32\x1c.kuberl.common.v1.StreamKind\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\"l\n\x14LeasePromptsResponse\x12)\n\x07prompts\x18\x01 \x03(\x0b\x32\x18.kuberl.common.v1.Prompt\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x11\n\texhausted\x18\x03 \x01(\x08\"h\n\x15ReleasePromptsRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\x12\x10\n\x08\x63onsumer\x18\x02 \x01(\t\x12*\n\x04kind\x18\x03 \x01(\x0e\x32\x1c.kuberl.common.v1.StreamKind\"*\n\x16ReleasePromptsResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"\x92\x01\n\x16PutTrajectoriesRequest\x12\'\n\x06groups\x18\x01 \x03(\x0b\x32\x17.kuberl.common.v1.Group\x12\x10\n\x08\x63onsumer\x18\x02 \x01(\t\x12*\n\x04kind\x18\x03 \x01(\x0e\x32\x1c.kuberl.common.v1.StreamKind\x12\x11\n\tlease_ids\x18\x04 \x03(\t\"J\n\tPutResult\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.kuberl.buffer.v1.PutStatus\"G\n\x17PutTrajectoriesResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.kuberl.buffer.v1.PutResult\"\xe2\x01\n\x0fGetBatchRequest\x12\x12\n\nnum_groups\x18\x01 \x01(\x05\x12\x15\n\rmax_staleness\x18\x02 \x01(\x03\x12\x17\n\x0f\x63urrent_version\x18\x03 \x01(\x03\x12\x10\n\x08\x63onsumer\x18\x04 \x01(\t\x12\x14\n\x0cwait_seconds\x18\x05 \x01(\x01\x12*\n\x04kind\x18\x06 \x01(\x0e\x32\x1c.kuberl.common.v1.StreamKind\x12\x14\n\x0c\x61\x63k_batch_id\x18\x07 \x01(\t\x12\x0c\n\x04hold\x18\x08 \x01(\x08\x12\x13\n\x0breopen_held\x18\t \x01(\x08\"\x82\x02\n\x10GetBatchResponse\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\'\n\x06groups\x18\x02 \x03(\x0b\x32\x17.kuberl.common.v1.Group\x12@\n\x07\x64ropped\x18\x03 \x03(\x0b\x32/.kuberl.buffer.v1.GetBatchResponse.DroppedEntry\x12\x13\n\x0bredelivered\x18\x04 \x01(\x08\x12\x11\n\texhausted\x18\x05 \x01(\x08\x12\x19\n\x11\x61\x63k_already_acked\x18\x06 \x01(\x08\x1a.\n\x0c\x44roppedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\",\n\nAckRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x0c\n\x04hold\x18\x02 \x01(\x08\"$\n\x0b\x41\x63kResponse\x12\x15\n\ralready_acked\x18\x01 \x01(\x08\"*\n\x17SetPolicyVersionRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"+\n\x18SetPolicyVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x11\n\x0fGetStatsRequest\"\xe9\x02\n\x10GetStatsResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x0e\n\x06\x63ursor\x18\x04 \x01(\x03\x12\x15\n\rprompts_total\x18\x05 \x01(\x03\x12\x16\n\x0eprompts_leased\x18\x06 \x01(\x03\x12\x16\n\x0egroups_pending\x18\x07 \x01(\x03\x12\x17\n\x0f\x62\x61tches_unacked\x18\x08 \x01(\x03\x12\x42\n\x08\x63ounters\x18\t \x03(\x0b\x32\x30.kuberl.buffer.v1.GetStatsResponse.CountersEntry\x12\x11\n\texhausted\x18\n \x01(\x08\x12\x14\n\x0c\x62\x61tches_held\x18\x0b \x01(\x03\x12\x13\n\x0bgroups_held\x18\x0c \x01(\x03\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"!\n\x10StartEvalRequest\x12\r\n\x05round\x18\x01 \x01(\x03\"I\n\x11StartEvalResponse\x12\x0e\n\x06rounds\x18\x01 \x01(\x03\x12\x13\n\x0bnum_prompts\x18\x02 \x01(\x03\x12\x0f\n\x07started\x18\x03 \x01(\x08*Z\n\tPutStatus\x12\x1a\n\x16PUT_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13PUT_STATUS_ACCEPTED\x10\x01\x12\x18\n\x14PUT_STATUS_DUPLICATE\x10\x02\x32\xc2\x06\n\rBufferService\x12Z\n\x0bLoadDataset\x12$.kuberl.buffer.v1.LoadDatasetRequest\x1a%.kuberl.buffer.v1.LoadDatasetResponse\x12]\n\x0cLeasePrompts\x12%.kuberl.buffer.v1.LeasePromptsRequest\x1a&.kuberl.buffer.v1.LeasePromptsResponse\x12\x63\n\x0eReleasePrompts\x12\'.kuberl.buffer.v1.ReleasePromptsRequest\x1a(.kuberl.buffer.v1.ReleasePromptsResponse\x12\x66\n\x0fPutTrajectories\x12(.kuberl.buffer.v1.PutTrajectoriesRequest\x1a).kuberl.buffer.v1.PutTrajectoriesResponse\x12Q\n\x08GetBatch\x12!.kuberl.buffer.v1.GetBatchRequest\x1a\".kuberl.buffer.v1.GetBatchResponse\x12\x42\n\x03\x41\x63k\x12\x1c.kuberl.buffer.v1.AckRequest\x1a\x1d.kuberl.buffer.v1.AckResponse\x12i\n\x10SetPolicyVersion\x12).kuberl.buffer.v1.SetPolicyVersionRequest\x1a*.kuberl.buffer.v1.SetPolicyVersionResponse\x12Q\n\x08GetStats\x12!.kuberl.buffer.v1.GetStatsRequest\x1a\".kuberl.buffer.v1.GetStatsResponse\x12T\n\tStartEval\x12\".kuberl.buffer.v1.StartEvalRequest\x1a#.kuberl.buffer.v1.StartEvalResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETBATCHRESPONSE_DROPPEDENTRY']._serialized_options = b'8\001'
   _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._loaded_options = None
   _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_PUTSTATUS']._serialized_start=2157
-  _globals['_PUTSTATUS']._serialized_end=2247
+  _globals['_PUTSTATUS']._serialized_start=2249
+  _globals['_PUTSTATUS']._serialized_end=2339
   _globals['_COLUMNMAPPING']._serialized_start=86
   _globals['_COLUMNMAPPING']._serialized_end=151
   _globals['_LOADDATASETREQUEST']._serialized_start=154
@@ -59,29 +59,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTTRAJECTORIESRESPONSE']._serialized_start=1020
   _globals['_PUTTRAJECTORIESRESPONSE']._serialized_end=1091
   _globals['_GETBATCHREQUEST']._serialized_start=1094
-  _globals['_GETBATCHREQUEST']._serialized_end=1285
-  _globals['_GETBATCHRESPONSE']._serialized_start=1288
-  _globals['_GETBATCHRESPONSE']._serialized_end=1546
-  _globals['_GETBATCHRESPONSE_DROPPEDENTRY']._serialized_start=1500
-  _globals['_GETBATCHRESPONSE_DROPPEDENTRY']._serialized_end=1546
-  _globals['_ACKREQUEST']._serialized_start=1548
-  _globals['_ACKREQUEST']._serialized_end=1578
-  _globals['_ACKRESPONSE']._serialized_start=1580
-  _globals['_ACKRESPONSE']._serialized_end=1616
-  _globals['_SETPOLICYVERSIONREQUEST']._serialized_start=1618
-  _globals['_SETPOLICYVERSIONREQUEST']._serialized_end=1660
-  _globals['_SETPOLICYVERSIONRESPONSE']._serialized_start=1662
-  _globals['_SETPOLICYVERSIONRESPONSE']._serialized_end=1705
-  _globals['_GETSTATSREQUEST']._serialized_start=1707
-  _globals['_GETSTATSREQUEST']._serialized_end=1724
-  _globals['_GETSTATSRESPONSE']._serialized_start=1727
-  _globals['_GETSTATSRESPONSE']._serialized_end=2045
-  _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_start=1998
-  _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_end=2045
-  _globals['_STARTEVALREQUEST']._serialized_start=2047
-  _globals['_STARTEVALREQUEST']._serialized_end=2080
-  _globals['_STARTEVALRESPONSE']._serialized_start=2082
-  _globals['_STARTEVALRESPONSE']._serialized_end=2155
-  _globals['_BUFFERSERVICE']._serialized_start=2250
-  _globals['_BUFFERSERVICE']._serialized_end=3084
+  _globals['_GETBATCHREQUEST']._serialized_end=1320
+  _globals['_GETBATCHRESPONSE']._serialized_start=1323
+  _globals['_GETBATCHRESPONSE']._serialized_end=1581
+  _globals['_GETBATCHRESPONSE_DROPPEDENTRY']._serialized_start=1535
+  _globals['_GETBATCHRESPONSE_DROPPEDENTRY']._serialized_end=1581
+  _globals['_ACKREQUEST']._serialized_start=1583
+  _globals['_ACKREQUEST']._serialized_end=1627
+  _globals['_ACKRESPONSE']._serialized_start=1629
+  _globals['_ACKRESPONSE']._serialized_end=1665
+  _globals['_SETPOLICYVERSIONREQUEST']._serialized_start=1667
+  _globals['_SETPOLICYVERSIONREQUEST']._serialized_end=1709
+  _globals['_SETPOLICYVERSIONRESPONSE']._serialized_start=1711
+  _globals['_SETPOLICYVERSIONRESPONSE']._serialized_end=1754
+  _globals['_GETSTATSREQUEST']._serialized_start=1756
+  _globals['_GETSTATSREQUEST']._serialized_end=1773
+  _globals['_GETSTATSRESPONSE']._serialized_start=1776
+  _globals['_GETSTATSRESPONSE']._serialized_end=2137
+  _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_start=2090
+  _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_end=2137
+  _globals['_STARTEVALREQUEST']._serialized_start=2139
+  _globals['_STARTEVALREQUEST']._serialized_end=2172
+  _globals['_STARTEVALRESPONSE']._serialized_start=2174
+  _globals['_STARTEVALRESPONSE']._serialized_end=2247
+  _globals['_BUFFERSERVICE']._serialized_start=2342
+  _globals['_BUFFERSERVICE']._serialized_end=3176
 # @@protoc_insertion_point(module_scope)

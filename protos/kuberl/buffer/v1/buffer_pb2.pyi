@@ -118,7 +118,7 @@ class PutTrajectoriesResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PutResult, _Mapping]]] = ...) -> None: ...
 
 class GetBatchRequest(_message.Message):
-    __slots__ = ("num_groups", "max_staleness", "current_version", "consumer", "wait_seconds", "kind", "ack_batch_id")
+    __slots__ = ("num_groups", "max_staleness", "current_version", "consumer", "wait_seconds", "kind", "ack_batch_id", "hold", "reopen_held")
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,8 @@ class GetBatchRequest(_message.Message):
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ACK_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
+    REOPEN_HELD_FIELD_NUMBER: _ClassVar[int]
     num_groups: int
     max_staleness: int
     current_version: int
@@ -133,7 +135,9 @@ class GetBatchRequest(_message.Message):
     wait_seconds: float
     kind: _trajectory_pb2.StreamKind
     ack_batch_id: str
-    def __init__(self, num_groups: _Optional[int] = ..., max_staleness: _Optional[int] = ..., current_version: _Optional[int] = ..., consumer: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., kind: _Optional[_Union[_trajectory_pb2.StreamKind, str]] = ..., ack_batch_id: _Optional[str] = ...) -> None: ...
+    hold: bool
+    reopen_held: bool
+    def __init__(self, num_groups: _Optional[int] = ..., max_staleness: _Optional[int] = ..., current_version: _Optional[int] = ..., consumer: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., kind: _Optional[_Union[_trajectory_pb2.StreamKind, str]] = ..., ack_batch_id: _Optional[str] = ..., hold: _Optional[bool] = ..., reopen_held: _Optional[bool] = ...) -> None: ...
 
 class GetBatchResponse(_message.Message):
     __slots__ = ("batch_id", "groups", "dropped", "redelivered", "exhausted", "ack_already_acked")
@@ -159,10 +163,12 @@ class GetBatchResponse(_message.Message):
     def __init__(self, batch_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[_trajectory_pb2.Group, _Mapping]]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., redelivered: _Optional[bool] = ..., exhausted: _Optional[bool] = ..., ack_already_acked: _Optional[bool] = ...) -> None: ...
 
 class AckRequest(_message.Message):
-    __slots__ = ("batch_id",)
+    __slots__ = ("batch_id", "hold")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
-    def __init__(self, batch_id: _Optional[str] = ...) -> None: ...
+    hold: bool
+    def __init__(self, batch_id: _Optional[str] = ..., hold: _Optional[bool] = ...) -> None: ...
 
 class AckResponse(_message.Message):
     __slots__ = ("already_acked",)
@@ -187,7 +193,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("job", "policy_version", "epoch", "cursor", "prompts_total", "prompts_leased", "groups_pending", "batches_unacked", "counters", "exhausted")
+    __slots__ = ("job", "policy_version", "epoch", "cursor", "prompts_total", "prompts_leased", "groups_pending", "batches_unacked", "counters", "exhausted", "batches_held", "groups_held")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +211,8 @@ class GetStatsResponse(_message.Message):
     BATCHES_UNACKED_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_HELD_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_HELD_FIELD_NUMBER: _ClassVar[int]
     job: str
     policy_version: int
     epoch: int
@@ -215,7 +223,9 @@ class GetStatsResponse(_message.Message):
     batches_unacked: int
     counters: _containers.ScalarMap[str, int]
     exhausted: bool
-    def __init__(self, job: _Optional[str] = ..., policy_version: _Optional[int] = ..., epoch: _Optional[int] = ..., cursor: _Optional[int] = ..., prompts_total: _Optional[int] = ..., prompts_leased: _Optional[int] = ..., groups_pending: _Optional[int] = ..., batches_unacked: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., exhausted: _Optional[bool] = ...) -> None: ...
+    batches_held: int
+    groups_held: int
+    def __init__(self, job: _Optional[str] = ..., policy_version: _Optional[int] = ..., epoch: _Optional[int] = ..., cursor: _Optional[int] = ..., prompts_total: _Optional[int] = ..., prompts_leased: _Optional[int] = ..., groups_pending: _Optional[int] = ..., batches_unacked: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., exhausted: _Optional[bool] = ..., batches_held: _Optional[int] = ..., groups_held: _Optional[int] = ...) -> None: ...
 
 class StartEvalRequest(_message.Message):
     __slots__ = ("round",)
