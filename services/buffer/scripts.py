@@ -193,11 +193,14 @@ if room > 0 then
 end
 if fresh > 0 then redis.call('HINCRBY', state, 'c:' .. kind .. ':leased', fresh) end
 if reclaimed > 0 then redis.call('HINCRBY', state, 'c:' .. kind .. ':redelivered', reclaimed) end
--- 4. exhausted: nothing left to hand out, nothing outstanding, nothing that could come back.
+-- 4. exhausted: nothing left to hand out, nothing outstanding, nothing that could come back
+--    (a group of a held batch is trained: it cannot come back as stale).
 local exhausted = 0
 if #out == 0 and need_fill == 0 and room > 0 then
   if redis.call('XPENDING', stream, 'rollout')[1] == 0
-     and (ARGV[6] == '0' or redis.call('XLEN', KEYS[6]) == 0) then
+     and (ARGV[6] == '0'
+          or redis.call('XLEN', KEYS[6]) - num(redis.call('HGET', state, 'train:held_groups'), 0)
+             == 0) then
     exhausted = 1
   end
 end
@@ -442,12 +445,12 @@ return n
 
 # Read a claimed batch for re-delivery. KEYS: batch record, deadlines, group stream, state
 # ARGV: batch id, kind. Returns {state, id, prompt id, epoch, version, zero-variance, field...}
-# or {"gone"} when the batch was acknowledged or removed meanwhile.
+# or {"gone"} when the batch was acknowledged, held or removed meanwhile.
 FETCH = (
     _PRELUDE
     + """
 local st = redis.call('HGET', KEYS[1], 'state')
-if not st or st == 'acked' then
+if not st or st == 'acked' or st == 'held' then
   redis.call('ZREM', KEYS[2], ARGV[1])
   return {'gone'}
 end

@@ -825,10 +825,11 @@ class BufferStore:
         )
 
     async def stats(self) -> dict[str, Any]:
-        """Job state and counters (one snapshot per structure; not one atomic snapshot)."""
+        """Job state and counters, one atomic snapshot (MULTI): a held batch's groups are
+        subtracted from those in batches, which must not be read across its Ack."""
 
         async def read() -> list[Any]:
-            pipe = self.r.pipeline(transaction=False)
+            pipe = self.r.pipeline(transaction=True)
             pipe.hgetall(self.keys.state)
             for k in PROMPT_KINDS:
                 pipe.xpending(self.keys.prompts(k), "rollout")

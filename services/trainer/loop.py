@@ -22,7 +22,7 @@ stay in Redis (outside the backpressure window) and are not re-delivered to this
 restarted trainer's first GetBatch of each kind (`reopen_held`) gets every held batch back with
 its id. So after a crash a batch the checkpoint names is only acknowledged, one trained after the
 checkpoint is trained again, and one never trained comes back after its ack timeout: every group
-is in the final weights exactly once, whatever `checkpoint_every`. With `ack_after_checkpoint:
+is in the final weights exactly once, for any `checkpoint_every` > 0. With `ack_after_checkpoint:
 false` batches between checkpoints are acknowledged right after their step, and a crash loses up
 to `checkpoint_every - 1` steps of groups from the weights.
 
@@ -196,7 +196,8 @@ class Trainer:
         self._metrics_file = os.environ.get(METRICS_JSONL_ENV)
         self._trained_file = os.environ.get(TRAINED_JSONL_ENV)
         self._sft_iter: Iterator[tuple[int, list[Sample]]] | None = None
-        self._checkpointed_step = -1
+        #: (sft_step, step) of the weights in the last checkpoint written or loaded.
+        self._checkpointed_at: tuple[int, int] | None = None
         #: The last trained batch, acknowledged (or held) by the next GetBatch (rank 0).
         self._unacked = ""
         self._unacked_hold = False
@@ -297,7 +298,7 @@ class Trainer:
                     self.critic.load(path / "critic", path.name)
             self.cursor = ckpt.read_cursor(path, self.dist.rank)
             self.status.saved = (str(path), self.cursor.step)
-            self._checkpointed_step = self.cursor.step  # its weights are the checkpoint's
+            self._checkpointed_at = self._position()  # its weights are the checkpoint's
         # Versions published after the checkpoint (or by a trainer of this job that died before
         # its first one) belong to weights that are now lost: jump past them, so these weights
         # go out under a new, higher version (weight-sync and the buffer refuse lower ones).
@@ -345,6 +346,8 @@ class Trainer:
         try:
             self._run()
             self._flush_ack()
+            if self.dist.is_main and self._checkpointed_at == self._position():
+                self._commit_held()  # what a checkpoint could not acknowledge then
         except BaseException as exc:
             # Before `finished`: a CheckpointNow waiting on both must see the failure.
             self.status.error = f"{type(exc).__name__}: {exc}"
@@ -364,6 +367,8 @@ class Trainer:
         if tc.mode == "rl" and self.cursor.sft_step < tc.sft_steps:
             while self.cursor.sft_step < tc.sft_steps:
                 if not self._one_step(sft=True):
+                    if not self.stopped:
+                        self._checkpoint_unsaved()  # the warm-up's data ran out
                     return
         if tc.mode == "rl" and self.cursor.step == 0 and self.cursor.eval_round == 0:
             self._evaluate()
@@ -379,8 +384,7 @@ class Trainer:
             self._evaluate()  # the final weights' round, unless the last step just had one
         if self.cursor.policy_version > 0:
             self._publish_current()  # the engines end on the final weights
-        if tc.checkpoint_every and self._checkpointed_step != self.cursor.step:
-            self._checkpoint()  # the last steps, also when the data ran out first
+        self._checkpoint_unsaved()  # the last steps, also when the data ran out first
         log.info("trainer.finished", step=self.cursor.step, version=self.cursor.policy_version)
 
     def _one_step(self, sft: bool) -> bool:
@@ -388,9 +392,7 @@ class Trainer:
         msg, batch = self._next_batch(sft)
         if msg == MSG_STOP:
             self.stopped = True
-            every = self.tc.checkpoint_every
-            if every and self.cursor.step and self._checkpointed_step != self.cursor.step:
-                self._checkpoint()  # a graceful stop (SIGTERM, preemption) keeps its progress
+            self._checkpoint_unsaved()  # a graceful stop (SIGTERM, preemption) keeps its progress
             return False
         if msg == MSG_EXHAUSTED:
             log.info("trainer.data_exhausted", step=self.cursor.step)
@@ -410,7 +412,9 @@ class Trainer:
             return True
         if not batch["samples"]:  # every group was unusable: acknowledge, count, go on
             self._write_trained(self._trained_row("rejected", batch))
-            self._ack(batch_id)
+            # Held like a trained batch: groups left out as trained since the last checkpoint
+            # must come back (and be trained) if those steps die with this process.
+            self._ack(batch_id, hold=self._hold(batch_id))
             return True
         started = time.perf_counter()
         metrics = self._sft_step(batch) if sft else self._rl_step(batch)
@@ -433,15 +437,7 @@ class Trainer:
         if self.dist.is_main:
             self._flush_ack()  # a step that came from elsewhere (SFT file) left none behind
             # Acknowledged by the next GetBatch; held there until a checkpoint has its step.
-            self._unacked = batch_id
-            self._unacked_hold = bool(
-                batch_id
-                and self.tc.ack_after_checkpoint
-                and every
-                and self._checkpointed_step != self.cursor.step
-            )
-            if self._unacked_hold:
-                self._uncommitted.append(batch_id)
+            self._unacked, self._unacked_hold = batch_id, self._hold(batch_id)
         self._set_buffer_version()
         if self.cursor.policy_version % self.tc.publish_every == 0:
             self._publish()
@@ -489,7 +485,33 @@ class Trainer:
         batch_id, self._unacked = self._unacked, ""
         self._ack(batch_id, hold=self._unacked_hold)
 
-    def _ack(self, batch_id: str, hold: bool = False) -> bool:
+    def _position(self) -> tuple[int, int]:
+        return self.cursor.sft_step, self.cursor.step
+
+    def _unsaved(self) -> bool:
+        """Steps were trained since the last checkpoint (or, with none, at all)."""
+        return self._checkpointed_at != self._position() and any(self._position())
+
+    def _checkpoint_unsaved(self) -> None:
+        """A checkpoint of the steps trained since the last one, if checkpoints are on."""
+        if self.tc.checkpoint_every and self._unsaved():
+            self._checkpoint()
+
+    def _hold(self, batch_id: str) -> bool:
+        """Whether a batch trained now is held rather than acknowledged (rank 0): no checkpoint
+        has its step yet. Noted for `_commit_held`."""
+        hold = bool(
+            batch_id
+            and self.dist.is_main
+            and self.tc.ack_after_checkpoint
+            and self.tc.checkpoint_every
+            and self._unsaved()
+        )
+        if hold and batch_id not in self._uncommitted:
+            self._uncommitted.append(batch_id)
+        return hold
+
+    def _ack(self, batch_id: str, hold: bool = False, attempts: int = 5) -> bool:
         """Acknowledge (or hold) a trained batch (rank 0); False when it could not be. Such a
         batch is re-delivered by the buffer later: recognised by its id, it is acknowledged
         (held) then; that is logged."""
@@ -497,7 +519,7 @@ class Trainer:
             return True
         from kuberl.api.buffer.v1 import buffer_pb2
 
-        for attempt in range(5):
+        for attempt in range(attempts):
             try:
                 self.buffer.Ack(buffer_pb2.AckRequest(batch_id=batch_id, hold=hold), timeout=30)
                 return True
@@ -507,7 +529,8 @@ class Trainer:
                     log.error("buffer.ack_unknown", batch_id=batch_id, error=exc.details())
                     return True
                 log.warning("buffer.ack_failed", batch_id=batch_id, attempt=attempt, error=str(exc))
-            time.sleep(min(2**attempt, 10))
+            if attempt + 1 < attempts:
+                time.sleep(min(2**attempt, 10))
         log.error("buffer.ack_gave_up", batch_id=batch_id)
         return False
 
@@ -516,10 +539,15 @@ class Trainer:
         batch that could not be acknowledged is tried again after the next checkpoint), and the
         last trained batch, still to be sent, is acknowledged rather than held."""
         self._unacked_hold = False
-        held, self._uncommitted = self._uncommitted, []
-        for batch_id in held:
-            if batch_id != self._unacked and not self._ack(batch_id):
-                self._uncommitted.append(batch_id)
+        held = [b for b in self._uncommitted if b != self._unacked]
+        for i, batch_id in enumerate(held):
+            # One try each, and none after the first failure: rank 0 must not keep the other
+            # ranks waiting in their next collective through a buffer outage.
+            if not self._ack(batch_id, attempts=1):
+                log.warning("buffer.commit_deferred", batches=len(held) - i)
+                self._uncommitted = held[i:]
+                return
+        self._uncommitted = []
 
     def _usable(
         self,
@@ -1024,9 +1052,7 @@ class Trainer:
             ckpt.commit(root, path, self.tc.keep_checkpoints)
         barrier(self.dist)
         CHECKPOINT_SECONDS.observe(time.perf_counter() - started)
-        self._checkpointed_step = self.cursor.step
-        if self.dist.is_main:
-            self._commit_held()
+        self._checkpointed_at = self._position()
         self.status.saved = (str(path), self.cursor.step)
         self.status.checkpoints += 1
         with self.checkpoint_done:
@@ -1034,6 +1060,8 @@ class Trainer:
         log.info(
             "checkpoint.saved", path=str(path), seconds=round(time.perf_counter() - started, 2)
         )
+        if self.dist.is_main:
+            self._commit_held()  # durable now: the batches it holds are acknowledged
         return str(path)
 
     # ------------------------------------------------------------------ metrics

@@ -131,25 +131,26 @@ class AckHoldingProxy(grpc.GenericRpcHandler):
 
 @contextlib.contextmanager
 def _eight_groups(
-    tmp: Path, prompts: int = 8
+    tmp: Path, count: int = 8, sft: int = 0
 ) -> Iterator[tuple[Path, ServiceProcess, Client, list[tpb.Prompt]]]:
-    """A buffer on its own Redis holding one group for each of 8 (`prompts`) prompts, put one
-    by one (so the first batch of four is the first four prompts): (job file, buffer, client,
-    prompts)."""
+    """A buffer on its own Redis holding one group for each of 8 (`count`) prompts, put one
+    by one (so the first batch of four is the first four prompts), the first `sft` of them as
+    SFT groups (rejection sampling's): (job file, buffer, client, prompts)."""
     from kuberl.common.redis_server import EmbeddedRedis
 
     with EmbeddedRedis(tmp / "redis", die_with_parent=True) as redis_server:
         base = write_job(
             tmp,
             redis_server.url,
-            prompts=prompts,
+            prompts=count,
             batch_ack_timeout_seconds=2,
             job=f"eo{uuid.uuid4().hex[:8]}",
         )
         with start_buffer(base, tmp) as buffer, Client(buffer.address) as client:
-            prompts = list(client.lease(prompts).prompts)
+            prompts = list(client.lease(count).prompts)
             for i, p in enumerate(prompts):
-                client.put([_group(p, i)], [p.lease_id])
+                kind = tpb.STREAM_KIND_SFT if i < sft else tpb.STREAM_KIND_TRAIN
+                client.put([_group(p, i)], [p.lease_id], kind=kind)
             yield base, buffer, client, prompts
 
 
@@ -355,19 +356,18 @@ def _key(job: str) -> str:
     return f"kuberl:{{{job}}}:accepted:train"
 
 
-@pytest.fixture(scope="module")
-def crash_between_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """`checkpoint_every: 2`, four steps of four groups. The trainer checkpoints at step 2,
-    trains step 3 and holds its batch with the GetBatch that fetches batch 4; that call reaches
-    the buffer but its reply never comes back (the proxy stalls it), and the trainer is
-    SIGKILLed there: step 3's weights are lost, and the buffer holds its batch."""
+def _killed_at_the_third_ack(tmp: Path, count: int, sft: int = 0, **steps: Any) -> dict[str, Any]:
+    """A trainer (`checkpoint_every: 2`) on one group for each of `count` prompts, the first
+    `sft` of them SFT groups, that trains batches 1 and 2, checkpoints, trains batch 3 and holds
+    it with the GetBatch that fetches batch 4; that call reaches the buffer but its reply never
+    comes back (the proxy stalls it), and the trainer is SIGKILLed there: step 3's weights are
+    lost, and the buffer holds its batch. A second trainer then runs the job to its end."""
     from kuberl.common.modelbuild import build_model
 
-    tmp = tmp_path_factory.mktemp("between-checkpoints")
     model = build_model(tmp / "model", tokenizer="digits", seed=4)
     record = tmp / "trained.jsonl"
     env = {"KUBERL_TRAINED_JSONL": str(record)}
-    steps = {"total_steps": 4, "checkpoint_every": 2}
+    steps["checkpoint_every"] = 2
     acks: list[str] = []
 
     def third_ack(method: str, request: bytes) -> bool:
@@ -377,7 +377,7 @@ def crash_between_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[
         acks.append(method)
         return len(acks) == 3
 
-    with _eight_groups(tmp, prompts=16) as (base, buffer, client, prompts):
+    with _eight_groups(tmp, count, sft) as (base, buffer, client, prompts):
         proxy = AckHoldingProxy(buffer.address, stall_reply=third_ack)
         try:
             job1 = _trainer_job(tmp, base, model, f"127.0.0.1:{proxy.port}", "t1.yaml", **steps)
@@ -409,6 +409,12 @@ def crash_between_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[
         "stats": stats,
         "prompts": sorted(f"{p.prompt_id}@{p.epoch}" for p in prompts),
     }
+
+
+@pytest.fixture(scope="module")
+def crash_between_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Four RL steps of four groups, killed after step 3 (`_killed_at_the_third_ack`)."""
+    return _killed_at_the_third_ack(tmp_path_factory.mktemp("between"), 16, total_steps=4)
 
 
 @pytest.mark.slow
@@ -456,3 +462,37 @@ def test_every_prompt_is_in_the_final_weights_exactly_once_between_checkpoints(
         0,
         True,
     )
+
+
+@pytest.fixture(scope="module")
+def crash_in_a_buffer_fed_warm_up(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """An RL job whose SFT warm-up (four steps) reads the buffer's SFT stream, killed after
+    warm-up step 3 (`_killed_at_the_third_ack`); then one RL step. The warm-up counts its own
+    steps (`sft_step`; `step` stays 0), which the holding must follow."""
+    tmp = tmp_path_factory.mktemp("warm-up")
+    return _killed_at_the_third_ack(tmp, 20, sft=16, total_steps=1, sft_steps=4)
+
+
+@pytest.mark.slow
+def test_a_warm_up_batch_trained_after_a_warm_up_checkpoint_is_held_and_trained_again(
+    crash_in_a_buffer_fed_warm_up: dict[str, Any],
+) -> None:
+    run = crash_in_a_buffer_fed_warm_up
+    assert run["code"] == 0, run["log"][-3000:]
+    held = run["held"].counters
+    assert (held["sft:batches_held"], held["sft:groups_held"], held["sft:acked_batches"]) == (
+        1,
+        4,
+        2,
+    )
+    starts = [i for i, r in enumerate(run["rows"]) if r["event"] == "start"]
+    first, second = run["rows"][starts[0] : starts[1]], run["rows"][starts[1] :]
+    assert len(starts) == 2
+    trained1 = [r["batch_id"] for r in first if r["event"] == "step"]
+    trained2 = [r["batch_id"] for r in second if r["event"] == "step"]
+    assert [b.split("-")[0] for b in trained1 + trained2] == ["sft"] * 5 + ["train"]
+    assert trained2[0] == trained1[2]  # warm-up batch 3, handed back by its id
+    counters = run["stats"].counters
+    assert (counters["sft:acked_batches"], counters["sft:trained_groups"]) == (4, 16)
+    assert (counters["sft:batches_reopened"], counters["sft:groups_held"]) == (1, 0)
+    assert counters["train:acked_batches"] == 1

@@ -307,3 +307,70 @@ def test_the_cursor_keeps_the_ids_of_every_batch_a_checkpoint_acknowledges() -> 
     for i in range(3):
         cursor.note_trained(f"sft-{i}", keep=2)  # never fewer than the default bound
     assert len(cursor.trained_batches) == ckpt.TRAINED_BATCHES_KEPT
+
+
+def _trainer(**trainer: object):  # type: ignore[no-untyped-def]
+    from kuberl.common.config import parse_job_config
+    from kuberl.trainer.distributed import DistInfo
+    from kuberl.trainer.loop import Trainer
+
+    config = parse_job_config({"trainer": trainer}, env={})
+    return Trainer(config, DistInfo(0, 1, 0, torch.device("cpu")))
+
+
+def test_a_batch_is_held_while_no_checkpoint_has_its_step_warm_up_steps_included() -> None:
+    # The SFT warm-up of an RL job counts its own steps (`step` stays 0): after a warm-up
+    # checkpoint, the next warm-up steps are not in it and their batches must be held too.
+    trainer = _trainer(checkpoint_every=2)
+    decisions = [trainer._hold("sft-0")]  # nothing trained yet
+    trainer.cursor.sft_step = 1
+    decisions.append(trainer._hold("sft-1"))
+    trainer.cursor.sft_step = 2
+    trainer._checkpointed_at = trainer._position()  # the warm-up checkpoint at sft_step 2
+    decisions.append(trainer._hold("sft-2"))
+    trainer.cursor.sft_step = 3
+    decisions.append(trainer._hold("sft-3"))
+    trainer.cursor.step = 1  # the first RL step, after the warm-up
+    decisions.append(trainer._hold("train-1"))
+    decisions.append(trainer._hold(""))  # a step from a file: no batch
+    assert decisions == [False, True, False, True, True, False]
+    assert trainer._uncommitted == ["sft-1", "sft-3", "train-1"]
+    for settings in (
+        {"checkpoint_every": 0},
+        {"checkpoint_every": 2, "ack_after_checkpoint": False},
+    ):
+        other = _trainer(**settings)
+        other.cursor.step = 1
+        assert (other._hold("train-1"), other._uncommitted) == (False, [])
+
+
+def test_acknowledging_after_a_checkpoint_stops_at_the_first_failure_and_keeps_the_rest() -> None:
+    # A buffer that cannot be reached while a checkpoint commits: one try, no retry loop (the
+    # other ranks wait in their next collective), and every batch left is tried again later.
+    # The last trained batch, still to be sent with the next GetBatch, goes as a plain Ack.
+    import time
+
+    import grpc
+
+    from kuberl.api.buffer.v1 import buffer_pb2_grpc
+    from kuberl.common.redis_server import PortReservation
+
+    ports = PortReservation()
+    channel = grpc.insecure_channel(f"127.0.0.1:{ports.take()}")  # bound, never listening
+    try:
+        trainer = _trainer(checkpoint_every=4)
+        trainer.buffer = buffer_pb2_grpc.BufferServiceStub(channel)
+        trainer._uncommitted = ["train-a", "train-b", "train-c"]
+        trainer._unacked, trainer._unacked_hold = "train-c", True
+        started = time.monotonic()
+        trainer._commit_held()
+        seconds = time.monotonic() - started
+    finally:
+        channel.close()
+        ports.release()
+    assert (trainer._uncommitted, trainer._unacked, trainer._unacked_hold) == (
+        ["train-a", "train-b"],
+        "train-c",
+        False,
+    )
+    assert seconds < 10
