@@ -190,6 +190,47 @@ def _wait(predicate: Any, timeout: float, what: str, proc: ServiceProcess) -> No
         time.sleep(0.05)
 
 
+def kill_then_resume(
+    tmp: Path,
+    paths: tuple[Path, Path, str],
+    proxy: AckHoldingProxy,
+    env: dict[str, str],
+    what: str,
+    at_stall: Callable[[], Any] | None = None,
+    after_kill: Callable[[], None] | None = None,
+    **trainer: Any,
+) -> dict[str, Any]:
+    """Trainer 1 talks to the buffer through `proxy`; once the proxy has stalled a call
+    (`what`), `at_stall()` runs, trainer 1 is SIGKILLed, `after_kill()` runs, and trainer 2,
+    straight to the buffer, runs the job to its end. `paths`: (job file, model, buffer
+    address). Returns `latest` at the kill, what `at_stall` returned, trainer 2's exit code
+    and log."""
+    base, model, buffer = paths
+    try:
+        job1 = _trainer_job(tmp, base, model, f"127.0.0.1:{proxy.port}", "t1.yaml", **trainer)
+        first = ServiceProcess.kuberl("trainer", job1, tmp, name="trainer-1", env=env)
+        try:
+            _wait(lambda: proxy.acks, 240, what, first)
+            seen = at_stall() if at_stall else None
+            latest = (tmp / "ckpt" / "latest").read_text().strip()
+            os.killpg(first.proc.pid, signal.SIGKILL)
+            first.proc.wait(30)
+        finally:
+            first.stop()
+    finally:
+        proxy.close()
+    if after_kill is not None:
+        after_kill()
+    job2 = _trainer_job(tmp, base, model, buffer, "t2.yaml", **trainer)
+    second = ServiceProcess.kuberl("trainer", job2, tmp, name="trainer-2", env=env)
+    try:
+        code = second.proc.wait(240)
+        log = second.log()
+    finally:
+        second.stop()
+    return {"latest": latest, "at_stall": seen, "code": code, "log": log}
+
+
 @pytest.fixture(scope="module")
 def crash_between_checkpoint_and_ack(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from kuberl.common.modelbuild import build_model
@@ -199,32 +240,18 @@ def crash_between_checkpoint_and_ack(tmp_path_factory: pytest.TempPathFactory) -
     record = tmp / "trained.jsonl"
     env = {"KUBERL_TRAINED_JSONL": str(record)}
     with _eight_groups(tmp) as (base, buffer, client, prompts):
-        proxy = AckHoldingProxy(buffer.address)
-        try:
-            job1 = _trainer_job(tmp, base, model, f"127.0.0.1:{proxy.port}", "t1.yaml")
-            first = ServiceProcess.kuberl("trainer", job1, tmp, name="trainer-1", env=env)
-            try:
-                _wait(lambda: proxy.acks, 240, "Ack of batch 1", first)
-                latest = (tmp / "ckpt" / "latest").read_text().strip()
-                os.killpg(first.proc.pid, signal.SIGKILL)
-                first.proc.wait(30)
-            finally:
-                first.stop()
-        finally:
-            proxy.close()
-        time.sleep(2.5)  # past batch 1's ack deadline: the buffer re-delivers it first
-        job2 = _trainer_job(tmp, base, model, buffer.address, "t2.yaml")
-        second = ServiceProcess.kuberl("trainer", job2, tmp, name="trainer-2", env=env)
-        try:
-            code = second.proc.wait(240)
-            log = second.log()
-        finally:
-            second.stop()
+        run = kill_then_resume(
+            tmp,
+            (base, model, buffer.address),
+            AckHoldingProxy(buffer.address),
+            env,
+            "Ack of batch 1",
+            # past batch 1's ack deadline: the buffer re-delivers it first
+            after_kill=lambda: time.sleep(2.5),
+        )
         stats = client.stats()
     return {
-        "latest": latest,
-        "code": code,
-        "log": log,
+        **run,
         "rows": read_rows(record),
         "counters": dict(stats.counters),
         "prompts": sorted(f"{p.prompt_id}@{p.epoch}" for p in prompts),
@@ -378,33 +405,19 @@ def _killed_at_the_third_ack(tmp: Path, count: int, sft: int = 0, **steps: Any) 
         return len(acks) == 3
 
     with _eight_groups(tmp, count, sft) as (base, buffer, client, prompts):
-        proxy = AckHoldingProxy(buffer.address, stall_reply=third_ack)
-        try:
-            job1 = _trainer_job(tmp, base, model, f"127.0.0.1:{proxy.port}", "t1.yaml", **steps)
-            first = ServiceProcess.kuberl("trainer", job1, tmp, name="trainer-1", env=env)
-            try:
-                _wait(lambda: proxy.acks, 240, "the hold of batch 3", first)
-                latest = (tmp / "ckpt" / "latest").read_text().strip()
-                held = client.stats()
-                os.killpg(first.proc.pid, signal.SIGKILL)
-                first.proc.wait(30)
-            finally:
-                first.stop()
-        finally:
-            proxy.close()
-        job2 = _trainer_job(tmp, base, model, buffer.address, "t2.yaml", **steps)
-        second = ServiceProcess.kuberl("trainer", job2, tmp, name="trainer-2", env=env)
-        try:
-            code = second.proc.wait(240)
-            log = second.log()
-        finally:
-            second.stop()
+        run = kill_then_resume(
+            tmp,
+            (base, model, buffer.address),
+            AckHoldingProxy(buffer.address, stall_reply=third_ack),
+            env,
+            "the hold of batch 3",
+            at_stall=client.stats,
+            **steps,
+        )
         stats = client.stats()
     return {
-        "latest": latest,
-        "held": held,
-        "code": code,
-        "log": log,
+        **run,
+        "held": run["at_stall"],
         "rows": read_rows(record),
         "stats": stats,
         "prompts": sorted(f"{p.prompt_id}@{p.epoch}" for p in prompts),

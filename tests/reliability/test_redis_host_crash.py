@@ -21,9 +21,7 @@ acknowledges that batch, and trains the other four as step 2.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import time
 import uuid
 from pathlib import Path
@@ -35,8 +33,7 @@ import redis
 from kuberl.api.buffer.v1 import buffer_pb2 as bpb
 from kuberl.local.accounting import read_rows, trained_lineage
 from tests.integration.buffer_support import Client, start_buffer, write_job
-from tests.reliability.test_exactly_once import AckHoldingProxy, _group, _trainer_job, _wait
-from tests.support import ServiceProcess
+from tests.reliability.test_exactly_once import AckHoldingProxy, _group, kill_then_resume
 
 
 def _copy_aof_once_written(url: str, aof: Path, dest: Path, timeout: float = 20.0) -> bytes:
@@ -85,44 +82,37 @@ def redis_host_crash_after_batch_1(tmp_path_factory: pytest.TempPathFactory) -> 
             )
 
             proxy = AckHoldingProxy(buffer.address)
-            try:
-                job1 = _trainer_job(tmp, base, model, f"127.0.0.1:{proxy.port}", "t1.yaml")
-                first = ServiceProcess.kuberl("trainer", job1, tmp, name="trainer-1", env=env)
-                try:
-                    _wait(lambda: proxy.acks, 240, "Ack of batch 1", first)
-                    batch1 = bpb.GetBatchRequest.FromString(proxy.acks[0]).ack_batch_id
-                    client.ack(batch1)  # the trainer's Ack, delivered without taking batch 2
-                    latest = (tmp / "ckpt" / "latest").read_text().strip()
-                    os.killpg(first.proc.pid, signal.SIGKILL)
-                    first.proc.wait(30)
-                finally:
-                    first.stop()
-            finally:
-                proxy.close()
-            acked_before = dict(client.stats().counters)
+            crash: dict[str, Any] = {}
 
-            redis_server.kill()  # SIGKILL: no shutdown fsync, no rewrite
-            at_crash = redis_server.aof_path.read_bytes()
-            shutil.copyfile(tmp / "on-disk.aof", redis_server.aof_path)
-            redis_server.start()  # same port and folder: the buffer reconnects
-            acked_after = dict(client.stats().counters)
+            def deliver_the_ack() -> str:
+                batch1 = bpb.GetBatchRequest.FromString(proxy.acks[0]).ack_batch_id
+                client.ack(batch1)  # the trainer's Ack, delivered without taking batch 2
+                return batch1
 
-            job2 = _trainer_job(tmp, base, model, buffer.address, "t2.yaml")
-            second = ServiceProcess.kuberl("trainer", job2, tmp, name="trainer-2", env=env)
-            try:
-                code = second.proc.wait(240)
-                log = second.log()
-            finally:
-                second.stop()
+            def host_crash() -> None:
+                crash["acked_before"] = dict(client.stats().counters)
+                redis_server.kill()  # SIGKILL: no shutdown fsync, no rewrite
+                crash["at_crash"] = redis_server.aof_path.read_bytes()
+                shutil.copyfile(tmp / "on-disk.aof", redis_server.aof_path)
+                redis_server.start()  # same port and folder: the buffer reconnects
+                crash["acked_after"] = dict(client.stats().counters)
+
+            run = kill_then_resume(
+                tmp,
+                (base, model, buffer.address),
+                proxy,
+                env,
+                "Ack of batch 1",
+                at_stall=deliver_the_ack,
+                after_kill=host_crash,
+            )
     return {
-        "batch1": batch1,
-        "latest": latest,
+        **run,
+        "batch1": run["at_stall"],
         "on_disk": on_disk,
-        "at_crash": at_crash,
-        "acked_before": acked_before.get("train:acked_batches", 0),
-        "acked_after": acked_after.get("train:acked_batches", 0),
-        "code": code,
-        "log": log,
+        "at_crash": crash["at_crash"],
+        "acked_before": crash["acked_before"].get("train:acked_batches", 0),
+        "acked_after": crash["acked_after"].get("train:acked_batches", 0),
         "rows": read_rows(record),
         "prompts": [f"{p.prompt_id}@{p.epoch}" for p in prompts],
     }

@@ -14,7 +14,7 @@ import torch
 from kuberl.common.trajectory import Group, Trajectory
 from kuberl.trainer import checkpoint as ckpt
 from kuberl.trainer.batching import Sample, collate, micro_batches, shard
-from kuberl.trainer.loop import eval_metrics, merge_metrics
+from kuberl.trainer.loop import Trainer, eval_metrics, merge_metrics
 from kuberl.trainer.sft import SFTDataError, epoch_batches, read_pairs
 
 
@@ -309,10 +309,9 @@ def test_the_cursor_keeps_the_ids_of_every_batch_a_checkpoint_acknowledges() -> 
     assert len(cursor.trained_batches) == ckpt.TRAINED_BATCHES_KEPT
 
 
-def _trainer(**trainer: object):  # type: ignore[no-untyped-def]
+def _trainer(**trainer: object) -> Trainer:
     from kuberl.common.config import parse_job_config
     from kuberl.trainer.distributed import DistInfo
-    from kuberl.trainer.loop import Trainer
 
     config = parse_job_config({"trainer": trainer}, env={})
     return Trainer(config, DistInfo(0, 1, 0, torch.device("cpu")))
