@@ -200,12 +200,14 @@ def commit(directory: Path, path: Path, keep: int) -> None:
     os.replace(tmp, directory / LATEST)
     _fsync(directory)  # the rename itself
     done = sorted((p for p in directory.glob("step-*") if (p / "cursor.json").exists()), key=_order)
-    # Kept, the newest `keep` of: the checkpoints up to the previous `latest`, and this one.
-    # Any other folder was left over by a trainer that died before committing it (after the
-    # previous `latest`, or after this one, or a step-N under this step-N.1): never kept.
+    # Kept: this one, and the newest `keep - 1` of the checkpoints up to the previous `latest`
+    # (this one may sort below them: a job started with `resume: false` in a folder of later
+    # steps). Any other folder was left over by a trainer that died before committing it
+    # (after the previous `latest`, or after this one, or a step-N under this step-N.1).
     low = _order(previous) if previous is not None else ("", -1)
-    committed = [p for p in done if _order(p) <= low or p == path]
-    for old in committed[:-keep] + [p for p in done if p not in committed]:
+    older = [p for p in done if _order(p) <= low and p != path]
+    kept = older[len(older) - (keep - 1) :] if keep > 1 else []
+    for old in [p for p in done if p not in kept and p != path]:
         shutil.rmtree(old, ignore_errors=True)
     log.info("checkpoint.committed", path=str(path))
 

@@ -167,6 +167,9 @@ MSG_PUBLISH = b"P"
 PUBLISH_RETRY_SECONDS = 2.0
 # Publishes refused as conflicts, though weight-sync does not hold the version, retried in a row.
 PUBLISH_CONFLICT_RETRIES = 3
+# What acknowledging the held batches after a checkpoint may take, per try of each batch (one
+# after a checkpoint, while the other ranks wait; five at the job's end).
+COMMIT_SECONDS = 20.0
 
 
 class Trainer:
@@ -347,7 +350,7 @@ class Trainer:
             self._run()
             self._flush_ack()
             if self.dist.is_main and self._checkpointed_at == self._position():
-                self._commit_held()  # what a checkpoint could not acknowledge then
+                self._commit_held(attempts=5)  # what a checkpoint could not acknowledge then
         except BaseException as exc:
             # Before `finished`: a CheckpointNow waiting on both must see the failure.
             self.status.error = f"{type(exc).__name__}: {exc}"
@@ -373,9 +376,16 @@ class Trainer:
         if tc.mode == "rl" and self.cursor.step == 0 and self.cursor.eval_round == 0:
             self._evaluate()
         while self.cursor.step < tc.total_steps:
+            before = self.cursor.step
             if not self._one_step(sft=tc.mode == "sft"):
                 break
-            if tc.mode == "rl" and tc.eval_every and self.cursor.step % tc.eval_every == 0:
+            stepped = self.cursor.step != before  # not a checkpoint or an acknowledgement only
+            if (
+                tc.mode == "rl"
+                and tc.eval_every
+                and stepped
+                and self.cursor.step % tc.eval_every == 0
+            ):
                 self._evaluate()
         if self.stopped:
             log.info("trainer.stopped", step=self.cursor.step)
@@ -511,7 +521,9 @@ class Trainer:
             self._uncommitted.append(batch_id)
         return hold
 
-    def _ack(self, batch_id: str, hold: bool = False, attempts: int = 5) -> bool:
+    def _ack(
+        self, batch_id: str, hold: bool = False, attempts: int = 5, timeout: float = 30.0
+    ) -> bool:
         """Acknowledge (or hold) a trained batch (rank 0); False when it could not be. Such a
         batch is re-delivered by the buffer later: recognised by its id, it is acknowledged
         (held) then; that is logged."""
@@ -521,7 +533,8 @@ class Trainer:
 
         for attempt in range(attempts):
             try:
-                self.buffer.Ack(buffer_pb2.AckRequest(batch_id=batch_id, hold=hold), timeout=30)
+                request = buffer_pb2.AckRequest(batch_id=batch_id, hold=hold)
+                self.buffer.Ack(request, timeout=min(timeout, 30.0))
                 return True
             except Exception as exc:
                 if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.NOT_FOUND:
@@ -534,20 +547,22 @@ class Trainer:
         log.error("buffer.ack_gave_up", batch_id=batch_id)
         return False
 
-    def _commit_held(self) -> None:
+    def _commit_held(self, attempts: int = 1) -> None:
         """After a checkpoint (rank 0): acknowledge the batches held since the previous one (a
-        batch that could not be acknowledged is tried again after the next checkpoint), and the
-        last trained batch, still to be sent, is acknowledged rather than held."""
+        batch that could not be acknowledged is tried again after the next checkpoint and at
+        the job's end), and the last trained batch, still to be sent, is acknowledged rather
+        than held. Within COMMIT_SECONDS: rank 0 must not keep the other ranks waiting in their
+        next collective through a buffer outage."""
         self._unacked_hold = False
-        held = [b for b in self._uncommitted if b != self._unacked]
-        for i, batch_id in enumerate(held):
-            # One try each, and none after the first failure: rank 0 must not keep the other
-            # ranks waiting in their next collective through a buffer outage.
-            if not self._ack(batch_id, attempts=1):
-                log.warning("buffer.commit_deferred", batches=len(held) - i)
-                self._uncommitted = held[i:]
-                return
-        self._uncommitted = []
+        deadline = time.monotonic() + COMMIT_SECONDS * attempts
+        left = []
+        for batch_id in (b for b in self._uncommitted if b != self._unacked):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._ack(batch_id, attempts=attempts, timeout=remaining):
+                left.append(batch_id)
+        if left:
+            log.warning("buffer.commit_deferred", batches=len(left))
+        self._uncommitted = left
 
     def _usable(
         self,

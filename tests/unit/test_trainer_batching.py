@@ -196,6 +196,30 @@ def test_a_leftover_newer_than_the_committed_checkpoint_never_pushes_it_out(tmp_
     assert ckpt.latest(tmp_path) == tmp_path / "step-000150"
 
 
+def test_a_checkpoint_below_an_earlier_runs_steps_is_never_pruned_under_latest(
+    tmp_path: Path,
+) -> None:
+    # A job started with `resume: false` in a folder an earlier run left at steps 90-100
+    # (latest 100): its first checkpoint, step 5, sorts below them, and must stay with `latest`
+    # naming it; keep 3 keeps the newest two of the earlier ones beside it.
+    for step in (90, 95, 100, 5):
+        path = tmp_path / ckpt.tag_for(step)
+        path.mkdir()
+        ckpt.write_cursor(path, ckpt.Cursor(step=step))
+        ckpt.commit(tmp_path, path, keep=3)
+    assert ckpt.latest(tmp_path) == tmp_path / "step-000005"
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [
+        "step-000005",
+        "step-000095",
+        "step-000100",
+    ]
+    path = tmp_path / ckpt.tag_for(10)  # its next: the earlier run's folders are leftovers now
+    path.mkdir()
+    ckpt.write_cursor(path, ckpt.Cursor(step=10))
+    ckpt.commit(tmp_path, path, keep=3)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000005", "step-000010"]
+
+
 def test_a_leftover_at_the_step_of_the_next_checkpoint_goes_too(tmp_path: Path) -> None:
     # latest is step 40; a dead trainer left step 50 uncommitted; the resumed one writes its
     # step 50 as step-000050.1, which sorts after the leftover: keep 2 keeps 40 and 50.1.
@@ -343,10 +367,11 @@ def test_a_batch_is_held_while_no_checkpoint_has_its_step_warm_up_steps_included
         assert (other._hold("train-1"), other._uncommitted) == (False, [])
 
 
-def test_acknowledging_after_a_checkpoint_stops_at_the_first_failure_and_keeps_the_rest() -> None:
-    # A buffer that cannot be reached while a checkpoint commits: one try, no retry loop (the
-    # other ranks wait in their next collective), and every batch left is tried again later.
-    # The last trained batch, still to be sent with the next GetBatch, goes as a plain Ack.
+def test_acknowledging_after_a_checkpoint_tries_each_batch_once_and_keeps_the_failures() -> None:
+    # A buffer that cannot be reached while a checkpoint commits: one try per batch, no retry
+    # loop (the other ranks wait in their next collective), and every batch that failed is
+    # tried again later. The last trained batch, still to be sent with the next GetBatch, goes
+    # as a plain Ack.
     import time
 
     import grpc
@@ -373,3 +398,24 @@ def test_acknowledging_after_a_checkpoint_stops_at_the_first_failure_and_keeps_t
         False,
     )
     assert seconds < 10
+
+
+def test_an_eval_round_follows_a_trained_step_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A pass of the loop that trains nothing (CheckpointNow; a re-delivered batch the checkpoint
+    # has, only acknowledged; a batch whose groups were all left out) leaves the step where it
+    # was: at a step that is a multiple of eval_every it must not start another eval round.
+    # The trainer's own step, eval and publish are stand-ins here; `_run` is the real one.
+    trainer = _trainer(total_steps=4, eval_every=2, checkpoint_every=0)
+    trainer.cursor.eval_round = 1  # the round before training is done
+    advances = iter([True, True, False, True, True])  # the third pass trains nothing
+    evaluated: list[int] = []
+
+    def one_step(sft: bool) -> bool:
+        trainer.cursor.step += next(advances)
+        return True
+
+    monkeypatch.setattr(trainer, "_one_step", one_step)
+    monkeypatch.setattr(trainer, "_evaluate", lambda: evaluated.append(trainer.cursor.step))
+    monkeypatch.setattr(trainer, "_publish_current", lambda: None)
+    trainer._run()
+    assert (trainer.cursor.step, evaluated) == (4, [2, 4])
