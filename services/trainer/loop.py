@@ -302,6 +302,7 @@ class Trainer:
             self.cursor = ckpt.read_cursor(path, self.dist.rank)
             self.status.saved = (str(path), self.cursor.step)
             self._checkpointed_at = self._position()  # its weights are the checkpoint's
+            self._acknowledge_warm_up()
         # Versions published after the checkpoint (or by a trainer of this job that died before
         # its first one) belong to weights that are now lost: jump past them, so these weights
         # go out under a new, higher version (weight-sync and the buffer refuse lower ones).
@@ -313,6 +314,20 @@ class Trainer:
         self._sync_status()
         if path is not None:
             log.info("trainer.resumed", path=str(path), step=self.cursor.step)
+
+    def _acknowledge_warm_up(self) -> None:
+        """Resumed past a warm-up that read the buffer's SFT stream (rank 0): its last batches
+        may still be held, or issued and unacknowledged (a crash between the checkpoint that
+        ended the warm-up and their Acks), and the SFT stream is never read again to hand them
+        back. The checkpoint has every one of them, so the SFT batches it names are
+        acknowledged now (idempotent: one acknowledged before, or forgotten, changes nothing)."""
+        tc = self.tc
+        warmed = tc.mode == "rl" and tc.sft_steps and self.cursor.sft_step >= tc.sft_steps
+        if not (warmed and tc.sft_data is None and self.dist.is_main):
+            return
+        for batch_id in self.cursor.trained_batches:
+            if batch_id.startswith("sft-"):
+                self._ack(batch_id, attempts=1, timeout=5.0)
 
     def _held_elsewhere(self, version: int) -> bool:
         """Weight-sync holds `version` or a newer one: a refused publish is a real conflict.

@@ -76,16 +76,18 @@ class AckHoldingProxy(grpc.GenericRpcHandler):
     instead, naming a batch the buffer never issued (what a buffer whose Redis lost the batch
     answers), and everything after it goes through unchanged. With `stall_reply`, only calls
     it picks are recorded, and they are forwarded (the buffer acts on them) but never answered;
-    everything else goes through."""
+    everything else goes through. `holds` picks the calls held (default: acknowledgements)."""
 
     def __init__(
         self,
         target: str,
         forget_first: bool = False,
         stall_reply: Callable[[str, bytes], bool] | None = None,
+        holds: Callable[[str, bytes], bool] | None = None,
     ) -> None:
         self.forget_first = forget_first
         self.stall_reply = stall_reply
+        self.holds = holds or _acknowledges
         self.channel = grpc.insecure_channel(target)
         self.acks: list[bytes] = []
         self.release = threading.Event()
@@ -111,7 +113,7 @@ class AckHoldingProxy(grpc.GenericRpcHandler):
                     self.acks.append(request)
                     self.release.wait(120)
                     context.abort(grpc.StatusCode.UNAVAILABLE, "reply held by the test")
-            elif not self.forget_first and _acknowledges(method, request):
+            elif not self.forget_first and self.holds(method, request):
                 self.acks.append(request)
                 self.release.wait(120)
                 context.abort(grpc.StatusCode.UNAVAILABLE, "Ack held by the test")
@@ -508,4 +510,40 @@ def test_a_warm_up_batch_trained_after_a_warm_up_checkpoint_is_held_and_trained_
     counters = run["stats"].counters
     assert (counters["sft:acked_batches"], counters["sft:trained_groups"]) == (4, 16)
     assert (counters["sft:batches_reopened"], counters["sft:groups_held"]) == (1, 0)
+    assert counters["train:acked_batches"] == 1
+
+
+def test_a_warm_up_whose_last_acks_died_with_the_trainer_leaves_nothing_held(
+    tmp_path: Path,
+) -> None:
+    # A buffer-fed warm-up of two steps, checkpointed at its end; the plain Ack of warm-up
+    # batch 1 (held until then) never reaches the buffer, and the trainer is SIGKILLed there,
+    # batch 2 still unacknowledged. The resumed trainer is past the warm-up and never reads the
+    # SFT stream again: it acknowledges the warm-up batches its checkpoint names, so neither
+    # stays in Redis (held, or in the backpressure window) for the rest of the job.
+    from kuberl.common.modelbuild import build_model
+
+    model = build_model(tmp_path / "model", tokenizer="digits", seed=6)
+    steps = {"total_steps": 1, "sft_steps": 2, "checkpoint_every": 2}
+    with _eight_groups(tmp_path, 12, sft=8) as (base, buffer, client, _):
+        proxy = AckHoldingProxy(buffer.address, holds=lambda method, _: method == ACK_METHOD)
+        run = kill_then_resume(
+            tmp_path,
+            (base, model, buffer.address),
+            proxy,
+            {},
+            "the Ack after the warm-up's checkpoint",
+            at_stall=client.stats,
+            **steps,
+        )
+        counters = client.stats().counters
+    assert run["code"] == 0, run["log"][-3000:]
+    at_kill = run["at_stall"].counters
+    assert (at_kill["sft:batches_held"], at_kill["sft:batches_unacked"]) == (1, 1)
+    assert (run["latest"], counters["sft:acked_batches"], counters["sft:trained_groups"]) == (
+        "step-000000",
+        2,
+        8,
+    )
+    assert (counters["sft:batches_held"], counters["sft:batches_unacked"]) == (0, 0)
     assert counters["train:acked_batches"] == 1
