@@ -49,6 +49,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     service = module.create_service(config)
     section = getattr(config, args.service)
     asyncio.run(serve(service, section.server, port_file=args.port_file, tls=config.tls))
+    leave = getattr(module, "leave", None)  # a service whose process must skip finalization
+    if leave is not None:
+        leave(0)
     return 0
 
 
