@@ -417,11 +417,9 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.loads(args.spec)
         run = {"stock": run_stock, "kuberl": run_kuberl}[args.child]
         print(json.dumps(run(spec)), flush=True)
-        # Not the interpreter's exit: in about 1 run in 15 a C++ thread of the torch or
-        # DeepSpeed stack was still joinable when its object was destroyed (std::terminate,
-        # exit -6, "terminate called without an active exception") after all the work was done.
-        sys.stderr.flush()
-        os._exit(0)
+        from kuberl.trainer.distributed import leave
+
+        leave(0)  # not the interpreter's exit: see `leave`
 
     import torch
 

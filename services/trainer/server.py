@@ -18,13 +18,11 @@ non-zero exit and the error in the log.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import signal
-import sys
 import threading
 import time
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -33,6 +31,7 @@ from kuberl.common.config import JobConfig
 from kuberl.common.errors import FailedPrecondition, Unavailable
 from kuberl.common.logs import get_logger
 from kuberl.common.server import Service
+from kuberl.trainer.distributed import leave  # `kuberl serve trainer` leaves through it too
 
 if TYPE_CHECKING:
     from kuberl.trainer.loop import Trainer
@@ -167,21 +166,6 @@ def run_worker(config: JobConfig) -> int:
     trainer.setup()
     trainer.run()
     return 0
-
-
-def leave(code: int) -> NoReturn:
-    """End the process without the interpreter's finalization (`kuberl serve trainer` calls it
-    once the service has stopped cleanly). gloo's worker threads may still be destroying
-    finished collectives that hold Python tensors; one that needs the GIL while the interpreter
-    finalizes is made to exit inside a C++ destructor, and the process dies in std::terminate
-    (exit -6, a finished job reported as failed; seen about once in 15 loaded runs). The core
-    dump of 2026-11-26: ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> ~AsyncAllgatherWork
-    -> TensorImpl::decref_pyobject -> take_gil -> PyThread_exit_thread, while the main thread
-    was in Py_FinalizeEx. Everything the trainer writes is closed and fsynced before this."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def create_service(config: JobConfig) -> TrainerService:

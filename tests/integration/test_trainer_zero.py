@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -397,8 +396,6 @@ if __name__ == "__main__":
         # --worker OUT MODEL [STAGE]: every stage and the extras, or one stage's step alone.
         only = tuple(int(a) for a in sys.argv[4:5])
         _worker(Path(sys.argv[2]), Path(sys.argv[3]), only or STAGES, extras=not only)
-        # Not the interpreter's exit, as benchmarks/trainer_mfu.py's child: a C++ thread of the
-        # torch/DeepSpeed stack was now and then still joinable at exit (std::terminate, -6).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        from kuberl.trainer.distributed import leave
+
+        leave(0)  # not the interpreter's exit: see `leave`

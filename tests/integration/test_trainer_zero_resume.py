@@ -20,7 +20,6 @@ tests/integration/test_trainer_zero.py, with torch's AdamW (no DeepSpeed op buil
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -168,10 +167,6 @@ def test_a_zero_checkpoint_resumed_in_fresh_processes_takes_the_uninterrupted_ne
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         _worker(sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]))
-        # Not the interpreter's exit, as test_trainer_zero.py's worker: a C++ thread of the
-        # torch/DeepSpeed stack was now and then still joinable at exit (std::terminate, -6;
-        # seen in a fresh-clone CI run of 2026-11-26 22:06 UTC, after the process group was
-        # destroyed and every result written).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        from kuberl.trainer.distributed import leave
+
+        leave(0)  # not the interpreter's exit: see `leave`
