@@ -33,6 +33,21 @@ local function id_before(a, b)
   am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
   return am < bm or (am == bm and as < bs)
 end
+-- Groups of `kind` still to be trained: those in its stream but not in held batches (trained,
+-- kept until the trainer's next checkpoint; see _ACK_FN).
+local function untrained(groups, state, kind)
+  return redis.call('XLEN', groups) - num(redis.call('HGET', state, kind .. ':held_groups'), 0)
+end
+-- The one place `<kind>:held_groups` changes: by a batch's groups, as it is held (sign 1) or
+-- leaves `held` (-1: acknowledged, or issued again by REOPEN).
+local function count_held(batch, state, kind, sign)
+  local n = tonumber(redis.call('HGET', batch, 'n') or '0')
+  redis.call('HINCRBY', state, kind .. ':held_groups', sign * n)
+end
+local function unhold(batch, held, state, batch_id, kind)
+  redis.call('ZREM', held, batch_id)
+  count_held(batch, state, kind, -1)
+end
 """
 
 # Acknowledge a batch: its groups are trained and leave the stream. Idempotent. A function, so
@@ -51,20 +66,16 @@ local function ack_batch(batch, groups, deadlines, held, state, payloads, batch_
   local st = redis.call('HGET', batch, 'state')
   if st == 'acked' then return 0 end
   if st ~= 'issued' and st ~= 'held' then return -1 end
-  local size = tonumber(redis.call('HGET', batch, 'n') or '0')
   if hold == '1' then
     if st == 'held' then return 0 end
     redis.call('HSET', batch, 'state', 'held')
     redis.call('ZREM', deadlines, batch_id)
     redis.call('ZADD', held, redis.call('HGET', batch, 'issued_ms') or '0', batch_id)
-    redis.call('HINCRBY', state, kind .. ':held_groups', size)
+    count_held(batch, state, kind, 1)
     redis.call('HINCRBY', state, 'c:' .. kind .. ':held_batches', 1)
     return 1
   end
-  if st == 'held' then
-    redis.call('ZREM', held, batch_id)
-    redis.call('HINCRBY', state, kind .. ':held_groups', -size)
-  end
+  if st == 'held' then unhold(batch, held, state, batch_id, kind) end
   local ids = redis.call('HGET', batch, 'entries') or ''
   local n = 0
   for id in string.gmatch(ids, '%S+') do
@@ -149,10 +160,8 @@ if cursor ~= start then redis.call('HSET', state, cursor_field, cursor) end
 --    groups of held batches are trained: they stay in the streams but do not count).
 local room = n - #out
 if limit >= 0 then
-  local held = redis.call('HMGET', state, 'train:held_groups', 'sft:held_groups')
   local inflight = redis.call('XPENDING', stream, 'rollout')[1]
-    + redis.call('XLEN', KEYS[6]) + redis.call('XLEN', KEYS[7])
-    - num(held[1], 0) - num(held[2], 0)
+    + untrained(KEYS[6], state, 'train') + untrained(KEYS[7], state, 'sft')
   if limit - inflight < room then room = limit - inflight end
   if room <= 0 and #out == 0 then
     if ARGV[8] ~= '0' then
@@ -198,9 +207,7 @@ if reclaimed > 0 then redis.call('HINCRBY', state, 'c:' .. kind .. ':redelivered
 local exhausted = 0
 if #out == 0 and need_fill == 0 and room > 0 then
   if redis.call('XPENDING', stream, 'rollout')[1] == 0
-     and (ARGV[6] == '0'
-          or redis.call('XLEN', KEYS[6]) - num(redis.call('HGET', state, 'train:held_groups'), 0)
-             == 0) then
+     and (ARGV[6] == '0' or untrained(KEYS[6], state, 'train') == 0) then
     exhausted = 1
   end
 end
@@ -487,17 +494,21 @@ return ack_batch(KEYS[1], KEYS[2], KEYS[3], KEYS[6], KEYS[4], KEYS[5], ARGV[1], 
 # is issued again, due at once, in issue order (its score in `held`), so the next GetBatch
 # re-delivers it with its id before any new group. KEYS: batch record, held batches, deadlines,
 # state; ARGV: batch id, kind. Returns 1 reopened, 0 not held (acknowledged meanwhile, gone).
-REOPEN = """
+REOPEN = (
+    _PRELUDE
+    + """
 local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-if redis.call('HGET', KEYS[1], 'state') ~= 'held' then return 0 end
+if redis.call('HGET', KEYS[1], 'state') ~= 'held' then
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  return 0
+end
+unhold(KEYS[1], KEYS[2], KEYS[4], ARGV[1], ARGV[2])
 redis.call('HSET', KEYS[1], 'state', 'issued')
 redis.call('ZADD', KEYS[3], score or '0', ARGV[1])
-redis.call('HINCRBY', KEYS[4], ARGV[2] .. ':held_groups',
-           -tonumber(redis.call('HGET', KEYS[1], 'n') or '0'))
 redis.call('HINCRBY', KEYS[4], 'c:' .. ARGV[2] .. ':batches_reopened', 1)
 return 1
 """
+)
 
 # Monotonic policy version. KEYS: state; ARGV: version. Returns {1, v} or {0, current}.
 SET_VERSION = """
