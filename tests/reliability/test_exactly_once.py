@@ -196,7 +196,6 @@ def kill_then_resume(
     tmp: Path,
     paths: tuple[Path, Path, str],
     proxy: AckHoldingProxy,
-    env: dict[str, str],
     what: str,
     at_stall: Callable[[], Any] | None = None,
     after_kill: Callable[[], None] | None = None,
@@ -206,8 +205,10 @@ def kill_then_resume(
     (`what`), `at_stall()` runs, trainer 1 is SIGKILLed, `after_kill()` runs, and trainer 2,
     straight to the buffer, runs the job to its end. `paths`: (job file, model, buffer
     address). Returns `latest` at the kill, what `at_stall` returned, trainer 2's exit code
-    and log."""
+    and log, and both trainers' record of what they trained (`rows`)."""
     base, model, buffer = paths
+    record = tmp / "trained.jsonl"
+    env = {"KUBERL_TRAINED_JSONL": str(record)}
     try:
         job1 = _trainer_job(tmp, base, model, f"127.0.0.1:{proxy.port}", "t1.yaml", **trainer)
         first = ServiceProcess.kuberl("trainer", job1, tmp, name="trainer-1", env=env)
@@ -230,7 +231,8 @@ def kill_then_resume(
         log = second.log()
     finally:
         second.stop()
-    return {"latest": latest, "at_stall": seen, "code": code, "log": log}
+    rows = read_rows(record)
+    return {"latest": latest, "at_stall": seen, "code": code, "log": log, "rows": rows}
 
 
 @pytest.fixture(scope="module")
@@ -239,14 +241,11 @@ def crash_between_checkpoint_and_ack(tmp_path_factory: pytest.TempPathFactory) -
 
     tmp = tmp_path_factory.mktemp("exactly-once")
     model = build_model(tmp / "model", tokenizer="digits", seed=2)
-    record = tmp / "trained.jsonl"
-    env = {"KUBERL_TRAINED_JSONL": str(record)}
     with _eight_groups(tmp) as (base, buffer, client, prompts):
         run = kill_then_resume(
             tmp,
             (base, model, buffer.address),
             AckHoldingProxy(buffer.address),
-            env,
             "Ack of batch 1",
             # past batch 1's ack deadline: the buffer re-delivers it first
             after_kill=lambda: time.sleep(2.5),
@@ -254,7 +253,6 @@ def crash_between_checkpoint_and_ack(tmp_path_factory: pytest.TempPathFactory) -
         stats = client.stats()
     return {
         **run,
-        "rows": read_rows(record),
         "counters": dict(stats.counters),
         "prompts": sorted(f"{p.prompt_id}@{p.epoch}" for p in prompts),
     }
@@ -394,8 +392,6 @@ def _killed_at_the_third_ack(tmp: Path, count: int, sft: int = 0, **steps: Any) 
     from kuberl.common.modelbuild import build_model
 
     model = build_model(tmp / "model", tokenizer="digits", seed=4)
-    record = tmp / "trained.jsonl"
-    env = {"KUBERL_TRAINED_JSONL": str(record)}
     steps["checkpoint_every"] = 2
     acks: list[str] = []
 
@@ -411,7 +407,6 @@ def _killed_at_the_third_ack(tmp: Path, count: int, sft: int = 0, **steps: Any) 
             tmp,
             (base, model, buffer.address),
             AckHoldingProxy(buffer.address, stall_reply=third_ack),
-            env,
             "the hold of batch 3",
             at_stall=client.stats,
             **steps,
@@ -420,7 +415,6 @@ def _killed_at_the_third_ack(tmp: Path, count: int, sft: int = 0, **steps: Any) 
     return {
         **run,
         "held": run["at_stall"],
-        "rows": read_rows(record),
         "stats": stats,
         "prompts": sorted(f"{p.prompt_id}@{p.epoch}" for p in prompts),
     }
@@ -531,7 +525,6 @@ def test_a_warm_up_whose_last_acks_died_with_the_trainer_leaves_nothing_held(
             tmp_path,
             (base, model, buffer.address),
             proxy,
-            {},
             "the Ack after the warm-up's checkpoint",
             at_stall=client.stats,
             **steps,

@@ -31,7 +31,7 @@ import pytest
 import redis
 
 from kuberl.api.buffer.v1 import buffer_pb2 as bpb
-from kuberl.local.accounting import read_rows, trained_lineage
+from kuberl.local.accounting import trained_lineage
 from tests.integration.buffer_support import Client, start_buffer, write_job
 from tests.reliability.test_exactly_once import AckHoldingProxy, _group, kill_then_resume
 
@@ -69,8 +69,6 @@ def redis_host_crash_after_batch_1(tmp_path_factory: pytest.TempPathFactory) -> 
 
     tmp = tmp_path_factory.mktemp("redis-host-crash")
     model = build_model(tmp / "model", tokenizer="digits", seed=2)
-    record = tmp / "trained.jsonl"
-    env = {"KUBERL_TRAINED_JSONL": str(record)}
     with EmbeddedRedis(tmp / "redis", die_with_parent=True) as redis_server:
         base = write_job(tmp, redis_server.url, prompts=8, job=f"hc{uuid.uuid4().hex[:8]}")
         with start_buffer(base, tmp) as buffer, Client(buffer.address) as client:
@@ -101,7 +99,6 @@ def redis_host_crash_after_batch_1(tmp_path_factory: pytest.TempPathFactory) -> 
                 tmp,
                 (base, model, buffer.address),
                 proxy,
-                env,
                 "Ack of batch 1",
                 at_stall=deliver_the_ack,
                 after_kill=host_crash,
@@ -113,7 +110,6 @@ def redis_host_crash_after_batch_1(tmp_path_factory: pytest.TempPathFactory) -> 
         "at_crash": crash["at_crash"],
         "acked_before": crash["acked_before"].get("train:acked_batches", 0),
         "acked_after": crash["acked_after"].get("train:acked_batches", 0),
-        "rows": read_rows(record),
         "prompts": [f"{p.prompt_id}@{p.epoch}" for p in prompts],
     }
 
