@@ -92,6 +92,11 @@ class _Metrics:
             ["transport", "direction"],
         )
         self.engines = metrics.gauge(f"{p}_engines", "Engines holding each version", ["version"])
+        self.engines_behind = metrics.gauge(
+            f"{p}_engines_behind",
+            "Engines by how many versions they are behind the current one",
+            ["behind"],
+        )
         self.joins = metrics.counter(f"{p}_engine_joins_total", "Engines registered")
         self.leaves = metrics.counter(
             f"{p}_engine_leaves_total", "Engines gone (left, or dropped after silence)", ["reason"]
@@ -110,6 +115,17 @@ class _Metrics:
         self.notify_failures = metrics.counter(
             f"{p}_notify_failures_total", "Best-effort NotifyWeightsUpdate pushes that failed"
         )
+
+
+#: Values of the `engines_behind` gauge's `behind` label: "ahead" is an engine holding a version newer
+#: than the current one (a restarted service that came back at an older sealed version).
+BEHIND_BUCKETS = ("ahead", "0", "1", "2", "3+")
+
+
+def behind_bucket(versions_behind: int) -> str:
+    if versions_behind < 0:
+        return "ahead"
+    return str(versions_behind) if versions_behind < 3 else "3+"
 
 
 @dataclass
@@ -178,6 +194,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         if restored is not None:
             self.current = restored.version
             self.metrics.version.set(restored.version)
+            self._refresh_engine_gauges()
             log.info(
                 "weight_sync.restored", version=restored.version, path=restored.path,
                 bytes=restored.manifest.total_bytes, tensors=len(restored.manifest.entries),
@@ -232,7 +249,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             loaded=engine.loaded_version, current=self.current,
         )  # fmt: skip
         self._catch_up(engine)
-        self._refresh_engine_gauge()
+        self._refresh_engine_gauges()
         answer = pb.RegisterEngineResponse(
             engine_id=engine.engine_id,
             heartbeat_seconds=self.config.heartbeat_seconds,
@@ -278,7 +295,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             self._unpin(engine)
             engine.wake.set()
             self.metrics.leaves.labels("leave").inc()
-            self._refresh_engine_gauge()
+            self._refresh_engine_gauges()
             log.info("engine.left", engine_id=engine.engine_id, loaded=engine.loaded_version)
         return pb.LeaveEngineResponse()
 
@@ -328,7 +345,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             # Retry by snapshot: the failed transport may be what is broken.
             engine.catch_up_below = max(engine.catch_up_below, request.version + 1)
         self._catch_up(engine)
-        self._refresh_engine_gauge()
+        self._refresh_engine_gauges()
         return pb.ReportLoadedResponse()
 
     def _note_loaded(self, engine: Engine, version: int) -> None:
@@ -336,7 +353,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             engine.overdue = None
         if version > engine.loaded_version:
             engine.loaded_version = version
-            self._refresh_engine_gauge()
+            self._refresh_engine_gauges()
 
     # ------------------------------------------------------------------ publishing
 
@@ -550,6 +567,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         transport = transport_name(announced.transport)
         self.current = version
         self.metrics.version.set(version)
+        self._refresh_engine_gauges()
         self.metrics.publish_seconds.labels(transport).observe(seconds)
         self.metrics.bytes.labels(transport, "in").inc(manifest.total_bytes)
         if seconds > 0:
@@ -813,7 +831,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                 "engine.dropped", engine_id=engine.engine_id, loaded=engine.loaded_version,
                 silent_seconds=round(time.monotonic() - engine.last_seen, 2),
             )  # fmt: skip
-            self._refresh_engine_gauge()
+            self._refresh_engine_gauges()
         now = time.monotonic()
         for engine in self.registry.engines.values():
             if engine.assignment is not None and now > engine.assignment.deadline:
@@ -833,10 +851,17 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         engine.catch_up_below = max(engine.catch_up_below, assignment.version + 1)
         engine.overdue = assignment
 
-    def _refresh_engine_gauge(self) -> None:
+    def _refresh_engine_gauges(self) -> None:
+        """`engines{version}` exports the versions engines hold now, so each version is a new,
+        short-lived series; `engines_behind` sets every bucket, empty ones to 0, so it is the same
+        five series for the job's life (what the dashboard and alerts read)."""
         self.metrics.engines.clear()
+        behind = dict.fromkeys(BEHIND_BUCKETS, 0)
         for version, count in self.registry.engines_per_version().items():
             self.metrics.engines.labels(str(version)).set(count)
+            behind[behind_bucket(self.current - version)] += count
+        for bucket, count in behind.items():
+            self.metrics.engines_behind.labels(bucket).set(count)
 
     # ------------------------------------------------------------------ reads
 

@@ -306,6 +306,17 @@ def _metric(svc: ServiceProcess, line_start: str) -> float:
     return 0.0
 
 
+def _engines_behind(svc: ServiceProcess) -> dict[str, float]:
+    """The `engines_behind` gauge, every series of it, by its `behind` label."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{svc.metrics_port}/metrics").read().decode()
+    prefix = 'kuberl_weight_sync_engines_behind{behind="'
+    return {
+        line[len(prefix) :].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(prefix)
+    }
+
+
 # ---------------------------------------------------------------- tests
 
 
@@ -408,11 +419,13 @@ def test_an_engine_stalled_in_a_broadcast_times_out_alone_and_catches_up_by_snap
                 pub.publish(2, iter(make_tensors(32).items()))
             _wait(lambda: _holding(svc, 2) >= {"fast0", "fast1"}, "fast ones at v2", svc)  # noqa: B023
             meanwhile = sorted((e.engine_id, e.loaded_version) for e in _status(svc).engines)
+            gauge_meanwhile = _engines_behind(svc)
             beats_per_second = (_metric(svc, beats) - beats_before) / (
                 time.monotonic() - stalled_at
             )
             (tmp_path / "slow.release").touch()
             _wait(lambda: "slow" in _holding(svc, 2), "the slow engine caught up to v2", svc)  # noqa: B023
+            gauge_after = _engines_behind(svc)
             histories = {n: _history(tmp_path, n) for n in names}
             identical = all(_bit_identical(tmp_path, n, 2, 32) for n in names)
             identical &= all(_bit_identical(tmp_path, n, 1, 31) for n in names[:2])
@@ -430,6 +443,9 @@ def test_an_engine_stalled_in_a_broadcast_times_out_alone_and_catches_up_by_snap
         # (not also as a failure, whichever of the reaper and the relay's gloo timeout saw it).
         assert timeouts_when_back == 0
         assert meanwhile == [("fast0", 2), ("fast1", 2), ("slow", 0)]
+        # The same five series throughout, whatever the versions.
+        assert gauge_meanwhile == {"ahead": 0, "0": 2, "1": 0, "2": 1, "3+": 0}
+        assert gauge_after == {"ahead": 0, "0": 3, "1": 0, "2": 0, "3+": 0}
         assert histories == {
             "fast0": [(1, "gloo"), (2, "gloo")], "fast1": [(1, "gloo"), (2, "gloo")],
             "slow": [(2, "snapshot")],

@@ -101,3 +101,11 @@ def test_publish_asks_for_a_cuda_ipc_set_only_per_engine_the_fan_out_would_give_
     )  # fmt: skip
     answer = asyncio.run(service.Publish(request, None))  # type: ignore[arg-type]
     assert answer.cuda_ipc_engines == 1
+
+
+def test_engines_are_counted_in_five_buckets_of_versions_behind_the_current_one() -> None:
+    from kuberl.weight_sync.server import BEHIND_BUCKETS, behind_bucket
+
+    buckets = [behind_bucket(n) for n in (-2, -1, 0, 1, 2, 3, 4, 1000)]
+    assert buckets == ["ahead", "ahead", "0", "1", "2", "3+", "3+", "3+"]
+    assert set(buckets) == set(BEHIND_BUCKETS)
