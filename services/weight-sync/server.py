@@ -117,8 +117,8 @@ class _Metrics:
         )
 
 
-#: Values of the `engines_behind` gauge's `behind` label: "ahead" is an engine holding a version newer
-#: than the current one (a restarted service that came back at an older sealed version).
+#: Values of the `engines_behind` gauge's `behind` label: "ahead" is an engine holding a version
+#: newer than the current one (a restarted service that came back at an older sealed version).
 BEHIND_BUCKETS = ("ahead", "0", "1", "2", "3+")
 
 
