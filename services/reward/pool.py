@@ -233,4 +233,7 @@ class WorkerPool:
             return "worker_died", f"worker process {worker.pid} died"
         except (ValueError, KeyError) as exc:  # a line that is not the protocol
             return "worker_died", f"worker process {worker.pid} sent a bad answer: {exc}"
+        except Exception as exc:  # e.g. a sample json.dumps cannot write: never end this slot
+            log.exception("pool.exchange_failed", pid=worker.pid, samples=len(chunk))
+            return "error", f"could not score: {type(exc).__name__}: {exc}"
         return None

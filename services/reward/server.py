@@ -52,6 +52,24 @@ def _finish_reason(value: int, sample_id: str) -> str:
     return name.removeprefix("FINISH_REASON_").lower()
 
 
+#: Deeper metadata is refused: the pool wraps it in a few more levels on its way to a worker, and
+#: json.dumps recurses once per level (about a thousand levels raise RecursionError).
+MAX_METADATA_DEPTH = 100
+
+
+def json_depth(value: object) -> int:
+    """Nesting depth of parsed JSON (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, depth + 1)
+            stack.extend((child, depth + 1) for child in item)
+    return deepest
+
+
 def sample_from_proto(sample: reward_pb2.Sample) -> RewardSample:
     """The verifiers' view of one wire sample; InvalidArgument when it is malformed."""
     sid = sample.sample_id
@@ -59,10 +77,17 @@ def sample_from_proto(sample: reward_pb2.Sample) -> RewardSample:
     if sample.metadata_json:
         try:
             metadata = json.loads(sample.metadata_json)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # also over-long integers, deep nesting
             raise _reject(
                 "bad_metadata", f"sample {sid!r}: metadata_json is not valid JSON: {exc}"
             ) from None
+        depth = json_depth(metadata)
+        if depth > MAX_METADATA_DEPTH:
+            raise _reject(
+                "bad_metadata",
+                f"sample {sid!r}: metadata_json is nested {depth} levels deep; at most "
+                f"{MAX_METADATA_DEPTH} are accepted",
+            )
         if not isinstance(metadata, dict):
             raise _reject(
                 "bad_metadata",

@@ -142,6 +142,23 @@ def test_a_verifier_that_raises_gives_the_fallback_and_the_batch_succeeds(
         (reward_pb2.Sample(sample_id="u", verifiers=["nope"]), "unknown_verifier", "'nope'"),
         (reward_pb2.Sample(sample_id="m", metadata_json="[1]"), "bad_metadata", "JSON object"),
         (reward_pb2.Sample(sample_id="j", metadata_json="{x"), "bad_metadata", "valid JSON"),
+        # 101 levels parse but are refused; 5,000 levels and a 5,000-digit integer do not parse
+        # (RecursionError, ValueError). Once, 976 levels hung a pool slot for good.
+        (
+            reward_pb2.Sample(sample_id="n", metadata_json='{"a":' + "[" * 100 + "]" * 100 + "}"),
+            "bad_metadata",
+            "nested 101 levels deep; at most 100",
+        ),
+        (
+            reward_pb2.Sample(sample_id="r", metadata_json="[" * 5000 + "]" * 5000),
+            "bad_metadata",
+            "valid JSON",
+        ),
+        (
+            reward_pb2.Sample(sample_id="i", metadata_json='{"a": ' + "7" * 5000 + "}"),
+            "bad_metadata",
+            "valid JSON",
+        ),
         (
             reward_pb2.Sample(
                 sample_id="t", response_token_ids=encode_array(np.ones(3, np.float32))

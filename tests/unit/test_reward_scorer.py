@@ -222,6 +222,32 @@ def test_a_function_that_kills_its_worker_is_reported_and_the_worker_replaced(
     assert (r.reward, "exits: worker_died" in r.error, len(before - after)) == (FALLBACK, True, 1)
 
 
+def test_a_sample_the_pool_cannot_send_to_a_worker_fails_alone_and_every_slot_keeps_serving(
+    harness: Harness,
+) -> None:
+    # The service refuses such metadata (too deep) before it gets here; in-process nothing does.
+    # json.dumps raises RecursionError on it, which once ended the pool slot's task for good, so
+    # that the sample's caller and every later one waiting for that slot hung.
+    nested: dict[str, Any] = {}
+    deep = nested
+    for _ in range(5000):
+        deep["a"] = {}
+        deep = deep["a"]
+    before = set(harness.wait_for_workers(2))
+    bad = RewardSample(sample_id="deep", response="a", answer="a", metadata=nested)
+    good = [RewardSample(sample_id=f"g{i}", response="a", answer="a") for i in range(4)]
+    results = harness.run(
+        asyncio.wait_for(harness.scorer.score([bad, *good], [{"exact": 1.0}] * 5), 30)
+    )
+    assert [r.reward for r in results] == [FALLBACK] + [1.0] * 4
+    assert results[0].error.startswith("exact: error: could not score: RecursionError")
+    after = set(harness.wait_for_workers(2))
+    samples = [RewardSample(sample_id=str(i)) for i in range(20)]
+    scored = harness.run(asyncio.wait_for(harness.scorer.score(samples, [{"pid": 1.0}] * 20), 30))
+    assert {int(r.reward) for r in scored} <= after
+    assert len(after) == 2 and len(before) == 2
+
+
 def test_async_functions_run_on_the_event_loop(harness: Harness) -> None:
     assert harness.one(["alen"], response="hello").reward == 5.0
 
