@@ -28,7 +28,7 @@ from kuberl.common import metrics
 from kuberl.common.config import BUILTIN_VERIFIERS, JobConfig
 from kuberl.common.errors import InvalidArgument
 from kuberl.common.logs import get_logger
-from kuberl.common.sandbox import BACKSTOP_SECONDS, Sandbox, SandboxError
+from kuberl.common.sandbox import Sandbox, SandboxError
 from kuberl.reward.pool import WorkerPool
 from kuberl.reward.sample import RewardSample
 from kuberl.reward.verifiers import BUILTINS, Backend, Verdict, VerifierFailure, as_verdict
@@ -109,6 +109,7 @@ class Scorer:
             RewardModel(self.config.reward_model) if self.config.reward_model else None
         )
         self._async: dict[str, Callable[..., Awaitable[Any]]] = {}
+        self._rm_turn = asyncio.Lock()
         self._backends: dict[str, Backend] = {
             name: v.backend for name, v in BUILTINS.items() if name != "rm" or self.reward_model
         }
@@ -225,11 +226,13 @@ class Scorer:
                 jobs.append(self._pooled(sample, pooled, outcomes[i]))
             for name in combo:
                 backend = self._backends[name]
-                if backend == "sandbox":  # the sandbox keeps its own deadline and backstop
-                    limit = self.timeout + BACKSTOP_SECONDS + 1.0
-                    jobs.append(self._timed(name, self._code(sample), outcomes[i], limit))
+                if backend == "sandbox":
+                    # The sandbox times each run from when it gets a slot (with a backstop for a
+                    # launcher that does not come back): waiting for a slot is not timed.
+                    jobs.append(self._timed(name, self._code(sample), outcomes[i], None))
                 elif backend == "async":
-                    jobs.append(self._timed(name, self._custom_async(name, sample), outcomes[i]))
+                    work = self._custom_async(name, sample)
+                    jobs.append(self._timed(name, work, outcomes[i], self.timeout))
                 elif backend == "inline":
                     outcomes[i][name] = self._length(sample)
         rm_rows = [i for i, combo in enumerate(combinations) if "rm" in combo]
@@ -248,13 +251,14 @@ class Scorer:
         name: str,
         work: Awaitable[Verdict],
         into: dict[str, Outcome],
-        limit: float | None = None,
+        limit: float | None,
     ) -> None:
+        """`work`'s verdict into `into[name]`, or why not; `limit` None: it keeps its own time."""
         started = time.perf_counter()
         try:
-            into[name] = await asyncio.wait_for(work, limit or self.timeout)
+            into[name] = await asyncio.wait_for(work, limit)
         except TimeoutError:
-            into[name] = VerifierFailure("timeout", f"no result after {self.timeout:g}s")
+            into[name] = VerifierFailure("timeout", f"no result after {limit or 0:g}s")
         except VerifierFailure as exc:
             into[name] = exc
         except Exception as exc:
@@ -302,13 +306,17 @@ class Scorer:
         size = self.reward_model.config.batch_size
         for start in range(0, len(samples), size):
             chunk = samples[start : start + size]
-            started = time.perf_counter()
             pairs = [(s.prompt, s.response) for s in chunk]
+            # One batch on the model at a time, and the wait for its turn is not timed. A batch
+            # that times out runs on in its thread (threads cannot be stopped) and keeps the
+            # turn until it ends, so that the next batch's clock does not run on it either.
+            await self._rm_turn.acquire()
+            started = time.perf_counter()
+            work = asyncio.ensure_future(asyncio.to_thread(self.reward_model.score, pairs))
+            work.add_done_callback(self._end_rm_turn)
             outcomes: list[Outcome]
             try:
-                scores = await asyncio.wait_for(
-                    asyncio.to_thread(self.reward_model.score, pairs), self.timeout
-                )
+                scores = await asyncio.wait_for(asyncio.shield(work), self.timeout)
                 outcomes = [self._checked(score, "rm") for score in scores]
             except TimeoutError:
                 outcomes = [VerifierFailure("timeout", f"batch not scored in {self.timeout:g}s")]
@@ -320,6 +328,11 @@ class Scorer:
             for target, outcome in zip(into[start : start + size], outcomes, strict=True):
                 target["rm"] = outcome
                 _seconds.labels("rm").observe(per_sample)
+
+    def _end_rm_turn(self, work: asyncio.Future[list[float]]) -> None:
+        if not work.cancelled():
+            work.exception()  # retrieved here: a batch nobody waited for any more may have failed
+        self._rm_turn.release()
 
     @staticmethod
     def _checked(value: float, name: str) -> Outcome:

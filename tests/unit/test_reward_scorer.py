@@ -270,6 +270,79 @@ def test_code_runs_in_the_sandbox_and_scores_the_fraction_passed(harness: Harnes
     )
 
 
+def test_code_samples_waiting_for_a_sandbox_slot_are_not_timed_out_for_the_wait(
+    harness: Harness,
+) -> None:
+    # 22 programs of ~0.6 s through the 2 slots take ~7 s in all, past the 5.5 s (timeout 1.5 +
+    # backstop 3 + 1) that once timed each sample from the call's start: the last ones then got
+    # the fallback without running.
+    program = "```python\nimport time\ntime.sleep(0.6)\nprint(int(input()) * 2)\n```"
+    tests = {"tests": [{"input": "2\n", "output": "4"}]}
+    samples = [RewardSample(sample_id=str(i), response=program, metadata=tests) for i in range(22)]
+    started = time.monotonic()
+    results = harness.score(*samples, verifiers=["code"])
+    seconds = time.monotonic() - started
+    assert [(r.reward, r.error) for r in results] == [(1.0, "")] * 22
+    assert seconds > 5.5  # otherwise the test no longer shows anything
+
+
+class SlowModel:
+    """The harness's real reward model, each forward held back by the next of `seconds`."""
+
+    def __init__(self, model: Any, seconds: list[float]) -> None:
+        self.model, self.seconds, self.calls = model, iter(seconds), 0
+
+    def __call__(self, **batch: Any) -> Any:
+        time.sleep(next(self.seconds))
+        self.calls += 1
+        return self.model(**batch)
+
+
+def test_reward_model_batches_take_turns_and_waiting_for_a_turn_is_not_timed(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 1 s a batch (TIMEOUT 1.5 s): three concurrent calls wait up to 2 s for their turn. Timing
+    # the wait failed 5 of their 6 samples and still ran all three batches, the later ones after
+    # their callers had given up.
+    rm = harness.scorer.reward_model
+    assert rm is not None
+    slow = SlowModel(rm._model, [1.0] * 3)
+    monkeypatch.setattr(rm, "_model", slow)
+
+    async def three_calls() -> list[list[ScoreResult]]:
+        calls = []
+        for c in range(3):
+            two = [RewardSample(sample_id=f"{c}{i}", response="1" * (c + i + 1)) for i in range(2)]
+            calls.append(harness.scorer.score(two, [{"rm": 1.0}] * 2))
+        return list(await asyncio.gather(*calls))
+
+    results = harness.run(three_calls())
+    assert [[r.error for r in call] for call in results] == [["", ""]] * 3
+    assert slow.calls == 3
+
+
+def test_a_reward_model_batch_that_times_out_keeps_the_turn_until_it_ends(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 2 s (past TIMEOUT): the first call times out; the second waits until the model is free
+    # and then has its whole TIMEOUT.
+    rm = harness.scorer.reward_model
+    assert rm is not None
+    monkeypatch.setattr(rm, "_model", SlowModel(rm._model, [2.0, 1.0]))
+
+    async def two_calls() -> list[list[ScoreResult]]:
+        first = asyncio.ensure_future(
+            harness.scorer.score([RewardSample(sample_id="a", response="1")], [{"rm": 1.0}])
+        )
+        await asyncio.sleep(0.1)
+        second = harness.scorer.score([RewardSample(sample_id="b", response="1")], [{"rm": 1.0}])
+        return list(await asyncio.gather(first, second))
+
+    (first,), (second,) = harness.run(two_calls())
+    assert (first.reward, first.error) == (FALLBACK, "rm: timeout: batch not scored in 1.5s")
+    assert second.error == ""
+
+
 def test_code_with_assert_tests_skips_the_main_block(harness: Harness) -> None:
     program = "def add(a, b):\n    return a + b\n\nif __name__ == '__main__':\n    input()\n"
     tests = ["assert add(1, 2) == 3", "assert add(2, 2) == 5"]
