@@ -40,6 +40,9 @@ def _score(response: str, answer: str = GOLD_72, prompt: str = "") -> float:
         "72",
         "#### $72.00",
         "#### 72\n####",  # a trailing empty marker is not an answer
+        # Markdown headings are not `####` answers (once "#### Step 2" read as 2).
+        "#### Step 2: Multiply\n9 * 8 = 72\n\nSo she makes 72 dollars.",
+        "#### Step 2: Multiply\n9 * 8 = 72\n#### Final Answer\n72",
     ],
 )
 def test_model_style_final_answers_of_72_are_read_as_72(response: str) -> None:
@@ -58,6 +61,11 @@ def test_model_style_final_answers_of_72_are_read_as_72(response: str) -> None:
         ("16 - 3 - 4 = 9", Fraction(9)),
         ("He keeps 50% of it, i.e. 50%.", Fraction(50)),
         ("x = .5", Fraction(1, 2)),
+        # LaTeX outside a box, mixed numbers, signs (once 2, 21/2 and -1).
+        (r"The answer is $\frac{1}{2}$", Fraction(1, 2)),
+        (r"\boxed{2\frac{1}{2}}", Fraction(5, 2)),
+        (r"\boxed{\frac{-1}{2}}", Fraction(-1, 2)),
+        (r"\boxed{\dfrac{6}{2}} hours", Fraction(3)),
     ],
 )
 def test_numbers_are_read_with_commas_currency_fractions_signs_and_units(

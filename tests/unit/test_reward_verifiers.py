@@ -123,6 +123,16 @@ def test_length_without_token_ids_for_a_finished_response_is_an_error() -> None:
         ("```\nprint(3)\n```", "print(3)\n"),
         ("print(4)", "print(4)"),
         ("```cpp\nint main(){}\n```", ""),
+        # Fences pair in order: a bash or text block's closing fence is not an opening one.
+        ("```bash\nls\n```\nSolution:\n```python\nprint(5)\n```", "print(5)\n"),
+        ("```text\n5\n```\n```python\nprint(6)\n```", "print(6)\n"),
+        (
+            "```python\nprint(0)\n```\n```output\n0\n```\nFinal:\n```python\nprint(7)\n```",
+            "print(7)\n",
+        ),
+        ("```python\nprint(8)```", "print(8)"),
+        ("Code:\n```Python3 \nprint(9)\n```\n", "print(9)\n"),
+        ("```python\nprint(10)\n", ""),  # truncated: nothing to run
     ],
 )
 def test_the_program_is_the_last_python_fence_or_the_whole_response(

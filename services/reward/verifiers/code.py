@@ -32,18 +32,45 @@ from typing import Any
 
 from kuberl.reward.verifiers import Verdict
 
-_FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
-_LABELLED = re.compile(r"```[ \t]*(\w+)")
+#: An opening fence: three or more backticks and an optional label ending the line.
+_OPEN = re.compile(r"```[ \t]*([\w.+-]*)[ \t]*$")
+_PYTHON = {"", "python", "python3", "py"}
+
+
+def fenced_blocks(response: str) -> list[tuple[str, str]]:
+    """(label, body) of every closed fenced block, fences paired in order line by line.
+
+    A fence that opens a block is a line ending in ``` plus an optional label; the next line
+    ending in ``` closes it (whatever precedes the backticks on that line is the block's last
+    line). Pairing in order keeps the closing fence of a `bash` block from being read as the
+    opening of an unlabelled one. A block left open (a truncated response) is not a block.
+    """
+    blocks: list[tuple[str, str]] = []
+    label: str | None = None
+    body: list[str] = []
+    for line in response.split("\n"):
+        if label is None:
+            opening = _OPEN.search(line)
+            if opening:
+                label, body = opening.group(1).lower(), []
+            continue
+        stripped = line.rstrip()
+        if stripped.endswith("```"):
+            body.append(stripped[:-3])
+            blocks.append((label, "\n".join(body)))
+            label = None
+        else:
+            body.append(line)
+    return blocks
 
 
 def extract_code(response: str) -> str:
-    """The last python (or unlabelled) fenced block, else the whole response."""
-    blocks = [m.group(2) for m in _FENCE.finditer(response)]
-    if blocks:
-        return blocks[-1]
-    if _LABELLED.search(response):  # fences, but none of them Python: nothing to run
-        return ""
-    return response
+    """The last python (or unlabelled) fenced block; "" when there are fences but no such closed
+    block (nothing to run); the whole response when it has no fence at all."""
+    python = [body for label, body in fenced_blocks(response) if label in _PYTHON]
+    if python:
+        return python[-1]
+    return "" if "```" in response else response
 
 
 def parse_tests(metadata: dict[str, Any]) -> list[dict[str, str]]:

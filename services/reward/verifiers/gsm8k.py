@@ -5,15 +5,16 @@ answers are whole worked solutions ending in `#### 72`); an answer without `####
 bare number ("72", "1,234.5"). A gold answer with no number is a verifier error, not a 0.
 
 The model's answer is found by these rules, applied to the response with the prompt removed
-wherever it is echoed verbatim:
+wherever it is echoed verbatim, after LaTeX clean-up (`\frac{a}{b}`, `\dfrac` and `\tfrac` become
+a/b, a mixed number `2\frac{1}{2}` becomes 5/2, `\text{...}` keeps its text, `{,}` is a
+thousands comma, `\$`, `\%`, `\,` and `\!` are dropped):
 
 1. Explicit markers. Every marker in the response is a candidate and the one that starts last
    wins (so a final answer beats an echoed few-shot example or an earlier attempt):
    - `#### <number>`: the number directly after `####` (up to 20 other characters such as
-     `$`, `**`, `:` may come between, no digit and no line break);
-   - `\boxed{...}` / `\fbox{...}`: the first number inside the braces, after LaTeX clean-up
-     (`\frac{a}{b}` and `\dfrac` become a/b, `\text{...}` keeps its text, `{,}` is a
-     thousands comma, `\$`, `\%`, `\,` and `\!` are dropped);
+     `$`, `**`, `:` may come between, but no letter, digit or line break: a Markdown heading
+     `#### Step 2` is not an answer);
+   - `\boxed{...}` / `\fbox{...}`: the first number inside the braces;
    - `answer is / answer: / answer = / final answer ...` (any case): the number directly after;
    - a line starting with `A:` (possibly in bold): the number directly after.
    A marker with no number after it is not a candidate (`#### ` twice, the second empty, reads
@@ -50,7 +51,7 @@ _NUM = (
     r"(?:/\d+(?:\.\d+)?)?"  # a fraction's denominator
 )
 NUMBER = re.compile(_NUM)
-_HASH = re.compile(r"####[^\d\n]{0,20}?(" + _NUM + ")")
+_HASH = re.compile(r"####[^\w\n]{0,20}?(" + _NUM + ")")
 _ANSWER = re.compile(
     r"(?i)\b(?:final\s+answer|answer)\b\s*(?:is|was|would\s+be|will\s+be|should\s+be|=|:)"
     r"[\s:=$*_`(\\\[]{0,12}?(" + _NUM + ")"
@@ -58,6 +59,8 @@ _ANSWER = re.compile(
 _A_LINE = re.compile(r"(?m)^[ \t]*(?:\*\*)?A(?:\*\*)?[ \t]*:[ \t]*(?:\*\*)?[ \t$]*(" + _NUM + ")")
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _FRAC = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
+_MIXED = re.compile(r"(?<![\d.])(\d+)\s*\\[dt]?frac\s*\{\s*(\d+)\s*\}\s*\{\s*(\d+)\s*\}")
+_PARENS_FRACTION = re.compile(r"\((-?\d+)\)/\((-?\d+)\)")
 _TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{([^{}]*)\}")
 _CURRENCY = re.compile(r"[$€£¥]")
 # A hedge: another number offered as an alternative right after (or, for the last number,
@@ -101,18 +104,29 @@ def _boxed_contents(text: str) -> list[tuple[int, str]]:
     return found
 
 
+def _fraction_text(numerator: str, denominator: str) -> str:
+    if int(denominator) == 0:
+        return f"{numerator}/{denominator}"
+    value = Fraction(int(numerator), int(denominator))
+    return str(value)  # "-1/2", or "3" for 6/2
+
+
 def _latex_to_text(latex: str) -> str:
     text = latex.replace("{,}", ",").replace("\\$", "").replace("\\%", "%")
+    # A mixed number: 2\frac{1}{2} is 5/2 (not 21/2).
+    text = _MIXED.sub(
+        lambda m: " " + _fraction_text(str(int(m[1]) * int(m[3]) + int(m[2])), m[3]), text
+    )
     for _ in range(3):  # nested \frac / \text
-        text = _FRAC.sub(r"(\1)/(\2)", text)
+        text = _FRAC.sub(r" (\1)/(\2)", text)
         text = _TEXT.sub(r" \1 ", text)
-    text = re.sub(r"\((\d+)\)/\((\d+)\)", r"\1/\2", text)
+    text = _PARENS_FRACTION.sub(lambda m: _fraction_text(m[1], m[2]), text)
     return re.sub(r"\\[,!;: ]", "", text)
 
 
 def extract_answer(response: str, prompt: str = "") -> Extraction:
     """The model's final number in `response` by the rules of this module's docstring."""
-    text = _clean(response.replace(prompt, " ") if prompt.strip() else response)
+    text = _clean(_latex_to_text(response.replace(prompt, " ") if prompt.strip() else response))
     candidates: list[tuple[int, str, str, bool]] = []  # (start, number text, rule, hedged)
     for pattern, rule in ((_HASH, "####"), (_ANSWER, "answer"), (_A_LINE, "A:")):
         for m in pattern.finditer(text):
