@@ -377,8 +377,9 @@ class SandboxConfig(Section):
     )
     require_isolation: bool = Field(
         False,
-        description="Refuse to start unless runs get their own network namespace and a "
-        "dedicated uid (the service runs as root on a kernel that allows namespaces). Without "
+        description="Refuse to start unless runs get their own network namespace, private "
+        "/tmp, /var/tmp and /dev/shm (a mount namespace) and a dedicated uid (the service runs "
+        "as root on a kernel that allows namespaces). Without "
         "it, the sandbox falls back to what it can get (a user-namespace network namespace, "
         "rlimits, process-tree cleanup) and logs a warning.",
     )

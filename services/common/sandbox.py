@@ -51,6 +51,8 @@ LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")
 # Seconds the launcher gets beyond the run's deadline to clean up and report before the
 # service stops trusting it.
 BACKSTOP_SECONDS = 3.0
+#: What each aspect of a launcher's isolation report is when a run is fully isolated (as root).
+FULL_ISOLATION = {"network": "namespace", "files": "private", "uid": "dedicated"}
 PR_SET_DUMPABLE = 4
 
 
@@ -342,6 +344,5 @@ class Sandbox:
 
     @property
     def fully_isolated(self) -> bool:
-        return self.isolation.get("network") == "namespace" and self.isolation.get("uid") == (
-            "dedicated"
-        )
+        """Own network namespace, private /tmp, /var/tmp and /dev/shm, and a dedicated uid."""
+        return all(self.isolation.get(aspect) == good for aspect, good in FULL_ISOLATION.items())

@@ -28,7 +28,7 @@ from kuberl.common import metrics
 from kuberl.common.config import BUILTIN_VERIFIERS, JobConfig
 from kuberl.common.errors import InvalidArgument
 from kuberl.common.logs import get_logger
-from kuberl.common.sandbox import Sandbox, SandboxError
+from kuberl.common.sandbox import FULL_ISOLATION, Sandbox, SandboxError
 from kuberl.reward.pool import WorkerPool
 from kuberl.reward.sample import RewardSample
 from kuberl.reward.verifiers import BUILTINS, Backend, Verdict, VerifierFailure, as_verdict
@@ -151,7 +151,7 @@ class Scorer:
             del self._backends["code"]
             log.warning("sandbox.unavailable", error=str(exc)[:500])
             return
-        for aspect, good in (("network", "namespace"), ("files", "private"), ("uid", "dedicated")):
+        for aspect, good in FULL_ISOLATION.items():
             _isolation.labels(aspect).set(1.0 if isolation.get(aspect) == good else 0.0)
         for slot, uid in enumerate(self.sandbox.uids):
             _sandbox_uids.labels(str(slot)).set(uid)
@@ -160,7 +160,7 @@ class Scorer:
         elif self.config.sandbox.require_isolation:
             raise RuntimeError(
                 f"reward.sandbox.require_isolation is set but the code sandbox only gets "
-                f"{isolation} here (needs root and network namespaces)"
+                f"{isolation} here (needs root, network and mount namespaces)"
             )
         else:
             log.warning("sandbox.weak_isolation", **isolation)

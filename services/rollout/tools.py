@@ -38,7 +38,7 @@ from typing import Any
 from kuberl.common.config import TOOL_RESPONSE_TEMPLATE, MultiTurnConfig, SandboxConfig
 from kuberl.common.logs import get_logger
 from kuberl.common.plugins import load_plugin
-from kuberl.common.sandbox import Sandbox, SandboxError
+from kuberl.common.sandbox import FULL_ISOLATION, Sandbox, SandboxError
 from kuberl.rollout import metrics as m
 
 log = get_logger(__name__)
@@ -201,14 +201,14 @@ class PythonTool:
 
     async def _probe(self) -> None:
         isolation = await self.sandbox.probe()
-        for aspect, good in (("network", "namespace"), ("files", "private"), ("uid", "dedicated")):
+        for aspect, good in FULL_ISOLATION.items():
             m.TOOL_SANDBOX_ISOLATED.labels(aspect).set(float(isolation.get(aspect) == good))
         if self.sandbox.fully_isolated:
             log.info("tool.python.isolation", **isolation)
         elif self.config.require_isolation:
             raise RuntimeError(
                 f"{self.sandbox.setting}.require_isolation is set but the python tool's sandbox "
-                f"only gets {isolation} here (needs root and network namespaces)"
+                f"only gets {isolation} here (needs root, network and mount namespaces)"
             )
         else:
             log.warning("tool.python.weak_isolation", **isolation)

@@ -414,3 +414,32 @@ def test_a_broken_sandbox_only_disables_code_for_a_job_that_does_not_use_it() ->
     asyncio.run(scorer._probe_sandbox())
     with pytest.raises(InvalidArgument, match="unknown verifier 'code'"):
         scorer.combination(["code"], "s1")
+
+
+@pytest.mark.parametrize(
+    ("report", "starts"),
+    [
+        ({"network": "namespace", "files": "private", "uid": "dedicated"}, True),
+        # A mount namespace refused: runs would share the host's /tmp and /dev/shm (once let
+        # through, only network and uid were checked).
+        ({"network": "namespace", "files": "shared", "uid": "dedicated"}, False),
+        ({"network": "none", "files": "private", "uid": "dedicated"}, False),
+        ({"network": "namespace", "files": "private", "uid": "shared"}, False),
+    ],
+)
+def test_require_isolation_refuses_a_sandbox_short_of_any_aspect(
+    report: dict[str, str], starts: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = {"verifiers": {"code": 1.0}, "sandbox": {"require_isolation": True}}
+    scorer = Scorer(parse_job_config({"reward": job}, env={}))
+
+    async def probe() -> dict[str, str]:  # what the launcher reported on such a host
+        scorer.sandbox.isolation = report
+        return report
+
+    monkeypatch.setattr(scorer.sandbox, "probe", probe)
+    if starts:
+        asyncio.run(scorer._probe_sandbox())
+    else:
+        with pytest.raises(RuntimeError, match="require_isolation is set"):
+            asyncio.run(scorer._probe_sandbox())

@@ -195,9 +195,20 @@ def test_numbers_bools_and_verdicts_are_valid_scores(value: object, expected: fl
         ("1.0", "bad_return"),
         (None, "bad_return"),
         (Verdict(1.0, {"x": math.nan}), "non_finite"),
+        (Verdict(1.0, {"x": "high"}), "bad_return"),  # type: ignore[dict-item]
     ],
 )
 def test_nan_infinity_and_non_numbers_are_refused(value: object, reason: str) -> None:
     with pytest.raises(VerifierFailure) as err:
         as_verdict(value, "v")
     assert err.value.reason == reason
+
+
+def test_numpy_scores_and_extras_become_plain_floats_a_worker_can_send() -> None:
+    # np.float32 extras once crashed the worker's json.dumps (reported as worker_died).
+    import json
+
+    import numpy as np
+
+    verdict = as_verdict(Verdict(np.float32(1.0), {"x": np.float32(0.5), "n": np.int64(3)}), "v")
+    assert json.dumps([verdict.score, verdict.extras]) == '[1.0, {"x": 0.5, "n": 3.0}]'

@@ -95,28 +95,30 @@ BUILTINS: dict[str, BuiltinVerifier] = {
 
 def as_verdict(value: object, what: str) -> Verdict:
     """Check a verifier's return value: a finite number (bool and int count) or a Verdict."""
+    score = value.score if isinstance(value, Verdict) else value
+    checked = _finite(score, what, value)
     if isinstance(value, Verdict):
-        score: object = value.score
-    else:
-        score = value
-    if isinstance(score, bool):
-        score = float(score)
-    if not isinstance(score, int | float):
+        # Plain floats: numpy scalars in the extras once crashed the worker's json.dumps.
+        extras = {str(k): _finite(v, f"{what} extra {k!r}", v) for k, v in value.extras.items()}
+        return Verdict(checked, extras, str(value.details))
+    return Verdict(checked)
+
+
+def _finite(number: object, what: str, returned: object) -> float:
+    """`number` as a finite plain float; VerifierFailure when it is not a number or not finite."""
+    if isinstance(number, bool):
+        number = float(number)
+    if not isinstance(number, int | float):
         # numpy scalars and 0-d tensors have __float__; strings are refused, not parsed.
         try:
-            if isinstance(score, str | bytes) or not hasattr(score, "__float__"):
+            if isinstance(number, str | bytes) or not hasattr(number, "__float__"):
                 raise TypeError
-            score = float(score)  # type: ignore[arg-type]
+            number = float(number)  # type: ignore[arg-type]
         except (TypeError, ValueError):
             raise VerifierFailure(
-                "bad_return", f"{what} returned {type(value).__name__}, expected a number"
+                "bad_return", f"{what} returned {type(returned).__name__}, expected a number"
             ) from None
-    score = float(score)
-    if not math.isfinite(score):
-        raise VerifierFailure("non_finite", f"{what} returned {score}")
-    if isinstance(value, Verdict):
-        for key, extra in value.extras.items():
-            if not math.isfinite(extra):
-                raise VerifierFailure("non_finite", f"{what} returned {key}={extra}")
-        return Verdict(score, dict(value.extras), value.details)
-    return Verdict(score)
+    number = float(number)
+    if not math.isfinite(number):
+        raise VerifierFailure("non_finite", f"{what} returned {number}")
+    return number
