@@ -23,6 +23,7 @@ from typing import Any
 
 from kuberl.common.config import JobConfig
 from kuberl.common.plugins import PluginError, load_plugin
+from kuberl.common.trajectory import FINISH_REASONS
 from kuberl.rollout.engine.base import Completion, Engine, SamplingParams
 
 
@@ -49,8 +50,10 @@ class Sample:
     logprobs: list[float]  # engine logprob per token; any value where loss_mask is 0
     finish_reason: str = "stop"  # stop / length / abort / turn_limit
     loss_mask: list[int] | None = None  # None = train on every token
-    version_start: int = 0
-    version_end: int = 0
+    # The policy versions the sample was generated with; None: the worker stamps the engine's
+    # version from before and after the rollout function ran.
+    version_start: int | None = None
+    version_end: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     engine_queue_seconds: float = 0.0
 
@@ -66,12 +69,23 @@ class Sample:
         )
 
     def check(self) -> None:
+        """ValueError when the sample cannot become a trajectory (so that it fails its own group,
+        not the batch around it)."""
         n = len(self.token_ids)
         if len(self.logprobs) != n or (self.loss_mask is not None and len(self.loss_mask) != n):
             raise ValueError(
                 f"sample has {n} tokens, {len(self.logprobs)} logprobs and "
                 f"{'no' if self.loss_mask is None else len(self.loss_mask)} loss-mask entries"
             )
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(
+                f"sample finish_reason {self.finish_reason!r}; expected one of "
+                f"{', '.join(FINISH_REASONS)}"
+            )
+        try:
+            json.dumps(self.metadata)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"sample metadata must be JSON-serialisable: {exc}") from None
 
 
 @dataclass

@@ -60,7 +60,8 @@ GROUPS_PUT = metrics.counter(
 )
 FAILURES = metrics.counter(
     "kuberl_rollout_failures_total",
-    "Batches or prompts that could not be finished, by stage (generate, score, put, lease)",
+    "Batches, prompts or engine calls that failed, by stage (lease, tokenize, generate, score, "
+    "put, release, resume, abort, batch)",
     ["stage"],
 )
 RPC_RETRIES = metrics.counter(

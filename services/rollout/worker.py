@@ -75,6 +75,9 @@ TRANSIENT = {
 }
 # A group aborted this many times (weight updates, pauses) is released to the buffer instead.
 MAX_REGENERATIONS = 8
+#: How long resuming or aborting the engine may take (its own retries included) before the
+#: replica goes on without it.
+CONTROL_SECONDS = 30.0
 
 
 class CallFailed(Exception):
@@ -350,6 +353,11 @@ class RolloutWorker:
                 return  # released in `finally`
             groups = [self._group(d, rewards, score_seconds, kind) for d in done]
             await self._put(kind, groups, [d.item.lease_id for d in done])
+        except Exception as exc:  # a defect, not an outage: count it and back off like one
+            m.FAILURES.labels("batch").inc()
+            self._gen_errors += 1
+            failed = True
+            log.error("batch.failed", prompts=len(prompts), error=f"{exc!r}"[:500])
         finally:
             left = [lid for lid in lease_ids if lid in self._inflight]
             if left:
@@ -373,6 +381,7 @@ class RolloutWorker:
             updates_before = len(gen.aborted_by)
             self._generating.add(gen)
             try:
+                version_before = self.engine.version
                 samples = await self.rollout_fn(self.ctx, item)
                 if len(samples) != self.rc.group_size:
                     raise ValueError(
@@ -381,6 +390,12 @@ class RolloutWorker:
                     )
                 for s in samples:
                     s.check()
+                    # A custom function that leaves them out gets the engine's versions (once
+                    # 0, which the buffer dropped as stale again and again).
+                    if s.version_start is None:
+                        s.version_start = version_before
+                    if s.version_end is None:
+                        s.version_end = self.engine.version
             except Exception as exc:
                 m.REQUESTS.labels("error").inc()
                 m.FAILURES.labels("generate").inc()
@@ -481,8 +496,8 @@ class RolloutWorker:
                     reward=score.reward,
                     reward_breakdown=dict(score.breakdown),
                     finish_reason=s.finish_reason,
-                    policy_version_start=s.version_start,
-                    policy_version_end=s.version_end,
+                    policy_version_start=s.version_start or 0,  # set in _generate_group
+                    policy_version_end=s.version_end or 0,
                     queued_seconds=d.queued_seconds,
                     generate_seconds=d.generate_seconds,
                     score_seconds=score_seconds,
@@ -590,7 +605,7 @@ class RolloutWorker:
         self._paused = False
         if not self._loading:
             await self.engine.resume()
-        if not self._update_lock.locked():
+        if not self._update_lock.locked() and not self._stopping:
             self.state = "running"
         self._lease_gate.set()
         log.info("replica.resumed")
@@ -657,10 +672,12 @@ class RolloutWorker:
             finally:
                 self._loading = False
                 if not self._paused:
-                    await self.engine.resume()
+                    await self._resume_engine("weight_update")
                 self._gen_gate.set()
-                # A Pause or Resume may have come while the update ran.
-                if self._paused:
+                # A Pause, Resume or drain may have come while the update ran.
+                if self._stopping:
+                    self.state = "draining"
+                elif self._paused:
                     self.state = "paused"
                 elif previous in ("updating_weights", "paused"):
                     self.state = "running"
@@ -676,6 +693,16 @@ class RolloutWorker:
                 policy=self.rc.on_weight_update,
                 seconds=round(time.monotonic() - started, 3),
             )
+
+    async def _resume_engine(self, after: str) -> None:
+        """Resume the engine; a failure (e.g. the SGLang server restarting, after the engine's
+        own retries) is logged and counted, and never keeps the generation gate shut: the
+        generations then meet the engine's own errors, which fail and release their groups."""
+        try:
+            await asyncio.wait_for(self.engine.resume(), CONTROL_SECONDS)
+        except Exception as exc:
+            m.FAILURES.labels("resume").inc()
+            log.error("engine.resume_failed", after=after, error=f"{type(exc).__name__}: {exc}")
 
     async def drain(self, timeout: float | None = None) -> tuple[int, int]:
         """Stop leasing; let in-flight batches finish within timeout, then abort generation
@@ -697,12 +724,20 @@ class RolloutWorker:
         if self._batches:
             self._aborting = True
             self._gen_gate.set()
-            await self.engine.abort_all()
-            if self._paused:
-                await self.engine.resume()  # let aborted requests come back
-            _, pending = await asyncio.wait(
-                set(self._batches), timeout=max(10.0, self.rc.rpc_timeout_seconds)
-            )
+            # Aborted requests come back at once; if the engine could not abort (it is down),
+            # nothing comes back, and the batches are cancelled now.
+            wait = max(10.0, self.rc.rpc_timeout_seconds)
+            try:
+                await asyncio.wait_for(self.engine.abort_all(), CONTROL_SECONDS)
+            except Exception as exc:
+                wait = 0.0
+                m.FAILURES.labels("abort").inc()
+                log.error("engine.abort_failed", error=f"{type(exc).__name__}: {exc}")
+            if self._paused and wait:
+                await self._resume_engine("drain")  # let aborted requests come back
+            pending = set(self._batches)
+            if wait:
+                _, pending = await asyncio.wait(pending, timeout=wait)
             for task in pending:  # stuck in a call: cancelling releases its prompts
                 task.cancel()
             if pending:

@@ -73,6 +73,31 @@ async def failing_rollout(context: Any, prompt: Any) -> list[Any]:
     return await default_rollout(context, prompt)
 
 
+async def misreported_rollout(context: Any, prompt: Any) -> list[Any]:
+    """The default rollout, except that `train:0`'s samples end with a finish reason no
+    trajectory has ("eos") and `train:1`'s carry metadata JSON cannot hold (a set)."""
+    from kuberl.rollout.functions import default_rollout
+
+    samples = await default_rollout(context, prompt)
+    for sample in samples:
+        if prompt.prompt_id == "train:0":
+            sample.finish_reason = "eos"
+        elif prompt.prompt_id == "train:1":
+            sample.metadata = {"seen": {1, 2}}
+    return samples
+
+
+async def unversioned_rollout(context: Any, prompt: Any) -> list[Any]:
+    """The default rollout's samples rebuilt without their policy versions, as a custom function
+    that does not know about them would build them."""
+    from kuberl.rollout.functions import Sample, default_rollout
+
+    return [
+        Sample(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=s.finish_reason)
+        for s in await default_rollout(context, prompt)
+    ]
+
+
 class _Sample:
     def __init__(self, response: str) -> None:
         self.response = response

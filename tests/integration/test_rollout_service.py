@@ -40,7 +40,7 @@ from kuberl.common.modelbuild import build_model, load_tokenizer
 from kuberl.common.redis_server import EmbeddedRedis, PortReservation
 from kuberl.common.trajectory import Group
 from kuberl.rollout import metrics as m
-from kuberl.rollout.engine.base import Engine
+from kuberl.rollout.engine.base import Engine, EngineUnavailable
 from kuberl.rollout.engine.sglang import SGLangEngine
 from kuberl.rollout.engine.torch_engine import TorchEngine
 from kuberl.rollout.testing import build_tokenizer
@@ -826,6 +826,128 @@ def test_a_prompt_whose_function_fails_is_released_and_retried_with_backoff(env,
     assert stats.counters["train:released"] >= 3 and "train:0" not in {
         g.prompt_id for g in buffer.take_all(2)
     }
+
+
+def test_samples_a_trajectory_cannot_hold_fail_their_own_group_and_not_the_batch(env, job) -> None:
+    # One batch of 4: train:0's samples say finish_reason "eos", train:1's metadata is a set.
+    # Those two groups fail (counted, released, retried with backoff); the other two are put.
+    # Once, either raised outside the group's own handling: the whole batch was released,
+    # uncounted and without backoff, thousands of leases a second.
+    config, buffer, address = job(
+        prompts=4,
+        rollout={
+            "rollout_function": f"{PLUGINS}:misreported_rollout",
+            "prompts_per_batch": 4,
+            "batches_in_flight": 1,
+            "retry_initial_seconds": 0.5,
+            "retry_max_seconds": 0.5,
+        },
+    )
+    errors = ("kuberl_rollout_failures_total", {"stage": "generate"})
+
+    async def go() -> tuple[int, float]:
+        before = _metric(errors[0], **errors[1])
+        async with Loop(env, config, address) as worker:
+            await _until(lambda: worker.groups_put == 2, 60, "the two good groups")
+            await asyncio.sleep(1.0)
+            return worker.groups_put, _metric(errors[0], **errors[1]) - before
+
+    put, failed = asyncio.run(go())
+    stats = buffer.stub.GetStats(bpb.GetStatsRequest(), timeout=10)
+    assert {g.prompt_id for g in buffer.take_all(2)} == {"train:2", "train:3"}
+    # Backing off 0.5 s a batch: a handful of failed groups in ~1-2 s, not thousands.
+    assert (put, 2 <= failed <= 16) == (2, True), failed
+    assert stats.counters["train:leased"] <= 40
+
+
+def test_samples_without_policy_versions_get_the_engines(env, job) -> None:
+    # A custom function that builds its samples without versions: they were stamped 0, which
+    # the buffer drops as stale once the trainer is max_staleness past it, again and again.
+    config, buffer, address = job(
+        prompts=2, rollout={"rollout_function": f"{PLUGINS}:unversioned_rollout"}
+    )
+    engine = TorchEngine.from_pretrained(env.model, max_batch_size=64)
+
+    async def go() -> None:
+        await engine.load_weights(_other_weights(env), 3)
+        async with Loop(env, config, address, engine=engine) as worker:
+            await _until(lambda: worker.groups_put == 2, what="both groups")
+
+    asyncio.run(go())
+    versions = {
+        (t.policy_version_start, t.policy_version_end)
+        for g in buffer.take_all(2)
+        for t in g.trajectories
+    }
+    assert versions == {(3, 3)}
+
+
+def test_an_engine_that_fails_to_resume_after_an_update_does_not_stop_generation(env, job) -> None:
+    # An SGLang server that restarts during an update: it comes back unpaused, but the call to
+    # continue generation fails (a stand-in: the real torch engine resumes, then the call
+    # raises). Resume in the update's `finally` used to raise there, before the generation gate
+    # was opened: every group waited on it for good, holding its lease.
+    config, buffer, address = job(
+        prompts=4,
+        rollout={
+            "on_weight_update": "abort",
+            "batches_in_flight": 1,
+            "sampling": {"max_new_tokens": 300, "ignore_eos": True},
+        },
+    )
+    engine = TorchEngine.from_pretrained(env.model, max_batch_size=64)
+    new = _other_weights(env)
+    real_resume = engine.resume
+
+    async def restarted_resume() -> None:
+        await real_resume()
+        raise EngineUnavailable("POST /continue_generation failed after 4 attempt(s)")
+
+    failures = ("kuberl_rollout_failures_total", {"stage": "resume"})
+
+    async def go() -> tuple[int, str, float]:
+        before = _metric(failures[0], **failures[1])
+        async with Loop(env, config, address, engine=engine) as worker:
+            await _until(lambda: worker._generating, what="a generation in flight")
+            engine.resume = restarted_resume  # type: ignore[method-assign]
+            await worker.apply_weight_update(1, lambda: engine.load_weights(new, 1))
+            engine.resume = real_resume  # type: ignore[method-assign]
+            await _until(lambda: worker.groups_put == 4, 120, "all groups")
+            return worker.groups_put, worker.state, _metric(failures[0], **failures[1]) - before
+
+    assert asyncio.run(go()) == (4, "running", 1.0)
+    assert len(buffer.take_all(4)) == 4
+
+
+def test_drain_releases_in_flight_prompts_even_when_the_engine_cannot_abort(env, job) -> None:
+    # An engine that is down cannot abort: drain used to raise there, releasing nothing and
+    # skipping the replica's LeaveEngine and channel closing. Now it cancels the batches, which
+    # release their prompts, at once.
+    config, buffer, address = job(
+        prompts=4, rollout={"sampling": {"max_new_tokens": 800, "ignore_eos": True}}
+    )
+    engine = TorchEngine.from_pretrained(env.model, max_batch_size=64)
+
+    async def unreachable() -> int:
+        raise EngineUnavailable("POST /abort_request failed after 4 attempt(s)")
+
+    async def go() -> tuple[int, int, float]:
+        loop = Loop(env, config, address, engine=engine)
+        worker = await loop.__aenter__()
+        await _until(lambda: len(worker._generating) == 4, what="both batches generating")
+        engine.abort_all = unreachable  # type: ignore[method-assign]
+        started = time.monotonic()
+        result = await worker.drain(0)
+        seconds = time.monotonic() - started
+        await loop.__aexit__()
+        return (*result, seconds)
+
+    finished, released, seconds = asyncio.run(go())
+    again = buffer.stub.LeasePrompts(
+        bpb.LeasePromptsRequest(max_prompts=10, consumer="another-replica"), timeout=30
+    )
+    # Released, not left to the 60 s lease timeout: another replica gets all four at once.
+    assert (finished, released, seconds < 5, len(again.prompts)) == (0, 4, True, 4), seconds
 
 
 def test_an_abort_update_regenerates_a_group_caught_between_engine_calls(env, job) -> None:
