@@ -71,11 +71,12 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "monitoring": {
         "metrics": {
             "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
-            "podMonitor": {"enabled": True},
             "prometheusRule": {"enabled": True},
         },
         "dashboards": {"annotations": {"grafana_folder": "kuberl"}},
     },
+    # Pods scraped directly instead of through their Services (one or the other, never both).
+    "monitoring-pods": {"metrics": {"podMonitor": {"enabled": True}}},
     "mutual-tls": {
         "tls": {"enabled": True, "secretName": "kuberl-grpc-tls"},
     },

@@ -436,3 +436,56 @@ def test_the_rollout_worker_may_wait_as_long_as_sglang_takes_to_load() -> None:
 
     # The worker reports SERVING only after its engine (SGLang) is up and has the current weights.
     assert startup_seconds("rollout") > startup_seconds("sglang") == 1800
+
+
+def test_the_trainer_may_take_its_startup_seconds_to_rendezvous_and_load() -> None:
+    # Rank 0 binds its gRPC port only after torchrun's rendezvous (every node's pod scheduled,
+    # its image pulled), then waits for the buffer, loads the model and builds DeepSpeed. With
+    # the global 300 s startup budget the kubelet restarted it in a loop.
+    def startup_seconds(**overrides: Any) -> int:
+        master = render("multi-node-trainer", **overrides).get("StatefulSet", "trainer")
+        probe = _container(master, "trainer")["startupProbe"]
+        return int(probe["periodSeconds"] * probe["failureThreshold"])
+
+    assert startup_seconds() == 3600
+    assert startup_seconds(trainer={"startupSeconds": 7200}) == 7200
+
+
+def test_torch_compile_caches_go_to_the_trainers_cache_volume() -> None:
+    trainer = _container(render("defaults").get("StatefulSet", "trainer"), "trainer")
+    env = _env(trainer)
+    mounted = {m["mountPath"] for m in trainer["volumeMounts"]}
+    caches = [env[name] for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")]
+    assert all(c.startswith("/var/cache/kuberl/") for c in caches)
+    assert "/var/cache/kuberl" in mounted
+
+
+def test_every_statefulset_name_leaves_room_for_its_pods_revision_label() -> None:
+    # The controller-revision-hash label (63 characters at most) is the StatefulSet's name, a
+    # dash and a 10-character hash: a longer name and its pods are never created. A 36-character
+    # release made the worker StatefulSet 55 characters.
+    values = render_values(
+        VALUE_SETS["multi-node-trainer"], release="gsm8k-qwen25-7b-grpo-experiment-0042"
+    )
+    names = {d["metadata"]["name"] for d in values.all("StatefulSet")}
+    assert len(names) == 3 and {n for n in names if len(n) > 52} == set()
+
+
+def test_sglang_without_the_policys_weights_in_model_path_fails_with_a_clear_message() -> None:
+    from helm_python import HelmRenderError
+
+    # SGLang would serve Qwen while the trainer and the rollout worker built a tiny random model.
+    values = {"model": {"path": ""}, "rollout": {"sglang": {"model": "Qwen/Qwen2.5-7B-Instruct"}}}
+    with pytest.raises(HelmRenderError, match="needs the policy's weights in model.path"):
+        render_values(values)
+    job_path = {**values, "job": {"model": {"path": "/models/qwen"}}}
+    assert render_values(job_path).get("Deployment", "rollout")
+
+
+def test_scraping_pods_and_services_both_is_refused_as_double_counting() -> None:
+    from helm_python import HelmRenderError
+
+    both = {"metrics": {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": True}}}
+    with pytest.raises(HelmRenderError, match="scrape every kuberl pod twice"):
+        render_values(both)
+    assert render("monitoring-pods").all("PodMonitor")

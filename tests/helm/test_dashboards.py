@@ -125,14 +125,19 @@ def test_alerts_fire_on_a_stalled_job_and_stay_quiet_on_a_healthy_one(tmp_path: 
         series("kuberl_trainer_steps_total", "50+0x40", ',mode="rl"'),
         series("kuberl_buffer_groups_pending", "0+1x40", ',kind="train"'),
         series("kuberl_trainer_policy_version", "10+0x40"),
+        series("kuberl_weight_sync_version", "10+0x40"),
         series("kuberl_rollout_engine_version", "5+0x40"),
     ]
     healthy = [
         series("kuberl_rollout_generated_tokens_total", "0+500x40", ',kind="train"'),
         series("kuberl_trainer_steps_total", "0+1x40", ',mode="rl"'),
         series("kuberl_buffer_groups_pending", "4+0x40", ',kind="train"'),
-        series("kuberl_trainer_policy_version", "0+1x40"),
-        series("kuberl_rollout_engine_version", "0+1x40"),
+        # publish_every 3: the trainer runs ahead of what is published; one replica is still
+        # starting (SGLang loading) at version 0. Neither is lag.
+        series("kuberl_trainer_policy_version", "0+3x40"),
+        series("kuberl_weight_sync_version", "0+1x40"),
+        series("kuberl_rollout_engine_version", "0+1x40", ',pod="rollout-a"'),
+        series("kuberl_rollout_engine_version", "0+0x40", ',pod="rollout-b"'),
     ]
     alerts = [
         "KuberlRolloutStalled",

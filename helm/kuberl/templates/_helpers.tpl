@@ -167,7 +167,11 @@ both use it.
 {{- $_ := set (get $wiring "weight_sync") "device" "cuda" }}
 {{- end }}
 {{- end }}
-{{- toYaml (mergeOverwrite $job $wiring) }}
+{{- $merged := mergeOverwrite $job $wiring }}
+{{- if and .Values.rollout.sglang.enabled (not (dig "model" "path" "" $merged)) }}
+{{- fail "rollout.sglang.enabled needs the policy's weights in model.path (or job.model.path): without it the trainer and the rollout worker build a tiny random model while SGLang serves another one (rollout.sglang.model must be the same weights as model.path)" }}
+{{- end }}
+{{- toYaml $merged }}
 {{- end }}
 
 {{/* The folder, in both containers of a rollout pod, where SGLang weight snapshots are written and read (/update_weights_from_disk). */}}
