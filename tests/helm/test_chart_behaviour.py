@@ -489,3 +489,14 @@ def test_scraping_pods_and_services_both_is_refused_as_double_counting() -> None
     with pytest.raises(HelmRenderError, match="scrape every kuberl pod twice"):
         render_values(both)
     assert render("monitoring-pods").all("PodMonitor")
+
+
+@pytest.mark.parametrize(("drain", "sleep"), [(None, 45), (60, 75)])
+def test_sglang_outlives_the_rollout_workers_drain(drain: int | None, sleep: int) -> None:
+    # Both containers get SIGTERM at once; the worker's drain lets in-flight prompts finish on
+    # SGLang, which must still be up: it is signalled drain_seconds + 15 s later.
+    job = {} if drain is None else {"job": {"rollout": {"drain_seconds": drain}}}
+    rollout = render("defaults", **job).get("Deployment", "rollout")
+    pre_stop = _container(rollout, "sglang")["lifecycle"]["preStop"]["exec"]["command"]
+    grace = pod_spec(rollout)["terminationGracePeriodSeconds"]
+    assert (pre_stop, sleep < grace) == (["sleep", str(sleep)], True)
