@@ -435,7 +435,10 @@ class RewardConfig(Section):
     )
     workers: int = Field(2, ge=1, description="Processes scoring CPU-bound verifiers.")
     length_soft_limit: int = Field(
-        0, ge=0, description="DAPO overlong penalty starts here (0 = max_new_tokens - buffer)."
+        0,
+        ge=0,
+        description="DAPO overlong penalty starts here (0 = max_new_tokens - buffer, or "
+        "max_new_tokens - 1 with no buffer: a response cut at the budget gets -1).",
     )
     length_penalty_buffer: int = Field(
         0, ge=0, description="Tokens over which the penalty grows linearly from 0 to -1."

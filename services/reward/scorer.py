@@ -122,9 +122,11 @@ class Scorer:
                 self._backends[name] = "async"
             else:
                 self._backends[name] = "pool"
-        buffer = self.config.length_penalty_buffer
-        self.length_soft_limit = self.config.length_soft_limit or max(
-            job.rollout.sampling.max_new_tokens - buffer, 0
+        self.length_soft_limit = (
+            self.config.length_soft_limit
+            or length_verifier.default_soft_limit(
+                job.rollout.sampling.max_new_tokens, self.config.length_penalty_buffer
+            )
         )
 
     @property

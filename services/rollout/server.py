@@ -289,7 +289,7 @@ class RolloutService(Service):
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, suffix=".safetensors", delete=False) as f:
             f.write(safetensors_header(manifest))
-            f.write(memoryview(flat.numpy()).cast("B"))  # no second copy of the model
+            f.write(flat.numpy().data)  # a view: no second copy of the model
         try:
             self._in_loop(got, lambda: engine.apply_snapshot(Path(f.name), got, folder))
         finally:  # moved into place when applied; a model-sized file never stays behind

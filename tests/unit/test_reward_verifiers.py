@@ -111,6 +111,25 @@ def test_a_truncated_sample_without_token_ids_gets_the_full_penalty() -> None:
     assert length.score(sample, 80, 20).score == -1.0
 
 
+@pytest.mark.parametrize("tokens", [None, 256])
+def test_with_the_default_settings_a_response_cut_at_the_budget_gets_minus_one(
+    tokens: int | None,
+) -> None:
+    # Default job: no soft limit, no buffer, max_new_tokens 256. The soft limit was once 256,
+    # which no response exceeds: the default penalised nothing.
+    from kuberl.common.config import parse_job_config
+
+    job = parse_job_config({"rollout": {"sampling": {"max_new_tokens": 256}}}, env={})
+    soft = job.reward.length_soft_limit or length.default_soft_limit(
+        job.rollout.sampling.max_new_tokens, job.reward.length_penalty_buffer
+    )
+    buffer = job.reward.length_penalty_buffer
+    ids = [] if tokens is None else [1] * tokens
+    cut = RewardSample(response="x", response_token_ids=ids, finish_reason="length")
+    shorter = RewardSample(response="x", response_token_ids=[1] * 255, finish_reason="stop")
+    assert [length.score(s, soft, buffer).score for s in (cut, shorter)] == [-1.0, 0.0]
+
+
 def test_length_without_token_ids_for_a_finished_response_is_an_error() -> None:
     with pytest.raises(ValueError, match="response_token_ids"):
         length.score(RewardSample(response="some text", finish_reason="stop"), 80, 20)

@@ -8,16 +8,23 @@ L_max - L_cache and L_cache):
                = -1             if L > S + B
 
 With B = 0 the penalty is a step: -1 as soon as L > S. S defaults to the rollout's
-max_new_tokens - B, so the penalty reaches -1 exactly at the generation budget. L is the length
-of `response_token_ids`; a sample without token ids whose finish reason is "length" is scored as
-if it had S + B tokens (cut at the budget); one with a non-empty response and any other finish
-reason is an error, since its length cannot be known.
+max_new_tokens - max(B, 1), so the penalty reaches -1 exactly at the generation budget: with the
+default B = 0, a response cut at max_new_tokens gets -1 and any shorter one 0 (S was once
+max_new_tokens itself, which no response exceeds, so the default penalised nothing). L is the
+length of `response_token_ids`; a sample without token ids whose finish reason is "length" is
+scored as if it had S + max(B, 1) tokens (cut at the budget); one with a non-empty response and
+any other finish reason is an error, since its length cannot be known.
 """
 
 from __future__ import annotations
 
 from kuberl.reward.sample import RewardSample
 from kuberl.reward.verifiers import Verdict
+
+
+def default_soft_limit(max_new_tokens: int, buffer: int) -> int:
+    """S when the job sets none: the penalty then reaches -1 at the generation budget."""
+    return max(max_new_tokens - max(buffer, 1), 0)
 
 
 def overlong_penalty(length: int, soft_limit: int, buffer: int) -> float:
@@ -32,7 +39,7 @@ def overlong_penalty(length: int, soft_limit: int, buffer: int) -> float:
 def score(sample: RewardSample, soft_limit: int, buffer: int) -> Verdict:
     length = len(sample.response_token_ids)
     if length == 0 and sample.finish_reason == "length":
-        length = soft_limit + buffer
+        length = soft_limit + max(buffer, 1)
     elif length == 0 and sample.response:
         raise ValueError("the length verifier counts response_token_ids, and none were sent")
     return Verdict(overlong_penalty(length, soft_limit, buffer), extras={"tokens": float(length)})
