@@ -162,6 +162,25 @@ def claim_uids(
     )
 
 
+#: How long a launcher asked to stop (SIGTERM) may take to kill and reap its programs.
+STOP_SECONDS = 3.0
+
+
+async def stop_launcher(proc: asyncio.subprocess.Process) -> None:
+    """End a launcher the service gives up on and everything its programs started: SIGTERM
+    first, on which it kills and reaps every process below it (programs run in sessions of
+    their own, which a kill of its process group never reached); its process group is
+    SIGKILLed if it is not gone within STOP_SECONDS."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(proc.wait(), STOP_SECONDS)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+
+
 class Sandbox:
     """Runs untrusted programs with one `SandboxConfig`'s limits.
 
@@ -246,9 +265,7 @@ class Sandbox:
         try:
             out, err = await asyncio.wait_for(proc.communicate(json.dumps(job).encode()), timeout)
         except BaseException:  # timeout or cancellation: nothing of the run may survive
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+            await stop_launcher(proc)
             if job.get("uid") is not None:
                 await self._reap(job["uid"])
             raise

@@ -480,6 +480,23 @@ def run_tests(job: dict[str, Any], ctx: dict[str, Any], started: float) -> list[
     return results
 
 
+def _stop_on_sigterm(uid: int | None) -> None:
+    """On SIGTERM (the service gives up on this run: a timeout, its caller cancelled), kill and
+    reap everything below this subreaper, then exit. Programs run in sessions of their own, so
+    nothing else reaches their descendants without a dedicated uid: killing this launcher alone
+    left them running, reparented to pid 1."""
+
+    def stop(signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        kill_leftovers(uid)
+        if uid is not None:
+            kill_leftovers(None)
+        reap_zombies()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main() -> None:
     started = time.monotonic()
     job = json.loads(sys.stdin.buffer.read())
@@ -487,6 +504,7 @@ def main() -> None:
         kill_uid(job["uid"])
         sys.stdout.write(json.dumps({"reaped": job["uid"]}))
         return
+    _stop_on_sigterm(job.get("uid"))
     # Counted before a user namespace would show every unmapped process as "nobody".
     shared_tasks = _uid_task_count(os.getuid()) if os.geteuid() != 0 else 0
     isolation, base = isolate(job)

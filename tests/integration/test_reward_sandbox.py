@@ -402,6 +402,53 @@ def test_without_root_the_launcher_still_cuts_the_network_and_limits_processes()
     )
 
 
+@pytest.mark.skipif(
+    not ROOT or shutil.which("setpriv") is None, reason="needs root to drop to an unprivileged uid"
+)
+def test_without_root_a_launcher_the_service_gives_up_on_leaves_no_process_behind() -> None:
+    # The non-root fallback (shared uid, so no uid-wide kill): a program starts a daemon in a
+    # session of its own and hangs; the service then gives up on the run (its caller's deadline).
+    # Killing the launcher's process group left the daemon running under pid 1.
+    import asyncio
+
+    from kuberl.common.sandbox import stop_launcher
+
+    workdir = Path(tempfile.mkdtemp(prefix="kuberl-nobody-"))
+    os.chown(workdir, 65534, 65534)
+    program = (
+        "import os, subprocess, time\n"
+        "subprocess.Popen(['sleep', '4242'], start_new_session=True)\n"
+        "open('started', 'w').close()\n"
+        "time.sleep(60)\n"
+    )
+    job = launcher_job(program, [{"input": "", "output": ""}], workdir, uid=None, deadline=60)
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+    async def give_up() -> int | None:
+        proc = await asyncio.create_subprocess_exec(
+            *nobody, job["python"], "-I", "-S", str(LAUNCHER),
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(job).encode())
+        proc.stdin.close()
+        for _ in range(300):
+            if any(workdir.rglob("started")):
+                break
+            await asyncio.sleep(0.1)
+        await stop_launcher(proc)
+        return proc.returncode
+
+    try:
+        code = asyncio.run(give_up())
+        started = any(workdir.rglob("started"))
+        leftovers = subprocess.run(["pgrep", "-u", "65534", "-a"], capture_output=True, text=True)
+    finally:
+        subprocess.run(["pkill", "-9", "-u", "65534"], check=False)
+        shutil.rmtree(workdir, ignore_errors=True)
+    assert (started, code, leftovers.stdout) == (True, 128 + 15, "")
+
+
 @pytest.mark.skipif(not ROOT, reason="the dedicated sandbox uid needs root")
 def test_the_launcher_reaps_every_process_it_killed_before_it_exits(tmp_path: Path) -> None:
     # In a container our service is pid 1 (or sits under an init that reaps nothing): whatever
