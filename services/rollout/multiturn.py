@@ -10,10 +10,11 @@ is the concatenation of model tokens (loss mask 1, with the engine's logprobs) a
 (loss mask 0, logprob 0): the model is trained on what it wrote, never on what the tools wrote,
 and model tokens are never re-tokenized.
 
-A sample ends with the finish reason of its last turn when that turn calls no tool, "length"
-when the response budget (`multi_turn.max_total_tokens`, default `sampling.max_new_tokens`) is
-used up, "turn_limit" when the last allowed turn still calls a tool, and "abort" when the engine
-aborted a turn. Metadata records the tool calls and their outcomes.
+A sample ends with the finish reason of its last turn when that turn calls no tool, "length" when
+the response budget (`multi_turn.max_total_tokens`, default `sampling.max_new_tokens`) is used up
+or the engine refuses a later turn's context (longer than the model's), "turn_limit" when the last
+allowed turn still calls a tool, and "abort" when the engine aborted a turn. Metadata records the
+tool calls and their outcomes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from kuberl.rollout.engine.base import EngineRejected
 from kuberl.rollout.functions import PromptItem, RolloutContext, Sample
 from kuberl.rollout.tools import (
     TOOL_CALL_CLOSE,
@@ -63,7 +65,15 @@ async def _one_sample(ctx: RolloutContext, tools: ToolRegistry, prompt: PromptIt
             finish = "length"
             break
         params = ctx.sampling.with_(n=1, stop=stops, max_new_tokens=left)
-        [[c]] = await ctx.engine.generate([prompt.token_ids + tokens], params)
+        try:
+            [[c]] = await ctx.engine.generate([prompt.token_ids + tokens], params)
+        except EngineRejected:
+            if not tokens:
+                raise  # the prompt itself is refused: the group fails
+            # The context (prompt, turns, tool output) no longer fits the model: this sample ends
+            # here, as one cut at its budget, instead of failing its whole group.
+            finish = "length"
+            break
         version_start = c.version_start if version_start is None else version_start
         version_end = c.version_end
         queue_seconds += c.engine_queue_seconds

@@ -166,3 +166,24 @@ def test_the_response_budget_covers_all_turns_including_tool_output(model, token
     budget = len(_ids(tokenizer, CALL)) + 5
     s = _rollout(model, tokenizer, max_total_tokens=budget)[0]
     assert (len(s.token_ids), s.finish_reason, s.loss_mask[-5:]) == (budget, "length", [0] * 5)
+
+
+def test_a_context_grown_past_the_models_ends_the_sample_instead_of_failing_the_group(
+    model, tokenizer
+) -> None:
+    # The call and its tool turn fill the model's context exactly: the engine refuses the next
+    # turn. The sample ends there ("length"), where the refusal once failed the whole group.
+    call, tool = _ids(tokenizer, CALL), _ids(tokenizer, format_tool_response("84"))
+    context = len(tokenizer(PROMPT)["input_ids"]) + len(call) + len(tool)
+    before = model.config.max_position_embeddings
+    model.config.max_position_embeddings = context
+    try:
+        samples = _rollout(model, tokenizer)
+    finally:
+        model.config.max_position_embeddings = before
+    for s in samples:
+        assert (s.token_ids, s.loss_mask, s.finish_reason) == (
+            call + tool,
+            [1] * len(call) + [0] * len(tool),
+            "length",
+        )
