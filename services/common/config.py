@@ -10,6 +10,7 @@ and every error names the field path and what was expected.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 from collections.abc import Mapping
@@ -269,6 +270,22 @@ class DataConfig(Section):
     train: list[DatasetConfig] = Field(default_factory=list)
     eval: list[DatasetConfig] = Field(default_factory=list)
     num_epochs: int = Field(1, ge=1, description="Passes over the training prompts.")
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> DataConfig:
+        """The buffer keeps one dataset per name (its file stem unless `name` is set): a second
+        of the same name was loaded as 'already loaded', its prompts silently missing."""
+        seen: dict[str, str] = {}
+        for kind, datasets in (("train", self.train), ("eval", self.eval)):
+            for i, d in enumerate(datasets):
+                name, where = d.name or Path(d.path).stem, f"data.{kind}[{i}] ({d.path})"
+                if name in seen:
+                    raise ValueError(
+                        f"{where} and {seen[name]} are both named {name!r}: give one of them a "
+                        "`name` (dataset names must be unique across train and eval)"
+                    )
+                seen[name] = where
+        return self
 
 
 class BufferConfig(Section):
@@ -1035,6 +1052,23 @@ class JobConfig(Section):
     def _possible(self) -> JobConfig:
         """Combinations that are valid field by field but can never run."""
         r = self.rollout
+        t = self.trainer
+        if t.mode == "rl" and t.publish_weights and 0 <= t.max_staleness < t.publish_every - 1:
+            # After step 1 the trainer is at v1, the engines at v0 until v{publish_every}: with a
+            # smaller staleness bound every group is dropped as stale and the job never steps.
+            raise ValueError(
+                f"trainer.publish_every {t.publish_every} with trainer.max_staleness "
+                f"{t.max_staleness}: between two publishes the engines fall up to "
+                f"{t.publish_every - 1} versions behind, so every group they generate is dropped "
+                "as stale and training stops; set max_staleness >= publish_every - 1 (or -1), or "
+                "a smaller publish_every"
+            )
+        if self.buffer.dynamic_sampling and r.group_size < 2:
+            raise ValueError(
+                "buffer.dynamic_sampling with rollout.group_size 1: a group of one sample has no "
+                "reward variance, so every group is dropped and training never starts; set "
+                "group_size >= 2 or buffer.dynamic_sampling: false"
+            )
         if (
             self.buffer.dynamic_sampling
             and r.sampling.temperature == 0
@@ -1246,7 +1280,7 @@ def parse_job_config(
     """Validate a job document after applying env overrides; raise ConfigError on any problem."""
     if not isinstance(data, Mapping | type(None)):
         raise ConfigError(f"{source}: the job file must be a mapping of sections")
-    doc: dict[str, Any] = dict(data or {})
+    doc: dict[str, Any] = copy.deepcopy(dict(data or {}))  # overrides never reach the caller's
     origins: dict[str, str] = {}
     for path, value, name in env_overrides(os.environ if env is None else env):
         _set_path(doc, path, value, f"environment {name}")

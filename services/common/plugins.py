@@ -65,7 +65,7 @@ def check_signature(fn: Callable[..., Any], params: Sequence[str], what: str) ->
     try:
         sig.bind(*params)
     except TypeError:
+        name = getattr(fn, "__name__", type(fn).__name__)  # callable objects, partials
         raise PluginError(
-            f"{what}: wrong signature {fn.__name__}{sig}; kuberl calls it as "
-            f"{fn.__name__}({', '.join(params)})"
+            f"{what}: wrong signature {name}{sig}; kuberl calls it as {name}({', '.join(params)})"
         ) from None

@@ -134,6 +134,26 @@ CHECK_CASES: dict[str, tuple[Any, list[str]]] = {
         {"rollout": {"group_size": 1}},
         ["rollout.group_size must be >= 2 for advantage 'grpo'"],
     ),
+    # Accepted until 2026-11-26: every group dropped as stale, the trainer waiting for good.
+    "engines further behind between publishes than the staleness bound": (
+        {"trainer": {"publish_every": 2, "max_staleness": 0}},
+        ["trainer.publish_every 2 with trainer.max_staleness 0", "max_staleness >= publish_every"],
+    ),
+    # Accepted until 2026-11-26: every group of one sample dropped as zero-variance.
+    "dynamic sampling on groups of one": (
+        {
+            "rollout": {"group_size": 1},
+            "trainer": {"algorithm": {"advantage": "reinforce_pp"}},
+            "buffer": {"dynamic_sampling": True},
+        },
+        ["buffer.dynamic_sampling with rollout.group_size 1"],
+    ),
+    # Accepted until 2026-11-26: the buffer loaded the second as 'already loaded', its prompts
+    # silently missing.
+    "two datasets of one name": (
+        {"data": {"train": [{"path": "a/train.jsonl"}], "eval": [{"path": "b/train.jsonl"}]}},
+        ["data.eval[0] (b/train.jsonl) and data.train[0] (a/train.jsonl) are both named 'train'"],
+    ),
     "mutual TLS without TLS": (
         {"tls": {"require_client_cert": True}},
         ["tls: Value error, require_client_cert needs TLS: set tls.enabled: true"],

@@ -19,3 +19,11 @@ class Holder:
     @staticmethod
     def method(sample):
         return 0.5
+
+
+class _TwoArgs:
+    def __call__(self, a, b):  # type: ignore[no-untyped-def]
+        return 0.0
+
+
+TWO_ARG_OBJECT = _TwoArgs()  # a callable object: no __name__

@@ -98,3 +98,11 @@ def test_compiled_layers_are_refused_with_zero3_and_the_reason() -> None:
     assert ok.trainer.compile_model
     with pytest.raises(ConfigError, match="compile_model needs zero_stage 0-2"):
         parse_job_config({"trainer": {"compile_model": True, "zero_stage": 3}}, env={})
+
+
+def test_parsing_never_changes_the_callers_document() -> None:
+    # kuberl run parsed its job once per service with that service's overrides: the job.yaml it
+    # then wrote held the last rollout replica's id, ports and seed.
+    doc = {"rollout": {"group_size": 4}}
+    job = parse_job_config(doc, env={"KUBERL_ROLLOUT__REPLICA_ID": "rollout-1"})
+    assert (job.rollout.replica_id, doc) == ("rollout-1", {"rollout": {"group_size": 4}})

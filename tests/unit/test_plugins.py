@@ -39,6 +39,12 @@ def test_a_wrong_signature_shows_how_kuberl_calls_it() -> None:
         load_plugin(f"{MOD}:two_args", params=["sample"])
 
 
+def test_a_callable_object_with_a_wrong_signature_is_named_by_its_type() -> None:
+    # It has no __name__: the loader once raised AttributeError instead of PluginError.
+    with pytest.raises(PluginError, match=r"wrong signature _TwoArgs\(a, b\)"):
+        load_plugin(f"{MOD}:TWO_ARG_OBJECT", params=["sample"])
+
+
 def test_a_non_callable_attribute_is_refused() -> None:
     with pytest.raises(PluginError, match="is a int, not callable"):
         load_plugin(f"{MOD}:NOT_CALLABLE")
