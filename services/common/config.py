@@ -123,9 +123,6 @@ class RedisConfig(Section):
     password_env: str = Field(
         "REDIS_PASSWORD", description="Environment variable holding the Redis password, if any."
     )
-    embedded_dir: str = Field(
-        ".kuberl/redis", description="Data folder of the embedded server (AOF lives there)."
-    )
     connect_timeout_seconds: float = Field(
         30.0,
         gt=0,

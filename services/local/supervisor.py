@@ -52,7 +52,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from kuberl.common.config import JobConfig, dump_job_config, load_job_config, parse_job_config
+from kuberl.common.config import (
+    ConfigError,
+    JobConfig,
+    dump_job_config,
+    load_job_config,
+    parse_job_config,
+)
 from kuberl.common.logs import get_logger
 from kuberl.common.redis_server import PortReservation
 from kuberl.local.procs import (
@@ -178,6 +184,8 @@ class Supervisor:
             status = "interrupted"
         except ServiceFailed as failure:
             self.failure = failure
+        except ConfigError as exc:  # a refused job or option: its message says it all
+            self.error = str(exc)
         except Exception as exc:  # a bug or a bad setup: still stop everything and report
             log.exception("run.error")
             self.error = f"{type(exc).__name__}: {exc}"
@@ -229,12 +237,26 @@ class Supervisor:
         doc["job"]["local"] = local
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.started_unix))
         name = config.job.name
-        self.run_dir = (
-            opts.run_dir.resolve()
-            if opts.run_dir
-            else Path(_abs(config.job.run_dir, self.cwd)) / f"{name}-{stamp}"
-        )
-        self.run_dir.mkdir(parents=True, exist_ok=opts.run_dir is not None)
+        if opts.run_dir:
+            self.run_dir = opts.run_dir.resolve()
+            if self.run_dir.is_dir() and any(self.run_dir.iterdir()):
+                # Its checkpoints would be resumed, its Redis AOF replayed and its metrics
+                # counted as this run's (a second run once "completed" without training).
+                raise ConfigError(
+                    f"--run-dir {self.run_dir} is not empty: a run cannot continue another; "
+                    "give a new folder, or empty this one"
+                )
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            runs = Path(_abs(config.job.run_dir, self.cwd))
+            runs.mkdir(parents=True, exist_ok=True)
+            for n in range(1, 1000):  # two runs of one job started in the same second
+                self.run_dir = runs / (f"{name}-{stamp}" + (f"-{n}" if n > 1 else ""))
+                try:
+                    self.run_dir.mkdir()
+                    break
+                except FileExistsError:
+                    continue
         (self.run_dir / "logs").mkdir(exist_ok=True)
         for section in ("train", "eval"):
             for ds in doc["data"][section]:
@@ -331,6 +353,11 @@ class Supervisor:
         # The caller's KUBERL_<SECTION>__* overrides are already in the resolved job file; the
         # file, not the inherited environment, is what a service must read.
         inherited = tuple(k for k in os.environ if k.startswith("KUBERL_") and "__" in k)
+        assert self.config is not None
+        if self.config.redis.url is None:
+            # The embedded Redis has no password: one in the caller's environment (meant for
+            # another Redis) would make every client's AUTH fail.
+            inherited += (self.config.redis.password_env,)
         return ProcessSpec(
             name,
             argv,
@@ -685,7 +712,7 @@ class Supervisor:
                 procs = group.processes
                 for name in ("trainer", "warm-start"):
                     if name in procs:
-                        procs[name].stop(grace=120)
+                        procs[name].stop(grace=_grace(procs[name], 120))
                 for name in self.replica_names:
                     if procs[name].running():
                         final_replicas[name] = self.poller.replica(procs[name].address)
@@ -722,9 +749,9 @@ class Supervisor:
         for proc in procs:
             if proc.running():
                 proc.signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
+        started = time.monotonic()
         for proc in procs:
-            proc.stop(grace=max(0.1, deadline - time.monotonic()))
+            proc.stop(grace=max(0.1, started + _grace(proc, grace) - time.monotonic()))
 
     # ------------------------------------------------------------------ report
 
@@ -850,6 +877,16 @@ class Supervisor:
             print(f"kuberl run: {self.error}", file=self.err, flush=True)
             return 1
         return 130 if status == "interrupted" else 0
+
+
+#: Seconds a process that never reached SERVING gets to stop: it has nothing to drain or save,
+#: and one still waiting for a dependency (a trainer for the buffer) may not even notice SIGTERM
+#: (a failed start once took 150 s to shut down, the trainer's 120 s grace first).
+STARTING_GRACE_SECONDS = 5.0
+
+
+def _grace(proc: ManagedProcess, grace: float) -> float:
+    return grace if proc.reached_serving else min(grace, STARTING_GRACE_SECONDS)
 
 
 def run(options: RunOptions) -> int:

@@ -53,14 +53,14 @@ def _short_job(tmp: Path, *, warm_start: bool) -> Path:
     return path
 
 
-def _kuberl_run(job: Path, run_dir: Path) -> subprocess.Popen[str]:
+def _kuberl_run(job: Path, run_dir: Path, **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "kuberl.cli", "run", str(job), "--run-dir", str(run_dir)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
     )
 
 
@@ -84,7 +84,11 @@ def _processes_mentioning(text: str) -> list[str]:
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("local-run")
     run_dir = tmp / "run"
-    proc = _kuberl_run(_short_job(tmp, warm_start=True), run_dir)
+    # A Redis password in the caller's environment is for some other Redis: the embedded one
+    # has none (every service's AUTH once failed on it, and the run with them).
+    proc = _kuberl_run(
+        _short_job(tmp, warm_start=True), run_dir, REDIS_PASSWORD="not-for-the-embedded-redis"
+    )
     output, _ = proc.communicate(timeout=600)
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
@@ -111,6 +115,22 @@ def test_the_short_demo_completes_and_exits_zero(finished_run: dict[str, Any]) -
     assert (finished_run["code"], finished_run["summary"].get("status")) == (0, "completed"), (
         finished_run["output"][-4000:]
     )
+
+
+@pytest.mark.slow
+def test_a_second_run_into_a_used_run_folder_is_refused_and_changes_nothing(
+    finished_run: dict[str, Any],
+) -> None:
+    # It once resumed the first run's checkpoint, replayed its Redis and counted its metrics,
+    # and "completed" without training anything.
+    run_dir: Path = finished_run["dir"]
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
+    job = run_dir.parent / "job.yaml"
+    proc = _kuberl_run(job, run_dir)
+    output, _ = proc.communicate(timeout=120)
+    after = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
+    assert proc.returncode != 0 and f"--run-dir {run_dir} is not empty" in output, output
+    assert "Traceback" not in output and after == before
 
 
 @pytest.mark.slow
@@ -263,3 +283,20 @@ def test_a_service_that_keeps_failing_ends_the_run_with_its_last_log_lines(tmp_p
     out, _ = proc.communicate(timeout=300)
     tail = out[out.find("the job cannot go on") :]
     assert (proc.returncode, "reward" in out, "no_such_module" in tail) == (1, True, True), out
+
+
+@pytest.mark.slow
+def test_a_run_whose_start_fails_stops_its_starting_services_at_once(tmp_path: Path) -> None:
+    # The buffer cannot reach its Redis and gives up after 3 s, while the trainer and the
+    # replicas are still starting (waiting for it). They have nothing to drain or save: the run
+    # once took 150 s more to end, the trainer's 120 s grace first.
+    job = _short_job(tmp_path, warm_start=False)
+    doc = yaml.safe_load(job.read_text())
+    doc["job"]["local"]["max_restarts"] = 0
+    doc["redis"] = {"url": "redis://127.0.0.1:1/0", "connect_timeout_seconds": 3}
+    job.write_text(yaml.safe_dump(doc))
+    started = time.monotonic()
+    proc = _kuberl_run(job, tmp_path / "run")
+    out, _ = proc.communicate(timeout=300)
+    seconds = time.monotonic() - started
+    assert (proc.returncode, "buffer" in out, seconds < 60) == (1, True, True), (seconds, out)
