@@ -15,7 +15,7 @@ import difflib
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -1225,8 +1225,41 @@ def env_overrides(env: Mapping[str, str]) -> list[tuple[list[str], Any, str]]:
                 f"environment {name}: unknown section {path[0]!r}; expected one of "
                 f"{', '.join(SECTIONS)}"
             )
-        found.append((path, yaml.safe_load(raw) if raw != "" else "", name))
+        text = _takes_a_string(path)
+        if raw == "" or (text and not (text == "optional" and raw in ("null", "~"))):
+            value: Any = raw  # as written: YAML would read 2024, no, or '#...' otherwise
+        else:
+            try:
+                value = yaml.safe_load(raw)
+            except yaml.YAMLError as exc:
+                problem = str(exc).splitlines()[0]
+                raise ConfigError(
+                    f"environment {name}: {'.'.join(path)}: not a YAML value ({problem}); "
+                    "quote it"
+                ) from None
+        found.append((path, value, name))
     return found
+
+
+def _takes_a_string(path: list[str]) -> str:
+    """"text" when the field at `path` holds only text (str, a Literal of strings), "optional"
+    for str | None (whose `null` or `~` stays None), else ""."""
+    models: list[type[BaseModel]] = [JobConfig]
+    annotation: Any = None
+    for i, part in enumerate(path):
+        fields = [m.model_fields[part] for m in models if part in m.model_fields]
+        if not fields:
+            return ""
+        annotation = fields[0].annotation
+        if i < len(path) - 1:
+            models = _models_in(annotation)
+    if get_origin(annotation) is Literal:
+        return "text" if all(isinstance(v, str) for v in get_args(annotation)) else ""
+    args = get_args(annotation) or (annotation,)
+    kinds = [a for a in args if a is not type(None)]
+    if kinds != [str]:
+        return ""
+    return "optional" if type(None) in args else "text"
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:

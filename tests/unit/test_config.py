@@ -52,6 +52,36 @@ def test_env_override_errors_name_the_variable() -> None:
         parse_job_config({}, env={"KUBERL_ROLLOUT__GROUP_SIZE": "many"})
 
 
+@pytest.mark.parametrize(
+    ("name", "raw", "read"),
+    [
+        # Text fields take the value as written: YAML read these as 'answer' (a comment), a
+        # number and a bool, or failed with a traceback naming nothing.
+        ("KUBERL_REWARD__FORMAT_PATTERN", r"answer #\d+", r"answer #\d+"),
+        ("KUBERL_REWARD__FORMAT_PATTERN", "[A-Z]+ done", "[A-Z]+ done"),
+        ("KUBERL_MODEL__PATH", "*models", "*models"),
+        ("KUBERL_ROLLOUT__REPLICA_ID", "no", "no"),
+        ("KUBERL_ROLLOUT__REPLICA_ID", "null", None),  # an optional text field can be cleared
+        ("KUBERL_TRAINER__MODE", "sft", "sft"),
+        ("KUBERL_TRAINER__TOTAL_STEPS", "7", 7),  # other fields are still YAML
+        ("KUBERL_REWARD__VERIFIERS", "{gsm8k: 1.0}", {"gsm8k": 1.0}),
+    ],
+)
+def test_env_overrides_of_text_fields_are_taken_as_written(
+    name: str, raw: str, read: object
+) -> None:
+    config = parse_job_config({}, env={name: raw})
+    section, field = name.removeprefix("KUBERL_").lower().split("__")
+    assert getattr(getattr(config, section), field) == read
+
+
+def test_an_env_override_that_is_not_yaml_names_the_variable() -> None:
+    with pytest.raises(
+        ConfigError, match="environment KUBERL_BUFFER__MAX_INFLIGHT_GROUPS: .*quote"
+    ):
+        parse_job_config({}, env={"KUBERL_BUFFER__MAX_INFLIGHT_GROUPS": "[A-Z]+ done"})
+
+
 def test_env_with_an_unknown_section_is_an_error() -> None:
     with pytest.raises(ConfigError, match="unknown section 'bufer'"):
         parse_job_config({}, env={"KUBERL_BUFER__PORT": "1"})
