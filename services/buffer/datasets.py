@@ -8,6 +8,9 @@ and epoch always give the same order, so a restarted job replays its data in the
 
 from __future__ import annotations
 
+import base64
+import datetime
+import decimal
 import json
 import math
 from collections.abc import Iterator, Sequence
@@ -35,9 +38,18 @@ class PromptRow:
 
 
 def _jsonable(value: Any) -> Any:
-    """Parquet cells (numpy scalars, arrays, NaN) as plain JSON values."""
+    """Parquet cells (numpy scalars, arrays, NaN, dates, decimals, bytes) as plain JSON values:
+    dates and times as ISO 8601 text, decimals as their exact text, bytes as base64."""
     if isinstance(value, np.generic):
         value = value.item()
+    if isinstance(value, datetime.date | datetime.time):
+        return value.isoformat()
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, bytes | bytearray):
+        return base64.b64encode(value).decode("ascii")
     if isinstance(value, np.ndarray):
         return [_jsonable(v) for v in value.tolist()]
     if isinstance(value, float) and not math.isfinite(value):
@@ -121,7 +133,15 @@ def read_dataset(
             meta = {c: _jsonable(record[c]) for c in metadata}
         else:
             meta = {k: _jsonable(v) for k, v in record.items() if k not in (prompt, answer)}
-        rows.append(PromptRow(text, ref_text, json.dumps(meta, ensure_ascii=False) if meta else ""))
+        row = PromptRow(text, ref_text, json.dumps(meta, ensure_ascii=False) if meta else "")
+        try:
+            row.payload().encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate ("\ud83d"): Redis would refuse it
+            raise InvalidArgument(
+                f"{p} row {row_no}: text that is not valid Unicode ({exc.reason} at "
+                f"{exc.object[exc.start : exc.end]!r})"
+            ) from None
+        rows.append(row)
     if not rows:
         raise InvalidArgument(f"dataset {p}: no rows")
     return rows

@@ -262,6 +262,12 @@ for i = 0, count - 1 do
   local pid, ep, lease = ARGV[b], tonumber(ARGV[b + 1]), ARGV[b + 5]
   if redis.call('HEXISTS', data, pid) == 0 then return refuse({'unknown_prompt', i}) end
   if ep < 0 or ep > filled then return refuse({'bad_epoch', i, filled}) end
+  -- Handed out by this stream (queued and not yet accepted, or accepted or dropped before):
+  -- an eval prompt put as a training group, or an epoch its dataset never had, is not.
+  local key = pid .. '@' .. ARGV[b + 1]
+  if redis.call('HEXISTS', leasemap, key) == 0 and redis.call('HEXISTS', accepted, key) == 0 then
+    return refuse({'not_queued', i})
+  end
   if lease ~= '' then
     local entry = redis.call('XRANGE', prompts, lease, lease)
     if entry[1] then

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import math
 import time
 import uuid
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 
 from kuberl.api.buffer.v1 import buffer_pb2 as bpb
 from kuberl.api.common.v1 import trajectory_pb2 as tpb
@@ -41,7 +43,7 @@ from kuberl.common.errors import (
     Unavailable,
 )
 from kuberl.common.logs import get_logger
-from kuberl.common.plugins import load_plugin
+from kuberl.common.plugins import PluginError, load_plugin
 from kuberl.common.server import Service
 from kuberl.common.trajectory import Group, TrajectoryError
 from kuberl.common.wire import encode_entries
@@ -126,6 +128,9 @@ class BufferService(Service):
             (spec, load_plugin(spec, kind="buffer filter", params=["group"]))
             for spec in self.cfg.filters
         ]
+        for spec, fn in self.filters:
+            if inspect.iscoroutinefunction(fn):  # its coroutine is truthy: it would keep all
+                raise PluginError(f"buffer filter {spec!r}: must be a plain function, not async")
         self.store: BufferStore | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._room = Pulse()  # this replica freed room in the in-flight window
@@ -189,6 +194,14 @@ class BufferService(Service):
             raise InvalidArgument(
                 f"dataset name {name!r}: use letters, digits, '_', '.' and '-' (no ':' or '@')"
             )
+        if num_epochs < 0 or limit < 0:
+            raise InvalidArgument(
+                f"dataset {name!r}: num_epochs ({num_epochs}) and limit ({limit}) must be >= 0"
+            )
+        # Loaded before (a restart): Redis has its prompts, the file is not needed again.
+        known = await self.db.loaded_dataset(name, str(Path(path).resolve()), kind, num_epochs)
+        if known is not None:
+            return known, False
         rows = await asyncio.to_thread(
             read_dataset, path, prompt=prompt, answer=answer, metadata=metadata, limit=limit
         )
@@ -477,8 +490,12 @@ class BufferService(Service):
             group = Group.from_proto(tpb.Group.FromString(g.payload))
             for spec, fn in self.filters:
                 try:
-                    keep = bool(fn(group))
-                except Exception as exc:  # a broken filter must not lose data or stop training
+                    keep = fn(group)
+                    if not isinstance(keep, bool | np.bool_):
+                        # None (a missing return) once dropped every group for good.
+                        raise TypeError(f"returned {type(keep).__name__}, not a bool")
+                except (Exception, SystemExit, KeyboardInterrupt) as exc:
+                    # A broken filter must not lose data or stop training: the group is kept.
                     m.FILTER_ERRORS_TOTAL.labels(spec).inc()
                     log.warning("filter.failed", filter=spec, error=f"{type(exc).__name__}: {exc}")
                     continue
@@ -556,8 +573,8 @@ class BufferService(Service):
         drops: list[Drop] = []  # every drop of this call (counted in the response)
         unsent = 0  # drops[unsent:] are not applied in Redis yet
         while True:
-            if self.filters:
-                pending = await db.payloads(kind, [g for g in pending if not g.payload])
+            if self.filters:  # groups of a recovered batch have their bytes already
+                pending = await db.payloads(kind, pending)
             for g in pending:
                 if len(kept) >= want:
                     break  # left over from a recovered batch: finalize puts it back

@@ -63,7 +63,19 @@ PROMPT_KINDS = ("train", "eval")
 # Stream index mixed into the shuffle seed, so train and eval orders differ for one seed.
 _SHUFFLE_STREAM = {"train": 0, "eval": 1}
 _TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ConnectionError, OSError)
-_ENTRY_ID = re.compile(r"^\d+-\d+$")
+_ENTRY_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")  # fullmatch; ASCII digits only
+
+
+def is_entry_id(text: str) -> bool:
+    """A Redis stream entry id Redis accepts: `<ms>-<seq>`, each below 2**64 (a lease handle).
+    `\\d` and `$` once let Unicode digits, a trailing newline and overflowing numbers through,
+    which Redis then refused inside a script: INTERNAL, and a put's payload left behind."""
+    if not _ENTRY_ID.fullmatch(text):
+        return False
+    ms, seq = text.split("-")
+    return int(ms) < 2**64 and int(seq) < 2**64
+
+
 DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -381,15 +393,9 @@ class BufferStore:
         """Store a dataset's prompts once per name; (number of prompts, loaded now)."""
         if kind not in PROMPT_KINDS:
             raise InvalidArgument(f"datasets are loaded as TRAIN or EVAL prompts, not {kind}")
-        existing = await self._retry(lambda: self.r.hget(self.keys.datasets, name), "load")
-        if existing is not None:
-            info = json.loads(existing)
-            if info["kind"] != kind:
-                raise FailedPrecondition(
-                    f"dataset {name!r} is already loaded as {info['kind']} prompts, not {kind}"
-                )
-            await self._raise_epochs(kind, num_epochs)
-            return int(info["num_prompts"]), False
+        known = await self.loaded_dataset(name, path, kind, num_epochs)
+        if known is not None:
+            return known, False
         record = json.dumps(
             {"path": path, "kind": kind, "num_prompts": len(rows), "num_epochs": num_epochs}
         )
@@ -416,6 +422,28 @@ class BufferStore:
         await self._raise_epochs(kind, num_epochs)
         log.info("dataset.loaded", name=name, kind=kind, prompts=len(rows), new=loaded)
         return len(rows), loaded
+
+    async def loaded_dataset(self, name: str, path: str, kind: str, num_epochs: int) -> int | None:
+        """The number of prompts of dataset `name` if it is loaded already (None if not), its
+        epochs raised to `num_epochs`: the job's count and the dataset's own, which decides
+        whether the new epochs queue its prompts (once only the job's was raised, and the new
+        epochs were queued empty, for good)."""
+        existing = await self._retry(lambda: self.r.hget(self.keys.datasets, name), "load")
+        if existing is None:
+            return None
+        info = json.loads(existing)
+        if info["kind"] != kind:
+            raise FailedPrecondition(
+                f"dataset {name!r} is already loaded as {info['kind']} prompts, not {kind}"
+            )
+        if info.get("path") != path:
+            log.warning("dataset.path_changed", dataset=name, loaded=info.get("path"), now=path)
+        if num_epochs > int(info["num_epochs"]):
+            info["num_epochs"] = num_epochs
+            record = json.dumps(info)
+            await self._retry(lambda: self.r.hset(self.keys.datasets, name, record), "load")
+        await self._raise_epochs(kind, num_epochs)
+        return int(info["num_prompts"])
 
     async def _raise_epochs(self, kind: str, epochs: int) -> tuple[int, int]:
         prev, new = await self._script("RAISE_EPOCHS", [self.keys.state], [kind, epochs])
@@ -528,7 +556,7 @@ class BufferStore:
 
     async def release(self, kind: str, consumer: str, lease_ids: Sequence[str]) -> int:
         """Hand consumer's leases back so the next LeasePrompts re-delivers them at once."""
-        ids = [i for i in lease_ids if _ENTRY_ID.match(i)]
+        ids = [i for i in lease_ids if is_entry_id(i)]
         if not ids:
             return 0
         idle = self.lease_timeout_ms + 86_400_000
@@ -545,7 +573,7 @@ class BufferStore:
         InvalidArgument (nothing stored) when a group names an unknown prompt, an epoch that was
         never queued, or a lease that belongs to another prompt."""
         for item in items:
-            if item.lease_id and not _ENTRY_ID.match(item.lease_id):
+            if item.lease_id and not is_entry_id(item.lease_id):
                 raise InvalidArgument(f"lease_id {item.lease_id!r} is not a lease handle")
         keys = [
             self.keys.groups(kind),
@@ -577,7 +605,15 @@ class BufferStore:
 
             return (await self._multi(queue, "PUT"))[-1]
 
-        res = await self._retry(op, "put")
+        try:
+            res = await self._retry(op, "put")
+        except ResponseError:
+            # The script failed after the bytes were written in its transaction (MULTI does
+            # not roll back): nothing may keep them.
+            if any(stored):
+                fields = [f for f in stored if f]
+                await self._retry(lambda: self.r.hdel(self.keys.payloads(kind), *fields), "put")
+            raise
         status = _s(res[0])
         if status == "unknown_prompt":
             i = int(res[1])
@@ -589,6 +625,13 @@ class BufferStore:
             raise InvalidArgument(
                 f"groups[{i}]: epoch {items[i].epoch} of prompt {items[i].prompt_id!r} was never "
                 f"handed out (epochs queued: 0..{int(res[2])})"
+            )
+        if status == "not_queued":
+            i = int(res[1])
+            raise InvalidArgument(
+                f"groups[{i}]: prompt {items[i].prompt_id!r} epoch {items[i].epoch} was never "
+                f"handed out by the {lease_kind(kind)} prompt stream (a prompt of another "
+                "stream, or an epoch its dataset does not have)"
             )
         if status == "foreign_lease":
             i = int(res[1])

@@ -1234,15 +1234,14 @@ def env_overrides(env: Mapping[str, str]) -> list[tuple[list[str], Any, str]]:
             except yaml.YAMLError as exc:
                 problem = str(exc).splitlines()[0]
                 raise ConfigError(
-                    f"environment {name}: {'.'.join(path)}: not a YAML value ({problem}); "
-                    "quote it"
+                    f"environment {name}: {'.'.join(path)}: not a YAML value ({problem}); quote it"
                 ) from None
         found.append((path, value, name))
     return found
 
 
 def _takes_a_string(path: list[str]) -> str:
-    """"text" when the field at `path` holds only text (str, a Literal of strings), "optional"
+    """ "text" when the field at `path` holds only text (str, a Literal of strings), "optional"
     for str | None (whose `null` or `~` stays None), else ""."""
     models: list[type[BaseModel]] = [JobConfig]
     annotation: Any = None

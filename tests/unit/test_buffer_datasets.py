@@ -74,3 +74,37 @@ def test_the_order_is_reproducible_and_differs_between_epochs_and_seeds() -> Non
         True,
         True,
     )
+
+
+def test_parquet_dates_decimals_and_bytes_become_json_metadata(tmp_path: Path) -> None:
+    # json.dumps refused datetime, Decimal and bytes cells: the buffer did not start, and the
+    # message named no row or column.
+    import datetime
+    import decimal
+
+    path = tmp_path / "typed.parquet"
+    table = pa.table(
+        {
+            "prompt": ["q"],
+            "ts": pa.array([datetime.datetime(2026, 11, 26, 23, 59)], pa.timestamp("s")),
+            "day": pa.array([datetime.date(2026, 11, 26)]),
+            "price": pa.array([decimal.Decimal("12.50")], pa.decimal128(5, 2)),
+            "blob": pa.array([b"\x00\xff"], pa.binary()),
+        }
+    )
+    pq.write_table(table, path)
+    (row,) = read_dataset(path)
+    assert json.loads(row.metadata_json) == {
+        "ts": "2026-11-26T23:59:00",
+        "day": "2026-11-26",
+        "price": "12.50",
+        "blob": "AP8=",
+    }
+
+
+def test_text_that_is_not_valid_unicode_names_its_row(tmp_path: Path) -> None:
+    # A lone surrogate in JSONL parses, then failed the Redis write with UnicodeEncodeError.
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "fine"}\n{"prompt": "broken \\ud83d here"}\n')
+    with pytest.raises(InvalidArgument, match="row 2: text that is not valid Unicode"):
+        read_dataset(path)

@@ -844,3 +844,141 @@ def test_without_the_cache_every_batch_reads_redis(redis_url: str, tmp_path: Pat
             return len(svc.db.cache), _cache_count("hit") - hits, len(batch.groups)
 
     assert run(scenario()) == (0, 0.0, 3)
+
+
+# -- defects found in review (2026-11-26); each test failed before its fix ----------------------
+
+
+def filter_without_return(group: Group) -> None:
+    """A custom filter that forgot its `return`."""
+
+
+async def async_filter(group: Group) -> bool:
+    return False
+
+
+@pytest.mark.parametrize(
+    "lease_id", ["18446744073709551616-0", "1-18446744073709551616", "١٢-0", "5-0\n"]
+)
+def test_a_lease_id_redis_would_refuse_is_invalid_and_leaves_no_bytes(
+    redis_url: str, tmp_path: Path, lease_id: str
+) -> None:
+    # Past 2**64, Unicode digits or a trailing newline passed the old check; Redis then refused
+    # the id inside the PUT script: INTERNAL, and the group's bytes stayed in Redis for good.
+    import redis
+
+    async def scenario() -> tuple[int, int]:
+        async with buffer(redis_url, tmp_path) as svc:
+            (p,) = (await lease(svc, 1)).prompts
+            with pytest.raises(InvalidArgument, match="is not a lease handle"):
+                await put(svc, [make_group(p.prompt_id)], [lease_id])
+            released = await svc.ReleasePrompts(  # type: ignore[arg-type]
+                bpb.ReleasePromptsRequest(lease_ids=[lease_id], consumer="r0"), None
+            )
+            return released.released, redis.Redis.from_url(redis_url).hlen(
+                svc.db.keys.payloads("train")
+            )
+
+    assert run(scenario()) == (0, 0)
+
+
+def test_a_group_for_a_prompt_of_another_stream_is_refused(redis_url: str, tmp_path: Path) -> None:
+    # An eval prompt put as a training group was accepted and trained on.
+    async def scenario() -> tuple[str, int]:
+        async with buffer(redis_url, tmp_path, prompts=2, eval_prompts=2) as svc:
+            await lease(svc, 2)  # queues training epoch 0
+            await svc.StartEval(bpb.StartEvalRequest(), None)  # type: ignore[arg-type]
+            (e, *_) = (await lease(svc, 2, kind=EVAL)).prompts
+            with pytest.raises(InvalidArgument) as err:
+                await put(svc, [make_group(e.prompt_id, e.epoch)], kind=TRAIN)
+            return err.value.message, (await stats(svc)).groups_pending
+
+    message, pending = run(scenario())
+    assert ("was never handed out by the train prompt stream" in message, pending) == (True, 0)
+
+
+def test_a_recovered_batch_is_delivered_through_custom_filters(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # A batch left half-built by a dead replica comes back with its groups' bytes; with custom
+    # filters set, those groups were dropped from the answer (put back, out of order) instead.
+    filters = ["tests.unit.test_buffer_logic:short_responses_only"]
+
+    async def scenario() -> tuple[int, int]:
+        async with buffer(redis_url, tmp_path, prompts=4, filters=filters) as svc:
+            await complete(svc, (await lease(svc, 4)).prompts, length=4)
+            assert svc.db is not None
+            # A replica took the four into a batch and died before issuing it: its deadline
+            # has passed, so the next GetBatch recovers them.
+            await svc.db.take("train", "dead", 4, "b-dead", 0)
+            batch = await get(svc, 4)
+            return len(batch.groups), int((await stats(svc)).counters.get("train:reinserted", 0))
+
+    assert run(scenario()) == (4, 0)
+
+
+@pytest.mark.parametrize("spec", ["filter_without_return"])
+def test_a_filter_that_returns_no_bool_keeps_the_group_and_counts_an_error(
+    redis_url: str, tmp_path: Path, spec: str
+) -> None:
+    # None (a missing return) once dropped every group, and their prompts, for good.
+    from prometheus_client import REGISTRY
+
+    full = f"tests.unit.test_buffer_logic:{spec}"
+
+    async def scenario() -> tuple[int, dict[str, int]]:
+        async with buffer(redis_url, tmp_path, prompts=2, filters=[full]) as svc:
+            await complete(svc, (await lease(svc, 2)).prompts)
+            batch = await get(svc, 2)
+            return len(batch.groups), dict(batch.dropped)
+
+    before = REGISTRY.get_sample_value("kuberl_buffer_filter_errors_total", {"filter": full}) or 0
+    assert run(scenario()) == (2, {})
+    after = REGISTRY.get_sample_value("kuberl_buffer_filter_errors_total", {"filter": full})
+    assert after == before + 2
+
+
+def test_an_async_filter_is_refused_at_start(redis_url: str, tmp_path: Path) -> None:
+    # Its coroutine is truthy: every group was kept and the filter never ran.
+    async def scenario() -> None:
+        async with buffer(
+            redis_url, tmp_path, filters=["tests.unit.test_buffer_logic:async_filter"]
+        ):
+            pass
+
+    with pytest.raises(ValueError, match="must be a plain function, not async"):
+        run(scenario())
+
+
+@pytest.mark.parametrize(("field", "value"), [("num_epochs", -1), ("limit", -2)])
+def test_negative_epochs_or_limits_are_invalid_and_load_nothing(
+    redis_url: str, tmp_path: Path, field: str, value: int
+) -> None:
+    async def scenario() -> int:
+        async with buffer(redis_url, tmp_path) as svc:
+            path = str(write_prompts(tmp_path / "neg.jsonl", 3))
+            req = bpb.LoadDatasetRequest(
+                path=path, name="neg", columns=bpb.ColumnMapping(prompt="question")
+            )
+            setattr(req, field, value)
+            with pytest.raises(InvalidArgument, match="must be >= 0"):
+                await svc.LoadDataset(req, None)  # type: ignore[arg-type]
+            return (await stats(svc)).prompts_total
+
+    assert run(scenario()) == 6
+
+
+def test_more_epochs_on_a_restart_queue_the_datasets_prompts(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # The job's epoch count was raised but the dataset's record kept 1: epoch 1 was queued
+    # empty and the job ended without it, for good.
+    job = f"t{uuid.uuid4().hex[:10]}"
+
+    async def scenario() -> list[int]:
+        async with buffer(redis_url, tmp_path, prompts=2, job=job, epochs=1) as svc:
+            await complete(svc, (await lease(svc, 2)).prompts)
+        async with buffer(redis_url, tmp_path, prompts=2, job=job, epochs=2) as svc:
+            return sorted(p.epoch for p in (await lease(svc, 4)).prompts)
+
+    assert run(scenario()) == [1, 1]
