@@ -626,7 +626,9 @@ def policy_loss_and_metrics(
         "policy/clip_frac_high": masked_mean(
             (stats["clipped"] & (ratio > 1)).to(ratio.dtype), valid
         ),
-        "policy/approx_kl": masked_mean(torch.expm1(-log_ratio) + log_ratio, valid),
+        # k3 of KL(pi_old || pi) from tokens pi_old sampled: (r - 1) - log r, r = pi / pi_old
+        # (until 2026-11-26 the ratio was the wrong way round, a biased estimate of nothing).
+        "policy/approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, valid),
         "policy/ratio_mean": masked_mean(ratio, valid),
         "policy/ratio_min": torch.where(valid, ratio, torch.inf).amin().nan_to_num(0, 0, 0),
         "policy/ratio_max": torch.where(valid, ratio, -torch.inf).amax().nan_to_num(0, 0, 0),

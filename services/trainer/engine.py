@@ -19,6 +19,7 @@ per-rank micro-batch lists to equal length for that.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -82,12 +83,35 @@ def deepspeed_config(
 
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype) -> Any:
-    """An HF causal LM from a local folder (never the hub), with eager-free SDPA attention."""
+    """An HF causal LM from a local folder (never the hub), with eager-free SDPA attention and
+    dropout off (`disable_dropout`)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=dtype, local_files_only=True, attn_implementation="sdpa"
     )
+    disable_dropout(model)
+    return model
+
+
+#: Float attributes HF attention and MLP modules keep their dropout probability in (read only in
+#: training mode), beside nn.Dropout modules.
+_DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout", "resid_dropout")
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Set every dropout probability of `model` to 0 (its saved config keeps its own).
+
+    The trainer runs its forwards in training mode: with dropout, the PPO ratio, the
+    importance weights and the KL to the reference would carry dropout noise, and recomputed
+    old logprobs would not be the rollout's (RL trainers, TRL among them, turn it off). Qwen2 and
+    Llama have none; GPT-2, OPT and Phi-2 do."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        for name in _DROPOUT_ATTRIBUTES:
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
 
 
 class PolicyModel(nn.Module):
@@ -113,6 +137,7 @@ class PolicyModel(nn.Module):
         self.hf = hf_model
         old = hf_model.get_output_embeddings()
         if not isinstance(old, LogprobHead):
+            check_plain_head(hf_model, old)
             head = LogprobHead(old.weight, chunk_size, temperature, compiled)
             hf_model.set_output_embeddings(head)
 
@@ -128,6 +153,32 @@ class PolicyModel(nn.Module):
     ) -> torch.Tensor:
         hidden, targets = hidden_at(self.backbone, input_ids, attention_mask, positions)
         return self.hf.get_output_embeddings()(hidden, targets)  # [B, R, 2]
+
+
+#: Config fields of HF models whose forward transforms the head's logits (a scale, a softcap):
+#: the chunked head computes hidden @ W^T alone.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def check_plain_head(hf_model: Any, head: Any) -> None:
+    """Refuse a model whose logits are not `hidden @ head.weight^T`: the chunked head replaces
+    the HF head by that product alone, so a head bias (Phi, GPT-J) or a logit scale or softcap
+    in the model's forward (Granite, Cohere, Gemma 2) would silently give wrong logprobs,
+    entropies and gradients, and a train/inference mismatch TIS/MIS would then 'correct'."""
+    name = type(hf_model).__name__
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(
+            f"{name}: its output layer has a bias, which kuberl's chunked logprob head does not "
+            "apply; such models are not supported by the trainer yet"
+        )
+    config = getattr(hf_model, "config", None)
+    for field in _LOGIT_TRANSFORMS:
+        value = getattr(config, field, None)
+        if value not in (None, 1, 1.0, 0, 0.0, False):
+            raise ValueError(
+                f"{name}: its forward transforms the logits ({field}={value}), which kuberl's "
+                "chunked logprob head does not; such models are not supported by the trainer yet"
+            )
 
 
 def hidden_at(
@@ -345,9 +396,12 @@ class TrainEngine:
 
     def step(self) -> float:
         """Reduce the accumulated gradients, clip, update; return the pre-clip grad norm."""
+        self._stage0_norm = float("nan")
         self.engine.step()
-        if self.zero_stage == 0:
+        if self.zero_stage == 0 and not math.isnan(self._stage0_norm):
             return self._stage0_norm
+        # ZeRO, or stage 0 in bf16/fp16: DeepSpeed's own optimizer wrapper clips (and keeps the
+        # norm) instead of clip_fp32_gradients, which is never called then.
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 

@@ -93,7 +93,50 @@ METRICS_JSONL_ENV = "KUBERL_METRICS_JSONL"
 TRAINED_JSONL_ENV = "KUBERL_TRAINED_JSONL"
 
 # Peak dense bf16 FLOP/s per GPU for MFU, by a substring of the device name.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+#: Dense bf16 peaks by device name, the more specific names first (an "H100 PCIe" is not an SXM).
+PEAK_FLOPS = {
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+}
+
+
+def head_temperature(config: JobConfig) -> float:
+    """The temperature the policy head divides logits by: the rollout's, as the engine's
+    logprobs are (an RL job's SFT warm-up so fits what its engines will sample), except in
+    `mode: sft`, which fits the model itself (its export is sampled at any temperature): 1."""
+    if config.trainer.mode == "sft":
+        return 1.0
+    return config.rollout.sampling.temperature or 1.0
+
+
+def step_flops(
+    *,
+    body_params: int,
+    head_params: int,
+    tokens: int,
+    response_tokens: int,
+    training_passes: int,
+    forward_passes: int,
+    reference: bool = False,
+    critic_body_params: int = 0,
+    critic_training_passes: int = 0,
+) -> float:
+    """Model FLOPs of one trainer step (2 per parameter and token forward, 6 forward and
+    backward), counting what ran: the policy's body on every token and its vocabulary head at
+    the response positions only, `training_passes` forward-and-backward passes and
+    `forward_passes` no-grad ones (recomputed old logprobs), the reference's forward, and the
+    critic's value forward and its training passes. Recomputation (activation checkpointing,
+    the chunked head's backward) is not credited; nor is attention's sequence-squared term."""
+    forward = 2.0 * (body_params * tokens + head_params * response_tokens)
+    flops = forward * (3 * training_passes + forward_passes + int(reference))
+    flops += 2.0 * critic_body_params * tokens * (1 + 3 * critic_training_passes)
+    return flops
+
 
 STEP_SECONDS = prom.histogram("kuberl_trainer_step_seconds", "Wall time of one trainer step")
 TOKENS = prom.counter("kuberl_trainer_tokens_total", "Tokens trained on (prompt + response)")
@@ -232,7 +275,7 @@ class Trainer:
             path = path if path.is_absolute() else self.base / path
             self._sft_samples = tokenize_pairs(read_pairs(path), self.tokenizer)
         dtype = train_dtype(self.config.model, self.dist.device)
-        temperature = self.config.rollout.sampling.temperature or 1.0
+        temperature = head_temperature(self.config)
         hf = load_causal_lm(self.model_dir, dtype)
         self.tied = bool(getattr(hf.config, "tie_word_embeddings", False))
         self.vocab_size = int(hf.get_input_embeddings().weight.shape[0])
@@ -452,7 +495,7 @@ class Trainer:
         self.cursor.note_trained(batch_id, keys, keep=self.tc.checkpoint_every)
         self._sync_status()  # GetStatus never shows a checkpoint of a step it does not show
         self._write_trained(self._trained_row("step", batch))
-        metrics.update(self._speed(batch["tokens"], time.perf_counter() - started))
+        metrics.update(self._speed(batch, sft, time.perf_counter() - started))
         warmup = sft and self.tc.mode == "rl"
         every = self.tc.checkpoint_every
         # The SFT warm-up counts its own steps (`step` stays 0: its checkpoints are step-000000,
@@ -1096,19 +1139,28 @@ class Trainer:
 
     # ------------------------------------------------------------------ metrics
 
-    def _speed(self, tokens: int, seconds: float) -> dict[str, float]:
+    def _speed(self, batch: dict[str, Any], sft: bool, seconds: float) -> dict[str, float]:
+        tokens = int(batch["tokens"])
         out = {"tokens": float(tokens), "tokens_per_second": tokens / max(seconds, 1e-9)}
         TOKENS.inc(tokens)
         if self.dist.device.type == "cuda" and self.engine is not None:
             name = torch.cuda.get_device_name(self.dist.device)
             peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
             if peak:
-                n_params = sum(
-                    int(getattr(p, "ds_numel", p.numel())) for p in self.engine.module.parameters()
-                )
                 alg = self.tc.algorithm
-                passes = 3 * alg.ppo_epochs + int(alg.recompute_old_logprobs)
-                flops = 2 * n_params * tokens * passes
+                body, head = _policy_params(self.engine.module)
+                critic = self.critic
+                flops = step_flops(
+                    body_params=body,
+                    head_params=head,
+                    tokens=tokens,
+                    response_tokens=sum(s.response_length for s in batch["samples"]),
+                    training_passes=1 if sft else alg.ppo_epochs,
+                    forward_passes=0 if sft else int(alg.recompute_old_logprobs),
+                    reference=not sft and self.reference is not None,
+                    critic_body_params=0 if sft or critic is None else _numel(critic.module),
+                    critic_training_passes=alg.ppo_epochs,
+                )
                 out["mfu"] = flops / (seconds * peak * self.dist.world_size)
         return out
 
@@ -1227,6 +1279,23 @@ def _global_count(alg: Any, rows: list[Sample]) -> tuple[float, Any]:
     return max(count, 1.0), cfg
 
 
+def _numel(module: torch.nn.Module) -> int:
+    """Parameters of a module, ZeRO-3's partitioned ones at their full size."""
+    return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
+
+
+def _policy_params(policy: torch.nn.Module) -> tuple[int, int]:
+    """(body, head) parameter counts of a PolicyModel: the vocabulary head's [V, H] product
+    runs at the response positions only; an embedding tied to it is a lookup, no FLOPs."""
+    hf: Any = getattr(policy, "hf", policy)
+    head = hf.get_output_embeddings().weight
+    head_numel = int(getattr(head, "ds_numel", head.numel()))
+    embedding = hf.get_input_embeddings().weight
+    tied = embedding is head
+    lookup = 0 if tied else int(getattr(embedding, "ds_numel", embedding.numel()))
+    return _numel(policy) - head_numel - lookup, head_numel
+
+
 def merge_metrics(records: Sequence[tuple[dict[str, float], int]]) -> dict[str, float]:
     """Micro-batch (metrics, tokens) of every rank -> one dict. Terms aggregated with the
     update's global count (loss terms, entropy, KL to the reference) are each micro-batch's
@@ -1237,10 +1306,11 @@ def merge_metrics(records: Sequence[tuple[dict[str, float], int]]) -> dict[str, 
         vals = [(m[k], n) for m, n in records if k in m]
         if k.startswith("loss/") or k in _SHARE_KEYS:
             out[k] = float(sum(v for v, _ in vals))
-        elif k.endswith("_min"):
-            out[k] = float(min(v for v, _ in vals))
-        elif k.endswith("_max"):
-            out[k] = float(max(v for v, _ in vals))
+        elif k.endswith(("_min", "_max")):
+            # A micro-batch without a trained token reports 0 for both (nothing to take the
+            # extremes of): it once made every step's ratio_min 0.
+            seen = [v for v, n in vals if n > 0] or [v for v, _ in vals]
+            out[k] = float(min(seen) if k.endswith("_min") else max(seen))
         else:
             total = sum(n for _, n in vals) or 1
             out[k] = float(sum(v * n for v, n in vals) / total)

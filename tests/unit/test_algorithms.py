@@ -253,6 +253,18 @@ def test_policy_entry_point_reports_the_hand_computed_loss_and_clip_fractions() 
     assert (m["mismatch/ratio_max"], m["mismatch/kl"], m["mismatch/masked_frac"]) == (1.0, 0.0, 0.0)
 
 
+def test_approx_kl_estimates_kl_of_old_against_new_from_the_old_policys_samples() -> None:
+    # pi_old = (0.5, 0.5), pi = (0.9, 0.1); the two tokens, one each, are pi_old's samples in
+    # their exact proportions. KL(pi_old || pi) = 0.5 ln(0.5/0.9) + 0.5 ln(0.5/0.1) = 0.5108;
+    # the old formula gave 1.267 (KL(pi || pi_old) is 0.368).
+    old = torch.log(torch.tensor([[0.5, 0.5]]))
+    logprobs = torch.log(torch.tensor([[0.9, 0.1]]))
+    cfg = config(importance={"mode": "none"})
+    _, m = policy_loss_and_metrics(cfg, logprobs, old, old, torch.ones(1, 2), torch.ones(1, 2))
+    expected = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
+    assert float(m["policy/approx_kl"]) == pytest.approx(expected, abs=1e-6)
+
+
 def gspo_example() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # seq 0: token log-ratios [ln 2, 0] (and a pad), A = 1; seq 1: [0.1, -0.1, 0], A = -2
     old = torch.full((2, 3), -1.0)

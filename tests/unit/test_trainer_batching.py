@@ -72,6 +72,20 @@ def test_merged_metrics_add_shares_keep_extremes_and_weight_the_rest_by_tokens()
     assert merged == {"loss/policy": 0.75, "entropy": 3.0, "policy/ratio_max": 1.5, "clip": 0.75}
 
 
+def test_a_micro_batch_without_trained_tokens_leaves_the_extremes_alone() -> None:
+    # All-masked rows report ratio_min and ratio_max 0 (nothing to take extremes of): the
+    # step's ratio_min was then 0.
+    records = [
+        ({"policy/ratio_min": 0.8, "policy/ratio_max": 1.3, "mismatch/ratio_min": 0.9}, 12),
+        ({"policy/ratio_min": 0.0, "policy/ratio_max": 0.0, "mismatch/ratio_min": 0.0}, 0),
+    ]
+    assert merge_metrics(records) == {
+        "policy/ratio_min": 0.8,
+        "policy/ratio_max": 1.3,
+        "mismatch/ratio_min": 0.9,
+    }
+
+
 def test_eval_accuracy_is_reported_per_dataset_and_overall() -> None:
     def group(prompt_id: str, rewards: list[float]) -> Group:
         ts = [
@@ -419,3 +433,54 @@ def test_an_eval_round_follows_a_trained_step_only(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(trainer, "_publish_current", lambda: None)
     trainer._run()
     assert (trainer.cursor.step, evaluated) == (4, [2, 4])
+
+
+def test_step_flops_count_every_pass_that_ran_and_the_head_at_response_positions_only() -> None:
+    from kuberl.trainer.loop import step_flops
+
+    # Body 1,000 params, head 100, 50 tokens of which 20 are response: a forward is
+    # 2 * (1000 * 50 + 100 * 20) = 104,000 FLOPs.
+    sft = step_flops(
+        body_params=1000, head_params=100, tokens=50, response_tokens=20,
+        training_passes=1, forward_passes=0,
+    )  # fmt: skip
+    # PPO: 2 epochs (6 forward-equivalents each), a recompute, a reference forward, and a critic
+    # of 800 params: its value forward and 2 training passes, 2 * 800 * 50 * (1 + 6) = 560,000.
+    ppo = step_flops(
+        body_params=1000, head_params=100, tokens=50, response_tokens=20,
+        training_passes=2, forward_passes=1, reference=True,
+        critic_body_params=800, critic_training_passes=2,
+    )  # fmt: skip
+    assert (sft, ppo) == (3 * 104_000, 104_000 * (6 + 1 + 1) + 560_000)
+
+
+def test_the_policys_head_is_counted_apart_and_a_tied_embedding_is_no_matmul(
+    tmp_path: Path,
+) -> None:
+    from kuberl.common.modelbuild import build_model
+    from kuberl.trainer.engine import PolicyModel, load_causal_lm
+    from kuberl.trainer.loop import _policy_params
+
+    path = build_model(tmp_path / "m", arch="qwen2", size="tiny", tokenizer="digits", seed=0)
+    hf = load_causal_lm(path, torch.float32)
+    vocab, hidden = hf.get_output_embeddings().weight.shape
+    total = sum(p.numel() for p in hf.parameters())  # the tied matrix counted once
+    body, head = _policy_params(PolicyModel(hf))
+    assert hf.config.tie_word_embeddings
+    assert (body, head) == (total - vocab * hidden, vocab * hidden)
+
+
+@pytest.mark.parametrize(
+    ("mode", "sampled", "head"), [("sft", 0.5, 1.0), ("rl", 0.5, 0.5), ("rl", 0.0, 1.0)]
+)
+def test_sft_fits_the_model_at_temperature_one_and_rl_at_the_engines(
+    mode: str, sampled: float, head: float
+) -> None:
+    # mode: sft once trained on logits / 0.5: the exported model was miscalibrated at 1.
+    from kuberl.common.config import parse_job_config
+    from kuberl.trainer.loop import head_temperature
+
+    job = {"trainer": {"mode": mode}, "rollout": {"sampling": {"temperature": sampled}}}
+    if sampled == 0:
+        job["buffer"] = {"dynamic_sampling": False}
+    assert head_temperature(parse_job_config(job, env={})) == head

@@ -222,3 +222,35 @@ def test_a_150k_vocabulary_in_bf16_never_materialises_full_logits_on_gpu() -> No
     with torch.no_grad():
         ref_lp, ref_ent = full_logprobs_and_entropy(hidden.float() @ weight.float().T, targets)
     assert (lp - ref_lp).abs().max() < 1e-2 and (ent - ref_ent).abs().max() < 1e-2
+
+
+def test_models_whose_logits_are_not_a_plain_head_product_are_refused() -> None:
+    # The chunked head computes hidden @ W^T alone: Phi's head bias and Cohere's logit scale
+    # were silently dropped, 2.3 and 0.1 nats off the HF model's own logprobs.
+    from transformers import CohereConfig, CohereForCausalLM, PhiConfig, PhiForCausalLM
+
+    from kuberl.trainer.engine import PolicyModel
+
+    small = {"vocab_size": 37, "hidden_size": 16, "intermediate_size": 32}
+    small |= {"num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 32}
+    phi = PhiForCausalLM(PhiConfig(**small))
+    cohere = CohereForCausalLM(CohereConfig(**small, num_key_value_heads=2, eos_token_id=0))
+    with pytest.raises(ValueError, match="output layer has a bias"):
+        PolicyModel(phi)
+    with pytest.raises(ValueError, match=r"transforms the logits \(logit_scale=0.0625\)"):
+        PolicyModel(cohere)
+
+
+def test_the_trainers_models_run_without_dropout_in_training_mode(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # The trainer's forwards run in training mode: GPT-2's dropout (0.1) made the PPO ratio,
+    # the importance weights and recomputed old logprobs noisy, and step 1 unlike the others.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from kuberl.trainer.engine import load_causal_lm
+
+    config = GPT2Config(vocab_size=37, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    model = load_causal_lm(tmp_path, torch.float32).train()
+    ids = torch.randint(0, 37, (2, 10), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model(ids).logits, model(ids).logits)
+    assert config.resid_pdrop == 0.1  # the saved model does have dropout
