@@ -52,6 +52,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from kuberl.common import tls
 from kuberl.common.config import (
     ConfigError,
     JobConfig,
@@ -280,6 +281,9 @@ class Supervisor:
             transports = [t for t in doc["weight_sync"]["transports"] if t != "cuda_ipc"]
             doc["weight_sync"]["transports"] = ["cuda_ipc", *transports]
         self.config = parse_job_config(doc, env={}, source=str(opts.job_file))
+        # The supervisor's own channels (readiness, stats, the final report) speak the job's TLS,
+        # as the services' servers do: they waited in plaintext and timed out before.
+        tls.configure(self.config.tls)
         self.doc = self.config.model_dump(mode="json")
         self.progress = Progress(
             f"kuberl run {name} -> {self._rel(self.run_dir)}",

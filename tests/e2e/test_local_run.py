@@ -300,3 +300,28 @@ def test_a_run_whose_start_fails_stops_its_starting_services_at_once(tmp_path: P
     out, _ = proc.communicate(timeout=300)
     seconds = time.monotonic() - started
     assert (proc.returncode, "buffer" in out, seconds < 60) == (1, True, True), (seconds, out)
+
+
+@pytest.mark.slow
+def test_a_job_with_mutual_tls_runs_locally(tmp_path: Path) -> None:
+    # The services served mutual TLS as the job said, but the supervisor checked their
+    # readiness in plaintext: every service "not ready after 300 s".
+    from tests.security.certs import authority
+
+    ca = authority(tmp_path / "pki")
+    server = ca.issue("services")
+    job = _short_job(tmp_path, warm_start=False)
+    doc = yaml.safe_load(job.read_text())
+    doc["tls"] = {
+        "enabled": True,
+        "ca_file": str(ca.cert),
+        "cert_file": str(server.cert),
+        "key_file": str(server.key),
+        "require_client_cert": True,
+    }
+    doc["trainer"]["total_steps"] = 1
+    job.write_text(yaml.safe_dump(doc))
+    proc = _kuberl_run(job, tmp_path / "run")
+    out, _ = proc.communicate(timeout=400)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (proc.returncode, summary["steps"]) == (0, 1), out[-3000:]
