@@ -3,8 +3,10 @@ ports, wait for health, stop it, and show its log when something fails."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -142,3 +144,11 @@ def process_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def scratch_shm_dir(prefix: str) -> str:
+    """A fresh /dev/shm folder name for a test's weight-sync `shm_dir`, removed when this test
+    process exits (a service leaves the folder itself behind: hundreds piled up per run)."""
+    path = f"/dev/shm/{prefix}-{uuid.uuid4().hex[:8]}"
+    atexit.register(shutil.rmtree, path, True)
+    return path

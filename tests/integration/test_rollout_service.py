@@ -48,7 +48,7 @@ from kuberl.rollout.tools import format_tool_response
 from kuberl.rollout.worker import RolloutWorker
 from tests.integration.sglang_standin import SGLangStandIn
 from tests.integration.test_rollout_plugins import BETWEEN_CALLS, FAILED_CALLS, MARKER_ENV
-from tests.support import ServiceProcess
+from tests.support import ServiceProcess, scratch_shm_dir
 from tests.unit.test_rollout_multiturn import CALL as TOOL_CALL
 from tests.unit.test_rollout_multiturn import FINAL as TOOL_FINAL
 from tests.unit.test_rollout_multiturn import PROMPT as TOOL_PROMPT
@@ -261,7 +261,7 @@ def scenario(env: Env) -> Iterator[Scenario]:
         weight_sync={
             "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
             "heartbeat_seconds": 0.5,
-            "shm_dir": f"/dev/shm/kuberl-rollout-test-{uuid.uuid4().hex[:8]}",
+            "shm_dir": scratch_shm_dir("kuberl-rollout-test"),
             "advertise_host": "127.0.0.1",
             "bucket_bytes": 1024 * 1024,
         },
@@ -420,7 +420,7 @@ def weight_update(env: Env) -> Iterator[dict[str, list[Group]]]:
         return {
             "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
             "heartbeat_seconds": 0.5,
-            "shm_dir": f"/dev/shm/kuberl-rollout-test-{uuid.uuid4().hex[:8]}-{policy}",
+            "shm_dir": scratch_shm_dir(f"kuberl-rollout-test-{policy}"),
             "advertise_host": "127.0.0.1",
             "bucket_bytes": 1024 * 1024,
         }

@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 import urllib.request
-import uuid
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +35,7 @@ from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
 from kuberl.common.channels import sync_channel
 from kuberl.common.weights import EngineClient, VersionConflict, WeightPublisher, plan
 from kuberl.common.weights.chunks import iter_chunks
-from tests.support import REPO, ServiceProcess
+from tests.support import REPO, ServiceProcess, scratch_shm_dir
 
 MB = 1024 * 1024
 
@@ -180,7 +179,7 @@ def _job_file(
     retain: int = 2,
     broadcast_timeout: float = 20,
 ) -> Path:
-    shm_dir = f"/dev/shm/kuberl-test-{uuid.uuid4().hex[:8]}"
+    shm_dir = scratch_shm_dir("kuberl-test")
     config = tmp_path / "job.yaml"
     config.write_text(
         json.dumps(
