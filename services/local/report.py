@@ -9,7 +9,9 @@ Definitions used in summary.json:
 
 - `eval_accuracy_start` / `eval_accuracy_end`: `eval/accuracy` of the trainer's first and last
   eval rounds (the first runs before the first RL step, i.e. after the warm start);
-- `steps`: RL steps completed; `trajectories_trained`: sum over steps of groups x group size;
+- `steps`: RL steps completed; `trajectories_trained`: sum over steps of groups x group size
+  (a step trained again after a trainer resumed from its checkpoint counts once, its last run);
+- `generated_tokens`: tokens every replica generated, across replica restarts;
 - `prompts_leased`: leases of training prompts handed out by the buffer (`train:leased`);
 - `prompts_lost`: leases (train and eval) still outstanding once every replica has drained,
   i.e. prompts handed out that came back neither in a group nor released;
@@ -92,7 +94,10 @@ def build_summary(
     extra: dict[str, Any],
 ) -> dict[str, Any]:
     """summary.json's content (see the module docstring for the definitions)."""
-    steps = [r for r in rl_rows if r.get("kind") == "rl"]
+    # One row per step: a step trained again after a trainer resumed from its checkpoint
+    # replaces the row of the run that died (the weights hold the later one).
+    by_step = {int(r["step"]): r for r in rl_rows if r.get("kind") == "rl" and "step" in r}
+    steps = [by_step[k] for k in sorted(by_step)]
     evals = eval_rounds(rl_rows)
     counters = dict((buffer_final or {}).get("counters", {}))
     outstanding = None
@@ -186,7 +191,10 @@ def write_plots(
     import matplotlib.pyplot as plt
 
     written: list[Path] = []
-    steps = [r for r in rl_rows if r.get("kind") == "rl"]
+    # One row per step: a step trained again after a trainer resumed from its checkpoint
+    # replaces the row of the run that died (the weights hold the later one).
+    by_step = {int(r["step"]): r for r in rl_rows if r.get("kind") == "rl" and "step" in r}
+    steps = [by_step[k] for k in sorted(by_step)]
     x = [int(r.get("step", i + 1)) for i, r in enumerate(steps)]
     window = max(1, len(steps) // 15)
 

@@ -247,3 +247,35 @@ def test_the_summary_follows_its_definitions() -> None:
 def test_plots_are_written_even_for_a_run_without_steps(tmp_path: Path) -> None:
     paths = write_plots(tmp_path, [], [], [], title="t", max_staleness=1)
     assert sorted(p.name for p in paths) == ["reward.png", "staleness.png", "throughput.png"]
+
+
+def test_steps_trained_again_after_a_resume_count_once() -> None:
+    # The trainer died after step 3 and resumed from its step-1 checkpoint: steps 2 and 3 ran
+    # twice, and every row once counted (9 groups x 4 x 8 trajectories instead of 4 steps' 16).
+    first, second = _rl_rows(3, total=4), _rl_rows(4, total=4)[1:]
+    for r in second:
+        r["time"] = float(r["time"]) + 100.0
+    summary = build_summary(
+        job="t", status="completed", wall_seconds=1.0, group_size=8, max_staleness=1,
+        rl_rows=[*first, *second], warm_rows=[], buffer_final=None, replicas_final={},
+        sync_seconds={}, services={}, timeline=[], extra={},
+    )  # fmt: skip
+    assert (summary["steps"], summary["trajectories_trained"], summary["trained_tokens"]) == (
+        4,
+        4 * 4 * 8,
+        4 * 300,
+    )
+
+
+def test_generated_tokens_add_up_across_replica_restarts_and_outages() -> None:
+    # rollout-1 restarts (its counter starts again at 0) and is down for one poll: the sum of
+    # the replicas' counters once fell by what its earlier life had generated.
+    progress = _progress([0.0])
+    polls = [(100, 50), (200, 120), (300, None), (400, 30), (500, 80)]
+    for t, (a, b) in enumerate(polls):
+        replicas = {
+            "rollout-0": {"policy_version": t, "generated_tokens": a},
+            "rollout-1": None if b is None else {"policy_version": t, "generated_tokens": b},
+        }
+        progress.add_snapshot(Snapshot(time=float(t), replicas=replicas))
+    assert [row["generated_tokens"] for row in progress.timeline] == [150, 320, 420, 550, 700]
