@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    model_validator,
+)
 
 ENV_PREFIX = "KUBERL_"
 
@@ -563,7 +571,18 @@ class SGLangEngineConfig(Section):
     )
 
 
-EngineConfig = Annotated[TorchEngineConfig | SGLangEngineConfig, Field(discriminator="kind")]
+def _engine_kind(value: Any) -> str:
+    """The engine section's `kind`, `torch` (its default) when left out: an engine section
+    without it, e.g. `{max_batch_size: 4}` or KUBERL_ROLLOUT__ENGINE__DEVICE alone, was refused
+    as 'Unable to extract tag'."""
+    kind = value.get("kind", "torch") if isinstance(value, dict) else getattr(value, "kind", "")
+    return str(kind)
+
+
+EngineConfig = Annotated[
+    Annotated[TorchEngineConfig, Tag("torch")] | Annotated[SGLangEngineConfig, Tag("sglang")],
+    Discriminator(_engine_kind),
+]
 
 
 TOOL_RESPONSE_TEMPLATE = "\n<tool_response>\n{output}\n</tool_response>\n"

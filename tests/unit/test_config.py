@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,6 +95,20 @@ def test_variables_without_a_section_separator_are_not_overrides() -> None:
 def test_the_engine_is_chosen_by_its_kind() -> None:
     config = parse_job_config({"rollout": {"engine": {"kind": "sglang", "tp_size": 2}}}, env={})
     assert (config.rollout.engine.kind, config.rollout.engine.tp_size) == ("sglang", 2)
+
+
+@pytest.mark.parametrize(
+    ("doc", "env"),
+    [
+        ({"rollout": {"engine": {"max_batch_size": 4}}}, {}),
+        ({}, {"KUBERL_ROLLOUT__ENGINE__DEVICE": "cpu"}),
+    ],
+)
+def test_an_engine_section_without_its_kind_is_the_default_torch_engine(
+    doc: dict[str, Any], env: dict[str, str]
+) -> None:
+    # Refused as "Unable to extract tag using discriminator 'kind'" once.
+    assert parse_job_config(doc, env=env).rollout.engine.kind == "torch"
 
 
 def test_an_unknown_engine_kind_lists_the_known_ones() -> None:
