@@ -168,18 +168,15 @@ def build_model(
 
 
 def _dataset_texts(dataset: DatasetConfig, base: Path) -> list[str]:
-    path = Path(dataset.path)
+    """Prompt and answer texts of a training dataset (JSONL or Parquet, read as the buffer
+    reads it: blank lines skipped, `limit` rows), the BPE tokenizer's corpus."""
+    from kuberl.buffer.datasets import read_dataset
+
+    path = Path(dataset.path).expanduser()
     path = path if path.is_absolute() else base / path
-    texts = []
-    with path.open() as f:
-        for i, line in enumerate(f):
-            if dataset.limit and i >= dataset.limit:
-                break
-            row = json.loads(line)
-            texts.append(
-                f"{row.get(dataset.columns.prompt, '')}\n{row.get(dataset.columns.answer, '')}"
-            )
-    return texts
+    c = dataset.columns
+    rows = read_dataset(path, prompt=c.prompt, answer=c.answer, metadata=[], limit=dataset.limit)
+    return [f"{row.text}\n{row.answer}" for row in rows]
 
 
 def _cache_key(config: JobConfig, corpus_files: list[str]) -> str:
@@ -201,7 +198,7 @@ def resolve_model(
     """
     base = Path(base_dir)
     if config.model.path:
-        path = Path(config.model.path)
+        path = Path(config.model.path).expanduser()
         path = path if path.is_absolute() else base / path
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model.path {path}: no config.json (not an HF model folder)")

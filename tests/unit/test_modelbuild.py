@@ -74,3 +74,22 @@ def test_a_model_path_without_a_config_is_refused(tmp_path: Path) -> None:
     config = parse_job_config({"model": {"path": str(tmp_path)}}, env={})
     with pytest.raises(FileNotFoundError, match="no config.json"):
         resolve_model(config)
+
+
+def test_the_bpe_corpus_is_read_as_the_buffer_reads_datasets(tmp_path: Path) -> None:
+    # JSONL with a blank line (JSONDecodeError) and Parquet (UnicodeDecodeError) once failed.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from kuberl.common.config import DatasetConfig
+    from kuberl.common.modelbuild import _dataset_texts
+
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text('{"q": "one", "answer": "1"}\n\n{"q": "two", "answer": 2}\n')
+    parquet = tmp_path / "b.parquet"
+    pq.write_table(pa.table({"q": ["three", "four"], "answer": ["3", "4"]}), parquet)
+    texts = [
+        _dataset_texts(DatasetConfig(path=str(p), columns={"prompt": "q"}, limit=n), tmp_path)
+        for p, n in ((jsonl, 0), (parquet, 1))
+    ]
+    assert texts == [["one\n1", "two\n2"], ["three\n3"]]
