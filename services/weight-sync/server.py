@@ -47,7 +47,7 @@ from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
 from kuberl.common import metrics
 from kuberl.common.channels import aio_channel
 from kuberl.common.config import JobConfig, WeightSyncConfig
-from kuberl.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from kuberl.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from kuberl.common.logs import get_logger
 from kuberl.common.server import Service
 from kuberl.common.weights.chunks import ChunkReceiver, CorruptSnapshot, iter_chunks
@@ -233,6 +233,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def RegisterEngine(
         self, request: pb.RegisterEngineRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterEngineResponse:
+        self._ready()
         for t in request.engine.transports:
             if transport_name(t) == "unspecified":
                 self.metrics.rejected.labels("bad_transport").inc()
@@ -262,11 +263,20 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatResponse:
+        self._ready()
         engine = self.registry.get(request.engine_id)
         if engine is None:
             return pb.HeartbeatResponse(current_version=self.current, known=False)
         self.registry.touch(engine)
         self._note_loaded(engine, request.loaded_version)
+        assignment = engine.assignment
+        if assignment is not None and request.loaded_version >= assignment.version:
+            # It holds what it was sent: its ReportLoaded was lost. Kept open, the assignment
+            # was handed out again at every heartbeat and left the engine out of the next
+            # version's fan-out until it timed out.
+            self._end_assignment(engine)
+            self._unpin(engine, request.loaded_version)
+            self._refresh_engine_gauges()
         self._catch_up(engine)
         wait = min(request.wait_seconds, MAX_POLL_SECONDS)
         if engine.assignment is None and wait > 0:
@@ -302,6 +312,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def ReportLoaded(
         self, request: pb.ReportLoadedRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReportLoadedResponse:
+        self._ready()
         engine = self.registry.get(request.engine_id)
         if engine is None:
             self.metrics.rejected.labels("unknown_engine").inc()
@@ -360,10 +371,17 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def Publish(
         self, request: pb.PublishRequest, context: grpc.aio.ServicerContext
     ) -> pb.PublishResponse:
+        self._ready()
         version = request.version
         if version <= 0:
             self.metrics.rejected.labels("bad_version").inc()
             raise InvalidArgument(f"version must be a positive integer, got {version}")
+        if version > self.current and version in self.announced:
+            # The trainer's retry of a publish that never committed (its shared-memory write
+            # failed, its CommitPublish never arrived): start it again. It was refused as not
+            # above the latest version, and after a few tries the trainer gave the version up.
+            log.warning("publish.retried", version=version)
+            self._forget(version)
         latest = max(self.current, self.highest_announced)
         if version <= latest:
             self.metrics.rejected.labels("stale_version").inc()
@@ -455,6 +473,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def UploadSnapshot(
         self, request_iterator: AsyncIterator[pb.SnapshotChunk], context: grpc.aio.ServicerContext
     ) -> pb.UploadSnapshotResponse:
+        self._ready()
         assert self.store is not None
         fd = -1
         version = 0
@@ -470,8 +489,10 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         try:
             async for chunk in request_iterator:
                 if receiver is None:
+                    # Set only once this stream owns the version: a refused first chunk once
+                    # forgot (and deleted) another publish's announcement of it.
+                    self._announced(chunk.version, pb.TRANSPORT_SNAPSHOT)
                     version = chunk.version
-                    self._announced(version, pb.TRANSPORT_SNAPSHOT)
                     fd = self.store.open_upload(version)
                     receiver = ChunkReceiver(write, version=version)
                 receiver.feed(chunk)
@@ -501,6 +522,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def CommitPublish(
         self, request: pb.CommitPublishRequest, context: grpc.aio.ServicerContext
     ) -> pb.CommitPublishResponse:
+        self._ready()
         self._announced(request.version, pb.TRANSPORT_SHM)
         try:
             manifest = Manifest.from_proto(request.manifest)
@@ -760,6 +782,12 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             self._end_assignment(engine)
             engine.catch_up_below = max(engine.catch_up_below, stored.version + 1)
 
+    def _ready(self) -> None:
+        """UNAVAILABLE until start() has restored the last sealed version (about 1 s per GB),
+        while health says NOT_SERVING: requests then hit a store not opened yet, INTERNAL."""
+        if self.store is None:
+            raise Unavailable("weight-sync is starting (restoring its last version); retry")
+
     def _end_assignment(self, engine: Engine) -> None:
         assignment, engine.assignment = engine.assignment, None
         if assignment is not None and assignment.sender is not None:
@@ -780,13 +808,14 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         engine.pins = keep
 
     def _retire_held(self, engine: Engine) -> None:
-        """A dropped engine (silent, not gone: it may be stalled) serving from a segment in place
-        keeps that segment's bytes: the segment is never rewritten with a later version."""
+        """A dropped engine (silent, not gone: it may be stalled) keeps the segments it may still
+        read: the one it serves from in place, and any it may be copying a later version out of
+        (a copying engine stalled mid-copy once had its segment handed to a later version and
+        loaded the mix as the earlier one). Such a segment is never rewritten."""
         assert self.store is not None
-        if not engine.shm_in_place:
-            return
-        for stored in engine.pins:  # the one it serves from, and one it may be loading
-            if stored.version >= engine.loaded_version:
+        for stored in engine.pins:
+            serving = engine.shm_in_place and stored.version == engine.loaded_version
+            if serving or stored.version > engine.loaded_version:
                 self.store.retire(stored.segment)
 
     def _count_out(self, transport: str, nbytes: int, seconds: float) -> None:
@@ -868,6 +897,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def StreamSnapshot(
         self, request: pb.StreamSnapshotRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.SnapshotChunk]:
+        self._ready()
         assert self.store is not None
         stored = self.store.get(request.version) if request.version else self.store.latest()
         if stored is None:
@@ -901,6 +931,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def GetVersion(
         self, request: pb.GetVersionRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetVersionResponse:
+        self._ready()
         assert self.store is not None
         stored = self.store.get(self.current)
         answer = pb.GetVersionResponse(version=self.current)

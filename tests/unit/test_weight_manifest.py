@@ -70,6 +70,8 @@ def test_manifest_survives_its_proto_round_trip() -> None:
         (pb.TensorSpec(name="a", dtype="float32", shape=[2], nbytes=7), "nbytes 7 != 8"),
         (pb.TensorSpec(name="a", dtype="float32", shape=[2], nbytes=8, offset=4), "packed back"),
         (pb.TensorSpec(name="a", dtype="float32", shape=[2], nbytes=8, bucket=3), "out of order"),
+        # A first bucket of -1 once raised IndexError: INTERNAL at CommitPublish, not refused.
+        (pb.TensorSpec(name="a", dtype="float32", shape=[2], nbytes=8, bucket=-1), "out of order"),
     ],
 )
 def test_an_inconsistent_manifest_is_rejected_with_the_reason(spec, message) -> None:

@@ -159,7 +159,7 @@ class Manifest:
                 raise ValueError(f"{where}: nbytes {spec.nbytes} != {expected} for its shape/dtype")
             if spec.bucket == len(sizes):
                 sizes.append(0)
-            if spec.bucket != len(sizes) - 1:
+            if not sizes or spec.bucket != len(sizes) - 1:  # (a first bucket of -1: IndexError)
                 raise ValueError(f"{where}: bucket {spec.bucket} out of order")
             if spec.offset != sizes[-1]:
                 raise ValueError(
