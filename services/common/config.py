@@ -1124,6 +1124,16 @@ class JobConfig(Section):
                     f"reward.reward_model.device {rm.device!r} but job.local.device is cpu: set "
                     f"reward.reward_model.device: cpu, {fix}"
                 )
+        if (
+            isinstance(r.engine, SGLangEngineConfig)
+            and r.sampling.ignore_eos
+            and r.sampling.stop_token_ids
+        ):
+            raise ValueError(
+                "rollout.sampling.ignore_eos with stop_token_ids on the sglang engine: SGLang "
+                "ignores the stop token ids too under ignore_eos (every sample would run to "
+                "max_new_tokens); drop ignore_eos or the stop ids"
+            )
         ws = self.weight_sync
         if isinstance(r.engine, SGLangEngineConfig) and "snapshot" not in ws.transports:
             # An SGLang engine takes a version by NCCL or from a snapshot on disk (CUDA IPC only

@@ -203,9 +203,11 @@ class _Handler(BaseHTTPRequestHandler):
         self, ids: list[int], params: dict[str, Any], s: int, running: _Running, rid: str
     ) -> dict[str, Any]:
         state = self.server.state
+        # As SGLang 0.5.23: ignore_eos skips every token stop, the stop ids included.
         stop_ids = set(params.get("stop_token_ids") or [])
-        if not params.get("ignore_eos"):
-            stop_ids.add(state.eos_token_id)
+        stop_ids.add(state.eos_token_id)
+        if params.get("ignore_eos"):
+            stop_ids = set()
         limit = int(params.get("max_new_tokens", 128))
         out: list[int] = []
         versions: list[str] = []

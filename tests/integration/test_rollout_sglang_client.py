@@ -6,6 +6,7 @@ per bucket, continue) and an update that fails midway (SGLang stays paused)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,22 +67,37 @@ def test_generate_returns_n_samples_per_prompt_with_tokens_and_logprobs(server) 
 
 
 def test_a_stop_token_ends_the_sample_with_its_id_as_matched(server) -> None:
+    # A prompt whose first samples avoid the stand-in's EOS (0): the stop id ends it.
     engine = _engine(server.url)
-    stop = _expected([1, 2, 3], 0, 5)[3]
+    stop = _expected([2, 3], 0, 5)[3]
     out = run(
         _with(
             engine,
             engine.generate(
-                [[1, 2, 3]],
-                SamplingParams(max_new_tokens=5, stop_token_ids=(stop,), ignore_eos=True),
+                [[2, 3]],
+                SamplingParams(max_new_tokens=5, stop_token_ids=(stop,)),
             ),
         )
     )[0][0]
     assert (out.token_ids, out.finish_reason, out.matched_stop) == (
-        _expected([1, 2, 3], 0, 4),
+        _expected([2, 3], 0, 4),
         "stop",
         stop,
     )
+
+
+def test_stop_token_ids_with_ignore_eos_are_refused_as_sglang_would_ignore_them() -> None:
+    # SGLang skips every token stop under ignore_eos; the torch engine stops at the ids. The
+    # same job would silently run every sample to max_new_tokens on SGLang.
+    from kuberl.common.config import ConfigError, parse_job_config
+
+    engine = _engine("http://127.0.0.1:9")
+    params = SamplingParams(max_new_tokens=5, stop_token_ids=(7,), ignore_eos=True)
+    with pytest.raises(EngineRejected, match="ignores the stop token ids too"):
+        run(_with(engine, engine.generate([[1, 2]], params)))
+    sampling = {"ignore_eos": True, "stop_token_ids": [7]}
+    with pytest.raises(ConfigError, match="ignores the stop token ids too"):
+        parse_job_config({"rollout": {"engine": {"kind": "sglang"}, "sampling": sampling}}, env={})
 
 
 def test_server_errors_are_retried_until_the_call_succeeds(server) -> None:
@@ -508,3 +524,31 @@ def test_launch_without_a_model_path_is_refused_before_anything_starts(fake_laun
     with pytest.raises(EngineError, match="needs the model path"):
         run(_with(engine, engine.start()))
     assert engine._process is None and not fake_launch.exists()
+
+
+def test_no_request_id_is_a_prefix_of_another() -> None:
+    # SGLang aborts every request whose rid starts with the rid it is given: aborting
+    # "kuberl-<session>-1" (a timed-out generate) also aborted "...-10" to "...-19".
+    engine = _engine("http://127.0.0.1:9")
+    rids = sorted(engine._new_rid() for _ in range(1200))
+    assert not any(b.startswith(a) for a, b in itertools.pairwise(rids))
+
+
+def test_a_connect_timeout_is_retried_like_a_refused_connection() -> None:
+    # httpx.ConnectTimeout is a TimeoutException: it once raised EngineTimeout at once, where the
+    # docs promise connection errors are retried. A stand-in transport (no network here drops
+    # SYNs reliably): the first two connects time out, the third is answered.
+    import httpx
+
+    tries: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        tries.append(request.url.path)
+        if len(tries) < 3:
+            raise httpx.ConnectTimeout("timed out", request=request)
+        return httpx.Response(200, json={"ok": True})
+
+    config = SGLangEngineConfig(url="http://sglang:30000", retry_backoff_seconds=0.01)
+    engine = SGLangEngine(config, transport=httpx.MockTransport(handler))
+    assert run(_with(engine, engine.call("GET", "/health"))) == {"ok": True}
+    assert tries == ["/health"] * 3

@@ -89,6 +89,14 @@ def sampling_params_body(params: SamplingParams) -> dict[str, Any]:
     if params.stop:
         body["stop"] = list(params.stop)
     if params.stop_token_ids:
+        if params.ignore_eos:
+            # SGLang (0.5.23, `_check_token_based_finish`) skips every token stop, stop ids
+            # included, under ignore_eos: the samples would all run to max_new_tokens, where the
+            # torch engine stops at the ids.
+            raise EngineRejected(
+                "ignore_eos with stop_token_ids: SGLang ignores the stop token ids too under "
+                "ignore_eos; drop ignore_eos (stop ids still end samples) or the stop ids"
+            )
         body["stop_token_ids"] = list(params.stop_token_ids)
     return body
 
@@ -266,6 +274,9 @@ class SGLangEngine(Engine):
                     json=body,
                     timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
                 )
+            except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+                last = f"{type(exc).__name__}: {exc}"  # not connected yet: retried like a refusal
+                continue
             except httpx.TimeoutException as exc:
                 raise EngineTimeout(f"{what}: no answer in time ({type(exc).__name__})") from None
             except httpx.TransportError as exc:
@@ -363,7 +374,7 @@ class SGLangEngine(Engine):
                 f"midway; version {self._version} is the last whole one): generation waits for "
                 "the next whole version"
             )
-        rid = f"kuberl-{self._session}-{next(self._ids)}"
+        rid = self._new_rid()
         submitted_version = self._version
         self._running[rid] = params.n
         try:
@@ -379,6 +390,11 @@ class SGLangEngine(Engine):
                 f"/generate {rid}: expected {params.n} sample(s), got {len(items)} item(s)"
             )
         return [parse_generate_response(item, submitted_version) for item in items]
+
+    def _new_rid(self) -> str:
+        """A request id no other is a prefix of: SGLang aborts every request whose rid starts
+        with the one given (`req.rid.startswith`), so aborting `...-1` also aborted `...-10`."""
+        return f"kuberl-{self._session}-{next(self._ids):012d}"
 
     async def _abort_quietly(self, rid: str) -> None:
         try:
