@@ -552,3 +552,30 @@ def test_a_connect_timeout_is_retried_like_a_refused_connection() -> None:
     engine = SGLangEngine(config, transport=httpx.MockTransport(handler))
     assert run(_with(engine, engine.call("GET", "/health"))) == {"ok": True}
     assert tries == ["/health"] * 3
+
+
+def test_an_abort_pause_of_a_server_paused_in_place_aborts_and_continues_first(server) -> None:
+    # SGLang's abort-mode pause waits until no request runs; paused in place, the server runs no
+    # batch, so the aborted requests never end and the pause (and every later call) hung for
+    # good (read in SGLang 0.5.23: tokenizer_manager.pause_generation, scheduler). The client now
+    # aborts, lets the scheduler run, then pauses.
+    engine = _engine(server.url)
+
+    async def go() -> None:
+        await engine.pause("in_place")
+        await engine.pause("abort")
+        await engine.resume()
+
+    run(_with(engine, go()))
+    control = [
+        (path, body)
+        for _, path, body in server.requests
+        if path in ("/pause_generation", "/abort_request", "/continue_generation")
+    ]
+    assert control == [
+        ("/pause_generation", {"mode": "in_place"}),
+        ("/abort_request", {"abort_all": True}),
+        ("/continue_generation", {}),
+        ("/pause_generation", {"mode": "abort"}),
+        ("/continue_generation", {}),
+    ]

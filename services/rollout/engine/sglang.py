@@ -220,6 +220,7 @@ class SGLangEngine(Engine):
         self._process: subprocess.Popen[bytes] | None = None
         self._version = version
         self._paused = False
+        self._pause_mode: PauseMode = "in_place"
         #: SGLang may hold part of a version (a bucketed update failed after loading began).
         self._torn = False
         self._running: dict[str, int] = {}  # rid -> samples
@@ -408,8 +409,16 @@ class SGLangEngine(Engine):
         if mode not in ("abort", "in_place"):
             raise ValueError(f"pause mode must be 'abort' or 'in_place', got {mode!r}")
         running = len(self._running)
+        if mode == "abort" and self._paused and self._pause_mode == "in_place":
+            # SGLang's abort-mode pause waits until no request runs, but a server paused in
+            # place runs no batch, so its aborted requests never end: the pause (and with it
+            # every later call) would hang for good. Abort them, let the scheduler finish them,
+            # then pause.
+            await self.call("POST", "/abort_request", {"abort_all": True})
+            await self.call("POST", "/continue_generation", {})
+            self._paused = False
         await self.call("POST", "/pause_generation", {"mode": mode})
-        self._paused = True
+        self._paused, self._pause_mode = True, mode
         return running if mode == "abort" else 0
 
     async def resume(self) -> None:
