@@ -324,6 +324,20 @@ def test_the_sandbox_reports_full_isolation_when_run_as_root(sandbox: Sandboxed)
     assert len(uids) == SLOTS and min(uids) >= UID_BASE
 
 
+#: The non-root fallback's tests run a launcher as `nobody` (setpriv, from root).
+as_nobody = pytest.mark.skipif(
+    not ROOT or shutil.which("setpriv") is None, reason="needs root to drop to an unprivileged uid"
+)
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def nobody_workdir() -> Path:
+    """A fresh working folder the `nobody` launcher may write."""
+    workdir = Path(tempfile.mkdtemp(prefix="kuberl-nobody-"))
+    os.chown(workdir, 65534, 65534)
+    return workdir
+
+
 def launcher_job(
     program: str,
     tests: list[dict],  # type: ignore[type-arg]
@@ -355,13 +369,10 @@ def launcher_job(
     }
 
 
-@pytest.mark.skipif(
-    not ROOT or shutil.which("setpriv") is None, reason="needs root to drop to an unprivileged uid"
-)
+@as_nobody
 def test_without_root_the_launcher_still_cuts_the_network_and_limits_processes() -> None:
     # The fallback a non-root reward container gets: the launcher itself runs as nobody.
-    workdir = Path(tempfile.mkdtemp(prefix="kuberl-nobody-"))
-    os.chown(workdir, 65534, 65534)
+    workdir = nobody_workdir()
     program = (
         "import os, socket, time\n"
         "try:\n"
@@ -382,10 +393,9 @@ def test_without_root_the_launcher_still_cuts_the_network_and_limits_processes()
     )
     expected = f"{errno.ENETUNREACH}\n{MAX_PROCESSES - 1}"
     job = launcher_job(program, [{"input": "", "output": expected}], workdir, uid=None)
-    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
     try:
         done = subprocess.run(
-            [*nobody, job["python"], "-I", "-S", str(LAUNCHER)],
+            [*NOBODY, job["python"], "-I", "-S", str(LAUNCHER)],
             input=json.dumps(job).encode(),
             capture_output=True,
             timeout=60,
@@ -402,9 +412,7 @@ def test_without_root_the_launcher_still_cuts_the_network_and_limits_processes()
     )
 
 
-@pytest.mark.skipif(
-    not ROOT or shutil.which("setpriv") is None, reason="needs root to drop to an unprivileged uid"
-)
+@as_nobody
 def test_without_root_a_launcher_the_service_gives_up_on_leaves_no_process_behind() -> None:
     # The non-root fallback (shared uid, so no uid-wide kill): a program starts a daemon in a
     # session of its own and hangs; the service then gives up on the run (its caller's deadline).
@@ -413,8 +421,7 @@ def test_without_root_a_launcher_the_service_gives_up_on_leaves_no_process_behin
 
     from kuberl.common.sandbox import stop_launcher
 
-    workdir = Path(tempfile.mkdtemp(prefix="kuberl-nobody-"))
-    os.chown(workdir, 65534, 65534)
+    workdir = nobody_workdir()
     program = (
         "import os, subprocess, time\n"
         "subprocess.Popen(['sleep', '4242'], start_new_session=True)\n"
@@ -422,11 +429,10 @@ def test_without_root_a_launcher_the_service_gives_up_on_leaves_no_process_behin
         "time.sleep(60)\n"
     )
     job = launcher_job(program, [{"input": "", "output": ""}], workdir, uid=None, deadline=60)
-    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
     async def give_up() -> int | None:
         proc = await asyncio.create_subprocess_exec(
-            *nobody, job["python"], "-I", "-S", str(LAUNCHER),
+            *NOBODY, job["python"], "-I", "-S", str(LAUNCHER),
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
         assert proc.stdin is not None
