@@ -488,9 +488,13 @@ class BufferStore:
         return max(0, int(n))
 
     async def start_eval(self, round_: int) -> tuple[int, bool, int]:
-        """Make sure eval rounds 0..round are queued; (rounds, started now, prompts per round)."""
-        prev, new = await self._raise_epochs("eval", round_ + 1)
+        """Make sure eval rounds 0..round are queued; (rounds, started now, prompts per round).
+        Without eval prompts nothing changes (0 prompts): a refused StartEval once still raised
+        the round count, so an eval dataset loaded later queued rounds nobody asked for."""
         num = len(await self._prompt_ids("eval", round_))
+        if num == 0:
+            return 0, False, 0
+        prev, new = await self._raise_epochs("eval", round_ + 1)
         return new, new > prev, num
 
     # -- prompts ------------------------------------------------------------------------------

@@ -775,9 +775,11 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                 assert engine is not None
                 self._time_out(engine)
             return
-        self.metrics.update_failures.labels(backend).inc()
         if current:  # a dead peer: only this engine's update fails, it catches up by snapshot
             assert engine is not None
+            # Counted here only while the update is the engine's: one that has reported was
+            # counted by its ReportLoaded (a failure was once counted twice).
+            self.metrics.update_failures.labels(backend).inc()
             engine.last_error = error[:500]
             self._end_assignment(engine)
             engine.catch_up_below = max(engine.catch_up_below, stored.version + 1)

@@ -982,3 +982,21 @@ def test_more_epochs_on_a_restart_queue_the_datasets_prompts(
             return sorted(p.epoch for p in (await lease(svc, 4)).prompts)
 
     assert run(scenario()) == [1, 1]
+
+
+def test_a_refused_start_eval_queues_no_round_for_later(redis_url: str, tmp_path: Path) -> None:
+    # Without eval data StartEval(5) is refused, but it raised the round count anyway: an eval
+    # dataset loaded later then queued rounds 0..5 that nobody asked for.
+    async def scenario() -> int:
+        async with buffer(redis_url, tmp_path) as svc:
+            with pytest.raises(FailedPrecondition, match="no eval dataset"):
+                await svc.StartEval(bpb.StartEvalRequest(round=5), None)  # type: ignore[arg-type]
+            path = str(write_prompts(tmp_path / "late-eval.jsonl", 2))
+            req = bpb.LoadDatasetRequest(
+                path=path, kind=EVAL, columns=bpb.ColumnMapping(prompt="question")
+            )
+            await svc.LoadDataset(req, None)  # type: ignore[arg-type]
+            started = await svc.StartEval(bpb.StartEvalRequest(round=0), None)  # type: ignore[arg-type]
+            return int(started.rounds)
+
+    assert run(scenario()) == 1
