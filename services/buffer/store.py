@@ -44,7 +44,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import BusyLoadingError, NoScriptError, ResponseError
+from redis.exceptions import BusyLoadingError, NoScriptError, OutOfMemoryError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -52,7 +52,12 @@ from kuberl.buffer import scripts
 from kuberl.buffer.cache import Payload, PayloadCache
 from kuberl.buffer.datasets import PromptRow, epoch_order
 from kuberl.common.config import JobConfig
-from kuberl.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from kuberl.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
 from kuberl.common.logs import get_logger
 from kuberl.common.tls import redis_options
 
@@ -76,6 +81,8 @@ def is_entry_id(text: str) -> bool:
     return int(ms) < 2**64 and int(seq) < 2**64
 
 
+#: Retry hint when Redis is at its maxmemory.
+REDIS_FULL_RETRY_SECONDS = 1.0
 DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -325,6 +332,15 @@ class BufferStore:
                 log.warning("redis.retry", op=what, error=str(exc), delay=round(delay, 3))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+            except OutOfMemoryError as exc:
+                # Redis at its maxmemory (noeviction) refuses growing writes; acknowledgements,
+                # which free memory, still run. Backpressure, not a failure.
+                log.warning("redis.full", op=what, error=str(exc)[:200])
+                raise ResourceExhausted(
+                    f"Redis is full (its maxmemory) during {what}: writes that grow it are "
+                    f"refused until training frees room; retry in {REDIS_FULL_RETRY_SECONDS:g}s",
+                    retry_after_seconds=REDIS_FULL_RETRY_SECONDS,
+                ) from None
             except ResponseError as exc:
                 # A Redis that lost its data (no AOF) has no consumer groups; recreate them once.
                 if "NOGROUP" in str(exc) and not regrouped:
@@ -611,9 +627,9 @@ class BufferStore:
 
         try:
             res = await self._retry(op, "put")
-        except ResponseError:
+        except (ResponseError, ResourceExhausted):
             # The script failed after the bytes were written in its transaction (MULTI does
-            # not roll back): nothing may keep them.
+            # not roll back), or Redis was full: nothing may keep them.
             if any(stored):
                 fields = [f for f in stored if f]
                 await self._retry(lambda: self.r.hdel(self.keys.payloads(kind), *fields), "put")

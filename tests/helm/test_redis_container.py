@@ -90,12 +90,15 @@ def test_redis_runs_with_the_aof_and_never_evicts(redis_container) -> None:
     client.xadd("kuberl:{job}:prompts:train", {"p": "1"})
     settings = {
         key: client.config_get(key)[key]
-        for key in ("appendonly", "appendfsync", "maxmemory-policy", "save")
+        for key in ("appendonly", "appendfsync", "maxmemory-policy", "maxmemory", "save")
     }
+    # maxmemory 1536mb, below the container's 2Gi limit: a full Redis refuses growing writes
+    # (backpressure at the buffer) instead of being OOM-killed and replaying past the limit.
     assert settings == {
         "appendonly": "yes",
         "appendfsync": "everysec",
         "maxmemory-policy": "noeviction",
+        "maxmemory": str(1536 * 2**20),
         "save": "",
     }
     assert any(p.name.startswith("appendonly") for p in dirs["data"].iterdir())

@@ -1000,3 +1000,43 @@ def test_a_refused_start_eval_queues_no_round_for_later(redis_url: str, tmp_path
             return int(started.rounds)
 
     assert run(scenario()) == 1
+
+
+def test_a_full_redis_is_backpressure_and_acknowledgements_still_free_it(
+    tmp_path: Path,
+) -> None:
+    # Redis at its maxmemory (noeviction, as the chart configures it) refuses the writes that
+    # grow it: a put is RESOURCE_EXHAUSTED with a retry hint (was INTERNAL) and leaves no bytes,
+    # while GetBatch and Ack, which free memory, still run, and leasing goes on after them.
+    import redis
+
+    with EmbeddedRedis(tmp_path / "full-redis", die_with_parent=True) as server:
+
+        async def scenario() -> tuple[int, float | None, int, int, int]:
+            async with buffer(server.url, tmp_path, prompts=200, max_inflight_groups=200) as svc:
+                r = redis.Redis.from_url(server.url)
+                r.config_set("maxmemory", r.info("memory")["used_memory"] + 2_000_000)
+                r.config_set("maxmemory-policy", "noeviction")
+                accepted, refused = 0, None
+                while refused is None:
+                    ps = (await lease(svc, 4)).prompts
+                    groups = [make_group(p.prompt_id, p.epoch, length=2000) for p in ps]
+                    try:
+                        await put(svc, groups, [p.lease_id for p in ps])
+                        accepted += len(ps)
+                    except ResourceExhausted as exc:
+                        refused = exc.retry_after_seconds
+                stored = r.hlen(svc.db.keys.payloads("train"))
+                batch = await get(svc, 8)
+                await ack(svc, batch.batch_id)
+                return (
+                    accepted,
+                    refused,
+                    stored,
+                    len(batch.groups),
+                    len((await lease(svc, 4)).prompts),
+                )
+
+        accepted, retry, stored, batched, leased = run(scenario())
+    assert accepted >= 8 and retry == 1.0
+    assert (stored, batched, leased) == (accepted, 8, 4)
