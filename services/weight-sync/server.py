@@ -495,6 +495,14 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                     version = chunk.version
                     fd = self.store.open_upload(version)
                     receiver = ChunkReceiver(write, version=version)
+                elif version not in self.announced:
+                    # A later version was announced meanwhile: stop writing this one's bytes
+                    # (they went on into its deleted file to the last chunk).
+                    self.metrics.rejected.labels("superseded").inc()
+                    raise FailedPrecondition(
+                        f"version {version} was superseded by version {self.highest_announced} "
+                        "while it was sent"
+                    )
                 receiver.feed(chunk)
                 handles = chunk.cuda_ipc_handles_json or handles
             if receiver is None:
