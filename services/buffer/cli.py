@@ -73,6 +73,7 @@ async def _stats_from_redis(config: Any) -> Any:
 def _cmd_stats(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
+    from redis.exceptions import ResponseError
 
     from kuberl.api.buffer.v1 import buffer_pb2, buffer_pb2_grpc
     from kuberl.common.channels import sync_channel
@@ -80,14 +81,24 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     from kuberl.common.errors import ServiceError
 
     if args.redis:
+        config = load_job_config(args.config)
         try:
-            resp = asyncio.run(_stats_from_redis(load_job_config(args.config)))
+            resp = asyncio.run(_stats_from_redis(config))
         except ServiceError as exc:
             print(f"kuberl: {exc.message}", file=sys.stderr)
             return 1
+        except ResponseError as exc:  # e.g. no streams: no buffer has served this job here
+            print(
+                f"kuberl: no buffer state for job {config.job.name!r} in this Redis ({exc})",
+                file=sys.stderr,
+            )
+            return 1
     else:
-        address = args.address or load_job_config(args.config).endpoints.buffer
-        with sync_channel(address) as channel:
+        config = load_job_config(args.config)
+        address = args.address or config.endpoints.buffer
+        # A job file's TLS settings, as its services use them (else the environment's).
+        tls = config.tls if args.config else None
+        with sync_channel(address, tls=tls) as channel:
             stub = buffer_pb2_grpc.BufferServiceStub(channel)
             try:
                 resp = stub.GetStats(buffer_pb2.GetStatsRequest(), timeout=args.timeout)

@@ -18,7 +18,11 @@ def _cmd_chart_schema(args: argparse.Namespace) -> int:
     from kuberl.common.schema import regenerate
 
     path = Path(args.path)
-    on_disk, expected = regenerate(path)
+    try:
+        on_disk, expected = regenerate(path)
+    except (OSError, ValueError) as exc:  # missing or not a schema: a message, not a traceback
+        print(f"kuberl: {exc}", file=sys.stderr)
+        return 2
     if on_disk == expected:
         print(f"{path}: up to date")
         return 0

@@ -150,6 +150,11 @@ class RedisConfig(Section):
 
     @model_validator(mode="after")
     def _tls_files(self) -> RedisConfig:
+        if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(
+                f"url {self.url!r} is not a Redis URL: use redis://host:port/db, "
+                "rediss://host:port/db (TLS) or unix:///path/to/socket"
+            )
         tls_set = self.tls_ca_file or self.tls_cert_file or self.tls_key_file
         if tls_set and not (self.url or "").startswith("rediss://"):
             raise ValueError(

@@ -162,14 +162,19 @@ def prompt_accounting(buffer: dict[str, Any], lineage: dict[str, Any]) -> dict[s
     never_leased: set[str] = set()
     leased_now: set[str] = set()
     requeued_waiting: set[str] = set()
+    orphaned: set[str] = set()
     for entry_id, fields in buffer["prompt_entries"]:
         key = f"{fields['p']}@{fields['e']}"
         if entry_id in buffer["leased_ids"]:
             leased_now.add(key)
-        elif _entry_id(entry_id) > last and "rq" not in fields:
-            never_leased.add(key)
+        elif _entry_id(entry_id) > last:
+            # Not delivered yet: a prompt never handed out, or one re-queued to be generated
+            # again (its first delivery was before `last`).
+            (requeued_waiting if "rq" in fields else never_leased).add(key)
         else:
-            requeued_waiting.add(key)
+            # Delivered, not pending, not acknowledged: no read (`>` reads start after `last`,
+            # XAUTOCLAIM scans only the pending list) will hand it out again. Lost.
+            orphaned.add(key)
     trained = trained_counts(lineage)
     discarded = {g["key"] for row in lineage["discarded"] for g in row.get("groups", [])}
     in_stream = set(buffer["group_keys"])
@@ -197,6 +202,9 @@ def prompt_accounting(buffer: dict[str, Any], lineage: dict[str, Any]) -> dict[s
         elif key in lineage["rejected"]:
             classes["filtered"].append(key)
             reasons["trainer:" + lineage["rejected"][key]] += 1
+        elif key in orphaned:
+            classes["lost"].append(key)
+            lost.append({"key": key, "accepted": accepted, "orphaned_entry": True})
         elif key in leased_now or key in requeued_waiting or key in in_stream:
             classes["pending"].append(key)
             why = (
@@ -217,16 +225,23 @@ def prompt_accounting(buffer: dict[str, Any], lineage: dict[str, Any]) -> dict[s
                 }
             )
     handed_out = len(queued) - len(never_leased & set(queued))
+    # Over every key the lineage trained, not only the handed-out ones the loop above classifies:
+    # a key trained twice, or trained without ever being handed out, must show whatever the
+    # buffer's state says (with it missing, such keys were never looked at).
+    twice = sorted(k for k, n in trained.items() if n > 1)
+    queued_set = set(queued) - never_leased
+    not_handed_out = sorted(k for k in trained if k not in queued_set)
     return {
         "prompts_queued": len(queued),
         "prompts_handed_out": handed_out,
         "prompts_trained_once": len(classes["trained_once"]),
-        "groups_trained_twice": len(classes["trained_twice"]),
+        "groups_trained_twice": len(twice),
+        "trained_not_handed_out": len(not_handed_out),
         "prompts_filtered": {"total": len(classes["filtered"]), "reasons": dict(reasons)},
         "prompts_pending": {"total": len(classes["pending"]), "why": dict(pending_why)},
         "prompts_lost": len(classes["lost"]),
         "lost": lost[:50],
-        "trained_twice": classes["trained_twice"][:50],
+        "trained_twice": twice[:50],
         "lineage_steps": len(lineage["steps"]),
         "discarded_steps": len(lineage["discarded"]),
         "trainer_starts": lineage["starts"],

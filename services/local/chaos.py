@@ -23,7 +23,7 @@ and the job's ground truth into `chaos.json`.
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kuberl.common.logs import get_logger
@@ -84,6 +84,14 @@ PROFILES = {
         min_gap_seconds=5.0,
     ),
 }
+
+
+def chaos_profile(name: str, *, external_redis: bool) -> ChaosProfile:
+    """The named profile; without Redis faults when the job's Redis is not the embedded one
+    (not ours to kill: a Redis fault planned anyway never recovered, and every fault after it
+    was skipped while the report still counted it as injected)."""
+    profile = PROFILES[name]
+    return replace(profile, redis_kills=0) if external_redis else profile
 
 
 @dataclass

@@ -569,11 +569,11 @@ class Supervisor:
         assert self.group is not None and self.progress is not None and self.config is not None
         self.progress.set_phase("RL", self.config.trainer.total_steps)
         if self.options.chaos is not None:
-            from kuberl.local.chaos import PROFILES, ChaosMonkey
+            from kuberl.local.chaos import ChaosMonkey, chaos_profile
 
             seed = self.options.chaos_seed
             self.chaos = ChaosMonkey(
-                PROFILES[self.options.chaos],
+                chaos_profile(self.options.chaos, external_redis=self.redis is None),
                 self.config.job.seed if seed is None else seed,
                 self.config.trainer.total_steps,
                 self.replica_names,

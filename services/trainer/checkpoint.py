@@ -209,6 +209,12 @@ def commit(directory: Path, path: Path, keep: int) -> None:
     kept = older[len(older) - (keep - 1) :] if keep > 1 else []
     for old in [p for p in done if p not in kept and p != path]:
         shutil.rmtree(old, ignore_errors=True)
+    # Folders without a cursor.json were never finished (a trainer killed while saving): the
+    # engine shards and optimizer state, the bulk of a save, piled up with each such death.
+    # Every rank has finished writing `path` when this runs (after the save's barrier).
+    for torn in directory.glob("step-*"):
+        if torn != path and torn.is_dir() and not (torn / "cursor.json").exists():
+            shutil.rmtree(torn, ignore_errors=True)
     log.info("checkpoint.committed", path=str(path))
 
 

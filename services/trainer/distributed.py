@@ -16,12 +16,16 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
 from kuberl.common.logs import get_logger
 from kuberl.common.redis_server import free_port
+
+if TYPE_CHECKING:
+    from kuberl.common.config import JobConfig
 
 log = get_logger(__name__)
 
@@ -56,8 +60,16 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed() -> DistInfo:
-    """Join the torchrun world (or make a world of one) and pick this rank's device."""
+def collective_timeout_seconds(config: JobConfig) -> float:
+    """How long a rank may wait in one collective. Ranks other than 0 wait in a barrier while
+    rank 0 runs a whole eval round (up to `trainer.eval_timeout_seconds`), so DeepSpeed's
+    default of 10 minutes, equal to that timeout's default, let a slow round kill the job."""
+    return max(1800.0, config.trainer.eval_timeout_seconds + 600.0)
+
+
+def init_distributed(timeout_seconds: float | None = None) -> DistInfo:
+    """Join the torchrun world (or make a world of one) and pick this rank's device;
+    `timeout_seconds` bounds each collective (DeepSpeed's default: 10 minutes)."""
     import deepspeed
     import torch.distributed as dist
 
@@ -87,7 +99,8 @@ def init_distributed() -> DistInfo:
         # process on the machine (a local run starts several at once). DeepSpeed adopts the group.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        kwargs = {} if timeout_seconds is None else {"timeout": timedelta(seconds=timeout_seconds)}
+        deepspeed.init_distributed(dist_backend=backend, verbose=False, **kwargs)
     info = DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
     log.info("dist.ready", rank=info.rank, world_size=info.world_size, backend=backend)
     return info

@@ -542,8 +542,13 @@ class Trainer:
     def _write_trained(self, row: dict[str, Any]) -> None:
         if not self._trained_file or not self.dist.is_main:
             return
-        with open(self._trained_file, "a") as f:
-            f.write(json.dumps({"time": time.time(), **row}) + "\n")
+        with open(self._trained_file, "a+") as f:
+            # A line torn by a SIGKILL mid-write is ended first: appended to it, this row (a
+            # restart's `start`) would be unreadable too, and the accounting would miss it.
+            f.seek(0, os.SEEK_END)
+            torn = f.tell() > 0 and (f.seek(f.tell() - 1), f.read(1))[1] != "\n"
+            f.seek(0, os.SEEK_END)
+            f.write(("\n" if torn else "") + json.dumps({"time": time.time(), **row}) + "\n")
             f.flush()
             os.fsync(f.fileno())
 

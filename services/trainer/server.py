@@ -118,13 +118,15 @@ class TrainerService(Service):
 
     async def start(self) -> None:
         from kuberl.common.channels import wait_serving_async
-        from kuberl.trainer.distributed import init_distributed
+        from kuberl.trainer.distributed import collective_timeout_seconds, init_distributed
         from kuberl.trainer.loop import Trainer
 
         # Weight-sync is not waited for: training goes on without it and a publish that
         # failed is retried (tests/reliability/test_trainer_publish_retry.py).
         buffer = buffer_endpoint(self.config)
-        joining = asyncio.ensure_future(asyncio.to_thread(init_distributed))
+        joining = asyncio.ensure_future(
+            asyncio.to_thread(init_distributed, collective_timeout_seconds(self.config))
+        )
         if buffer:
             await wait_serving_async(buffer, DEPENDENCY_WAIT_SECONDS)
         trainer = Trainer(self.config, await joining)
@@ -158,10 +160,10 @@ class TrainerService(Service):
 
 def run_worker(config: JobConfig) -> int:
     """A rank other than 0: train to the end, no server. Returns the exit code."""
-    from kuberl.trainer.distributed import init_distributed
+    from kuberl.trainer.distributed import collective_timeout_seconds, init_distributed
     from kuberl.trainer.loop import Trainer
 
-    trainer = Trainer(config, init_distributed())
+    trainer = Trainer(config, init_distributed(collective_timeout_seconds(config)))
     signal.signal(signal.SIGTERM, lambda *_: trainer.stop_event.set())
     trainer.setup()
     trainer.run()

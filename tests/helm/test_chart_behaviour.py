@@ -500,3 +500,13 @@ def test_sglang_outlives_the_rollout_workers_drain(drain: int | None, sleep: int
     pre_stop = _container(rollout, "sglang")["lifecycle"]["preStop"]["exec"]["command"]
     grace = pod_spec(rollout)["terminationGracePeriodSeconds"]
     assert (pre_stop, sleep < grace) == (["sleep", str(sleep)], True)
+
+
+def test_torchrun_gives_its_workers_most_of_the_pods_grace_period_to_stop() -> None:
+    # torchrun SIGKILLs its workers 30 s after forwarding SIGTERM unless told otherwise, where
+    # the pod's 300 s were meant for finishing a step and writing the last checkpoint.
+    for name in ("trainer", "trainer-worker"):
+        rendered = render("multi-node-trainer").get("StatefulSet", name)
+        env = _env(_container(rendered, "trainer"))
+        grace = pod_spec(rendered)["terminationGracePeriodSeconds"]
+        assert (env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"], grace) == ("270", 300)

@@ -4,10 +4,12 @@ supervisor killing a whole process tree (torchrun's workers live in sessions of 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,6 +22,7 @@ from kuberl.local.accounting import (
 )
 from kuberl.local.chaos import KINDS, PROFILES, ChaosMonkey
 from kuberl.local.procs import ProcessGroup, ProcessSpec
+from kuberl.trainer.loop import Trainer
 from tests.support import process_alive
 
 REPLICAS = ["rollout-0", "rollout-1"]
@@ -179,6 +182,49 @@ def test_every_handed_out_prompt_is_trained_filtered_pending_or_lost() -> None:
     assert report["lost"] == [{"key": "d:4@0", "accepted": "1", "trained_in_discarded_step": True}]
 
 
+def test_keys_trained_twice_count_even_when_the_buffer_state_is_missing() -> None:
+    # With no datasets in the state (Redis lost its data) nothing is handed out, and a key
+    # trained at steps 1 and 2 was never looked at: 0 trained twice, 0 lost.
+    buffer = _buffer(prompt_entries=[], accepted={})
+    buffer["datasets"] = {}
+    rows = [{"event": "start", "step": 0}, _step(1, ["d:0@0"]), _step(2, ["d:0@0"])]
+    report = prompt_accounting(buffer, trained_lineage(rows))
+    assert (report["groups_trained_twice"], report["trained_not_handed_out"]) == (1, 1)
+
+
+def test_a_delivered_entry_no_read_will_hand_out_again_is_lost() -> None:
+    # At or before the group's last delivered id, not pending, not acknowledged: nothing
+    # delivers it again. It was counted as "pending: requeued".
+    buffer = _buffer(
+        last_delivered="100-0",
+        prompt_entries=[("5-0", {"p": "d:1", "e": "0"})],
+        leased_ids=set(),
+        accepted={f"d:{i}@0": "1" for i in range(8) if i != 1},
+    )
+    rows = [{"event": "start", "step": 0}, _step(1, [f"d:{i}@0" for i in range(8) if i != 1])]
+    report = prompt_accounting(buffer, trained_lineage(rows))
+    assert (report["prompts_lost"], report["lost"]) == (
+        1,
+        [{"key": "d:1@0", "accepted": None, "orphaned_entry": True}],
+    )
+
+
+def test_a_step_row_torn_by_a_sigkill_does_not_swallow_the_restarts_start_row(
+    tmp_path: Path,
+) -> None:
+    # The restarted trainer appended its `start` row to the torn line: both were unreadable,
+    # so the steps that died with the process stayed in the lineage.
+    from kuberl.local.accounting import read_rows
+
+    path = tmp_path / "trained.jsonl"
+    lines = [{"event": "start", "step": 0}, _step(1, ["d:0@0"]), _step(2, ["d:1@0"])]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"event": "step", "st')
+    trainer = SimpleNamespace(_trained_file=path, dist=SimpleNamespace(is_main=True))
+    Trainer._write_trained(trainer, {"event": "start", "step": 1})  # type: ignore[arg-type]
+    lineage = trained_lineage(read_rows(path))
+    assert (lineage["starts"], sorted(lineage["steps"]), len(lineage["discarded"])) == (2, [1], 1)
+
+
 def test_a_group_the_trainer_refused_is_filtered_with_the_trainers_reason() -> None:
     buffer = _buffer(last_delivered="0-0", prompt_entries=[], accepted={"d:0@0": "1"})
     # Only d:0 was handed out: entries of d:1..7 are still queued after the last delivered id.
@@ -251,3 +297,15 @@ def test_a_sigkill_reaches_a_child_that_started_its_own_session(tmp_path: Path) 
         if pid_file.exists() and pid_file.read_text() and process_alive(int(pid_file.read_text())):
             os.kill(int(pid_file.read_text()), 9)
     assert not survived
+
+
+def test_with_an_external_redis_the_plan_has_no_redis_fault() -> None:
+    # Not ours to kill: the fault was "fired" without a kill, never recovered, and every fault
+    # after it was skipped while the report counted it as injected.
+    from kuberl.local.chaos import chaos_profile
+
+    external = chaos_profile("ci", external_redis=True)
+    embedded = chaos_profile("ci", external_redis=False)
+    monkey = ChaosMonkey(external, seed=3, total_steps=400, replicas=["rollout-0", "rollout-1"])
+    assert (external.redis_kills, embedded.redis_kills) == (0, 1)
+    assert "redis" not in {f.kind for f in monkey.faults} and len(monkey.faults) == 10

@@ -166,6 +166,12 @@ CHECK_CASES: dict[str, tuple[Any, list[str]]] = {
         {"tls": {"enabled": True, "cert_file": "a"}},
         ["cert_file and key_file go together: set both or neither"],
     ),
+    # Accepted until 2026-11-26; the buffer then failed at start, `buffer stats` with a
+    # traceback.
+    "a Redis URL of another scheme": (
+        {"redis": {"url": "http://redis:6379"}},
+        ["url 'http://redis:6379' is not a Redis URL"],
+    ),
     "Redis TLS files with a plaintext URL": (
         {"redis": {"url": "redis://r:6379/0", "tls_ca_file": "ca.pem"}},
         ["redis: Value error, tls_*_file are set but url is not rediss://", "use url: rediss://"],

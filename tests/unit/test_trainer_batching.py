@@ -132,6 +132,20 @@ def test_checkpoint_cursor_and_rng_round_trip(tmp_path: Path) -> None:
     assert torch.equal(torch.rand(3), expected)
 
 
+def test_a_checkpoint_folder_never_finished_is_deleted_at_the_next_commit(tmp_path: Path) -> None:
+    # A trainer killed while saving step 37 left its shards without a cursor.json: pruning
+    # looked only at finished folders, so such leftovers (the bulk of a save) piled up.
+    torn = tmp_path / ckpt.tag_for(37)
+    torn.mkdir()
+    (torn / "mp_rank_00_model_states.pt").write_bytes(b"x" * 1000)
+    for step in (40, 50):
+        path = tmp_path / ckpt.tag_for(step)
+        ckpt.write_rank_files(path, rank=0)
+        ckpt.write_cursor(path, ckpt.Cursor(step=step))
+        ckpt.commit(tmp_path, path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000040", "step-000050"]
+
+
 def test_only_the_newest_checkpoints_are_kept_and_latest_names_the_last(tmp_path: Path) -> None:
     for step in (2, 4, 6):
         path = tmp_path / ckpt.tag_for(step)
@@ -484,3 +498,14 @@ def test_sft_fits_the_model_at_temperature_one_and_rl_at_the_engines(
     if sampled == 0:
         job["buffer"] = {"dynamic_sampling": False}
     assert head_temperature(parse_job_config(job, env={})) == head
+
+
+def test_a_collective_may_wait_out_a_whole_eval_round_and_more() -> None:
+    # Other ranks wait in a barrier while rank 0 runs an eval round of up to
+    # eval_timeout_seconds (600 by default): DeepSpeed's 10-minute default killed the job.
+    from kuberl.common.config import parse_job_config
+    from kuberl.trainer.distributed import collective_timeout_seconds
+
+    default = collective_timeout_seconds(parse_job_config({}, env={}))
+    long_eval = parse_job_config({"trainer": {"eval_timeout_seconds": 3600}}, env={})
+    assert (default, collective_timeout_seconds(long_eval)) == (1800.0, 4200.0)
