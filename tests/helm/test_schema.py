@@ -44,6 +44,14 @@ def test_kuberl_chart_schema_check_reports_a_stale_file(tmp_path) -> None:
     assert (check.returncode, fix.returncode, recheck.returncode) == (1, 0, 0)
 
 
+def test_kuberl_chart_schema_on_a_missing_file_says_so_without_a_traceback(tmp_path) -> None:
+    cmd = [sys.executable, "-m", "kuberl.cli", "chart", "schema", "--check"]
+    done = subprocess.run(
+        [*cmd, "--path", str(tmp_path / "none.json")], capture_output=True, text=True, cwd=REPO
+    )
+    assert (done.returncode, "Traceback" in done.stderr) == (2, False), done.stderr
+
+
 def test_the_job_section_is_the_job_models_schema() -> None:
     schema = render_values_schema(json.loads((CHART / "values.schema.json").read_text()))
     job = schema["properties"]["job"]

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import urllib.request
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -264,6 +265,26 @@ def test_stats_cli_with_redis_reads_the_job_state_when_no_buffer_is_running(
         stats["counters"]["train:accepted"],
         stats["exhausted"],
     ) == (5, 3, 3, 3, False)
+
+
+def test_stats_cli_with_redis_says_when_no_buffer_has_served_the_job(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # A job name this Redis has no streams for (a typo, or before any buffer started): the
+    # command printed a traceback of XPENDING's "no such key".
+    config = write_job(tmp_path, redis_url, prompts=5, job=f"never-served-{uuid.uuid4().hex[:6]}")
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "kuberl.cli", "buffer", "stats"),
+            *("--config", str(config), "--redis"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert (done.returncode, "no buffer state for job" in done.stderr) == (1, True), done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_stale_groups_are_dropped_counted_and_their_prompts_requeued(
