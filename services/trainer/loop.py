@@ -63,6 +63,7 @@ from kuberl.trainer import checkpoint as ckpt
 from kuberl.trainer.batching import MicroBatch, Sample, collate, micro_batches, shard
 from kuberl.trainer.distributed import (
     DistInfo,
+    all_reduce_max,
     barrier,
     broadcast_bytes,
     gather_json,
@@ -672,12 +673,14 @@ class Trainer:
     def _next_batch(self, sft: bool) -> tuple[bytes, dict[str, Any]]:
         """Rank 0 gets the next batch (or a control message) and every rank receives it."""
         from_file = sft and self.tc.sft_data is not None
+        self._share_stop()
         if from_file:
             msg = self._control_only()
             if msg != MSG_BATCH:
                 return msg, {}
             return MSG_BATCH, self._file_batch()
         while True:  # short rounds, so no rank sits in one collective for long
+            self._share_stop()
             payload = self._fetch_batch(sft) if self.dist.is_main else None
             data = broadcast_bytes(payload, self.dist)
             tag, body = data[:1], data[1:]
@@ -712,6 +715,13 @@ class Trainer:
             "dropped": dict(resp.dropped),
             "tokens": sum(s.length for s in samples),
         }
+
+    def _share_stop(self) -> None:
+        """A SIGTERM that reached any rank stops the job (collective): rank 0 decides, and a
+        worker rank's own stop (its pod evicted) was ignored until torchrun killed it, the job
+        then failing without its last checkpoint."""
+        if all_reduce_max(int(self.stop_event.is_set()), self.dist):
+            self.stop_event.set()
 
     def _control_only(self) -> bytes:
         tag = MSG_BATCH
