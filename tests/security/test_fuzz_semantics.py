@@ -243,7 +243,10 @@ def test_groups_with_one_defect_for_leased_prompts_are_refused_and_nothing_is_st
             bpb.PutTrajectoriesRequest(groups=[good], lease_ids=[leased[3].lease_id]), timeout=10
         )
     errors_after = rpc_errors(cluster.metrics("buffer"), "buffer")
-    assert (stored_after, accepted_after) == (stored_before, accepted_before)
+    # Nothing was added: the cluster's trainer may meanwhile have taken groups that were
+    # waiting (an eval round's, once), so a count may only go down.
+    grown = {k: (stored_before[k], v) for k, v in stored_after.items() if v > stored_before[k]}
+    assert (grown, accepted_after) == ({}, accepted_before)
     # (The trainer may already have taken and trained the control group: count, not storage.)
     assert [r.status for r in accepted.results] == [bpb.PUT_STATUS_ACCEPTED]
     assert _accepted(buffer_stub) == accepted_before + 1
