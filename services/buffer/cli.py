@@ -80,8 +80,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     from kuberl.common.config import load_job_config
     from kuberl.common.errors import ServiceError
 
+    config = load_job_config(args.config)
     if args.redis:
-        config = load_job_config(args.config)
         try:
             resp = asyncio.run(_stats_from_redis(config))
         except ServiceError as exc:
@@ -94,7 +94,6 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             )
             return 1
     else:
-        config = load_job_config(args.config)
         address = args.address or config.endpoints.buffer
         # A job file's TLS settings, as its services use them (else the environment's).
         tls = config.tls if args.config else None

@@ -77,6 +77,14 @@ def _mean(values: Sequence[float | None]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def rl_steps(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The RL step rows, one per step in step order: a step trained again after a trainer
+    resumed from its checkpoint replaces the row of the run that died (the weights hold the
+    later one)."""
+    by_step = {int(r["step"]): r for r in rows if r.get("kind") == "rl" and "step" in r}
+    return [by_step[k] for k in sorted(by_step)]
+
+
 def build_summary(
     *,
     job: str,
@@ -94,10 +102,7 @@ def build_summary(
     extra: dict[str, Any],
 ) -> dict[str, Any]:
     """summary.json's content (see the module docstring for the definitions)."""
-    # One row per step: a step trained again after a trainer resumed from its checkpoint
-    # replaces the row of the run that died (the weights hold the later one).
-    by_step = {int(r["step"]): r for r in rl_rows if r.get("kind") == "rl" and "step" in r}
-    steps = [by_step[k] for k in sorted(by_step)]
+    steps = rl_steps(rl_rows)
     evals = eval_rounds(rl_rows)
     counters = dict((buffer_final or {}).get("counters", {}))
     outstanding = None
@@ -191,10 +196,7 @@ def write_plots(
     import matplotlib.pyplot as plt
 
     written: list[Path] = []
-    # One row per step: a step trained again after a trainer resumed from its checkpoint
-    # replaces the row of the run that died (the weights hold the later one).
-    by_step = {int(r["step"]): r for r in rl_rows if r.get("kind") == "rl" and "step" in r}
-    steps = [by_step[k] for k in sorted(by_step)]
+    steps = rl_steps(rl_rows)
     x = [int(r.get("step", i + 1)) for i, r in enumerate(steps)]
     window = max(1, len(steps) // 15)
 

@@ -82,6 +82,11 @@ def deepspeed_config(
     return cfg
 
 
+def full_numel(p: nn.Parameter) -> int:
+    """A parameter's number of elements, a ZeRO-3 partitioned one's at its full size."""
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
 def load_causal_lm(path: str | Path, dtype: torch.dtype) -> Any:
     """An HF causal LM from a local folder (never the hub), with eager-free SDPA attention and
     dropout off (`disable_dropout`)."""
@@ -445,13 +450,10 @@ def iter_full_parameters(
         seen.add(id(p))
         named.append((name.removeprefix(prefix_strip), p))
 
-    def numel(p: nn.Parameter) -> int:
-        return int(getattr(p, "ds_numel", p.numel()))
-
     bucket: list[tuple[str, nn.Parameter]] = []
     size = 0
     for name, p in named:
-        nbytes = numel(p) * p.element_size()
+        nbytes = full_numel(p) * p.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield _gather_bucket(bucket, dist_info, deepspeed)
             bucket, size = [], 0

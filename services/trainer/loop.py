@@ -74,6 +74,7 @@ from kuberl.trainer.engine import (
     ValueModel,
     build_policy,
     enable_activation_checkpointing,
+    full_numel,
     load_causal_lm,
     run_forward,
     run_micro_batches,
@@ -543,13 +544,16 @@ class Trainer:
     def _write_trained(self, row: dict[str, Any]) -> None:
         if not self._trained_file or not self.dist.is_main:
             return
-        with open(self._trained_file, "a+") as f:
+        line = json.dumps({"time": time.time(), **row}) + "\n"
+        with open(self._trained_file, "ab+") as f:
             # A line torn by a SIGKILL mid-write is ended first: appended to it, this row (a
             # restart's `start`) would be unreadable too, and the accounting would miss it.
-            f.seek(0, os.SEEK_END)
-            torn = f.tell() > 0 and (f.seek(f.tell() - 1), f.read(1))[1] != "\n"
-            f.seek(0, os.SEEK_END)
-            f.write(("\n" if torn else "") + json.dumps({"time": time.time(), **row}) + "\n")
+            end = f.seek(0, os.SEEK_END)
+            if end:
+                f.seek(end - 1)
+                if f.read(1) != b"\n":
+                    line = "\n" + line
+            f.write(line.encode())  # appended wherever the file position is ("a" mode)
             f.flush()
             os.fsync(f.fileno())
 
@@ -673,8 +677,8 @@ class Trainer:
     def _next_batch(self, sft: bool) -> tuple[bytes, dict[str, Any]]:
         """Rank 0 gets the next batch (or a control message) and every rank receives it."""
         from_file = sft and self.tc.sft_data is not None
-        self._share_stop()
         if from_file:
+            self._share_stop()
             msg = self._control_only()
             if msg != MSG_BATCH:
                 return msg, {}
@@ -1296,7 +1300,7 @@ def _global_count(alg: Any, rows: list[Sample]) -> tuple[float, Any]:
 
 def _numel(module: torch.nn.Module) -> int:
     """Parameters of a module, ZeRO-3's partitioned ones at their full size."""
-    return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
+    return sum(full_numel(p) for p in module.parameters())
 
 
 def _policy_params(policy: torch.nn.Module) -> tuple[int, int]:
@@ -1304,11 +1308,9 @@ def _policy_params(policy: torch.nn.Module) -> tuple[int, int]:
     runs at the response positions only; an embedding tied to it is a lookup, no FLOPs."""
     hf: Any = getattr(policy, "hf", policy)
     head = hf.get_output_embeddings().weight
-    head_numel = int(getattr(head, "ds_numel", head.numel()))
     embedding = hf.get_input_embeddings().weight
-    tied = embedding is head
-    lookup = 0 if tied else int(getattr(embedding, "ds_numel", embedding.numel()))
-    return _numel(policy) - head_numel - lookup, head_numel
+    lookup = 0 if embedding is head else full_numel(embedding)
+    return _numel(policy) - full_numel(head) - lookup, full_numel(head)
 
 
 def merge_metrics(records: Sequence[tuple[dict[str, float], int]]) -> dict[str, float]:

@@ -276,7 +276,6 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             # version's fan-out until it timed out.
             self._end_assignment(engine)
             self._unpin(engine, request.loaded_version)
-            self._refresh_engine_gauges()
         self._catch_up(engine)
         wait = min(request.wait_seconds, MAX_POLL_SECONDS)
         if engine.assignment is None and wait > 0:
