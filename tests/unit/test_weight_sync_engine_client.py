@@ -79,6 +79,12 @@ class ScriptedService(pb_grpc.WeightSyncServiceServicer):
             self.reported.wait_for(lambda: len(self.reports) >= n, timeout=20)
             return list(self.reports)
 
+    def wait_report_of(self, version: int) -> list[tuple[int, bool, str]]:
+        """Every report so far, once one for `version` has come."""
+        with self.reported:
+            self.reported.wait_for(lambda: any(v == version for v, _, _ in self.reports), 20)
+            return list(self.reports)
+
     def RegisterEngine(self, request, context):  # type: ignore[no-untyped-def]
         return pb.RegisterEngineResponse(engine_id="e", heartbeat_seconds=0.2)
 
@@ -139,16 +145,19 @@ def test_a_damaged_snapshot_never_reaches_the_engine_which_keeps_its_version_who
         service.offer(1)
         service.wait_reports(1)
         service.offer(2)  # damaged on the wire
-        reports = service.wait_reports(2)
+        reports = service.wait_report_of(2)
         held_after_failure = (client.version, [v for v, _ in loads])
         intact = all(torch.equal(loads[0][1][n], t) for n, t in _tensors(1).items())
         service.offer(3)
-        reports = service.wait_reports(3)
+        reports = service.wait_report_of(3)
         latest = all(torch.equal(loads[-1][1][n], t) for n, t in _tensors(3).items())
     finally:
         client.stop()
         server.stop(0)
-    assert [(v, ok) for v, ok, _ in reports] == [(1, True), (2, False), (3, True)]
+    # A heartbeat answered while v2 was being received can offer v2 again just after its failure
+    # was reported, and the client retries it (as it would a service's retry): one outcome each.
+    outcomes = list(dict.fromkeys((v, ok) for v, ok, _ in reports))
+    assert outcomes == [(1, True), (2, False), (3, True)]
     assert reports[1][2].startswith("CorruptSnapshot: ")  # the reason, for GetStatus
     assert held_after_failure == (1, [1])  # v2 was never loaded, v1 still served
     assert intact  # the damaged v2 was received into the other half of the double buffer
