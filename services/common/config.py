@@ -911,7 +911,17 @@ class TrainerConfig(Section):
     publish_weights: bool = Field(
         True, description="Publish to weight-sync (endpoints.weight_sync); off for SFT-only jobs."
     )
-    checkpoint_every: int = Field(50, ge=0, description="0 disables periodic checkpoints.")
+    checkpoint_every: int = Field(
+        50,
+        ge=0,
+        description="Checkpoint every N steps (an RL job's SFT warm-up: every N of its own "
+        "steps); 0: no periodic checkpoints. The job's end (total_steps reached, or the data "
+        "ran out) always writes the final checkpoint (and its HF export), once; a graceful "
+        "stop (SIGTERM) writes one only when N > 0. With 0 no batch is held "
+        "(ack_after_checkpoint): each is acknowledged after its step, and a crash leaves the "
+        "groups of every step since the last checkpoint (or the job's start) out of the final "
+        "weights.",
+    )
     ack_after_checkpoint: bool = Field(
         True,
         description="Hold each trained batch in the buffer until a checkpoint holds its step, "

@@ -92,10 +92,11 @@ def fresh_tag(directory: Path, step: int) -> str:
     """The folder name for a new checkpoint at `step`: `tag_for(step)`, or that name with a
     suffix (`step-000040.1`, ...) when a complete checkpoint already has it.
 
-    A second checkpoint at one step (CheckpointNow after the periodic one, the SFT warm-up's
-    steps, which leave `step` at 0) must not be written into the folder `latest` may name: a
-    crash halfway would leave `latest` pointing at half-written files. Names sort by step, then
-    by suffix, so pruning keeps the newest."""
+    A second checkpoint at one step (the SFT warm-up's steps, which leave `step` at 0; a job
+    started with `resume: false` in a folder that has that step) must not be written into the
+    folder `latest` may name: a crash halfway would leave `latest` pointing at half-written
+    files. Names sort by step, then by suffix, so pruning keeps the newest. (A CheckpointNow
+    at a step already saved writes nothing: the saved one is its answer.)"""
     base = tag_for(step)
     taken = [p.name for p in directory.glob(f"{base}*") if (p / "cursor.json").exists()]
     taken = [n for n in taken if n == base or n.removeprefix(base + ".").isdigit()]

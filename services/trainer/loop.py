@@ -7,7 +7,8 @@ One RL step (every rank runs it; rank 0 alone talks to the buffer and weight-syn
        reference logprobs (KL) and critic values, each rank on its share, summed over ranks
     -> advantages (`kuberl.trainer.algorithms.compute_advantages`, the whole batch on every rank)
     -> ppo_epochs x mini_batches optimizer updates, each over token-budget micro-batches
-    -> policy version + 1 -> checkpoint every `checkpoint_every` steps
+    -> policy version + 1 -> checkpoint every `checkpoint_every` steps (and once at the job's
+       end, whatever `checkpoint_every` is)
     -> buffer SetPolicyVersion -> publish the weights every `publish_every` steps (ZeRO-3
        parameters gathered bucket by bucket, streamed to weight-sync)
     -> the next GetBatch acknowledges this batch in the same call (`ack_batch_id`; a separate
@@ -184,12 +185,16 @@ class Status:
     step: int = 0
     total_steps: int = 0
     policy_version: int = 0
+    #: The newest dataset epoch of the buffer's groups trained so far (their keys are
+    #: `<prompt>@<epoch>`); in sft mode from `sft_data`, the epoch of that file being read.
     epoch: int = 0
     world_size: int = 1
     # (path, step) of the newest checkpoint in one assignment: a reader never pairs one
     # checkpoint's path with a step the trainer reached later (CheckpointNow answers with it).
     saved: tuple[str, int] = ("", 0)
-    checkpoints: int = 0  # written by this process; counted after `saved` is set
+    #: Checkpoint requests answered: by a checkpoint written, or by the newest one when it
+    #: holds the current step already. Counted after `saved` is set (CheckpointNow waits on it).
+    checkpoints_answered: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     finished: bool = False
     ready: bool = False
@@ -431,7 +436,7 @@ class Trainer:
             while self.cursor.sft_step < tc.sft_steps:
                 if not self._one_step(sft=True):
                     if not self.stopped:
-                        self._checkpoint_unsaved()  # the warm-up's data ran out
+                        self._checkpoint_final()  # the warm-up's data ran out: the job ends
                     return
         if tc.mode == "rl" and self.cursor.step == 0 and self.cursor.eval_round == 0:
             self._evaluate()
@@ -454,7 +459,7 @@ class Trainer:
             self._evaluate()  # the final weights' round, unless the last step just had one
         if self.cursor.policy_version > 0:
             self._publish_current()  # the engines end on the final weights
-        self._checkpoint_unsaved()  # the last steps, also when the data ran out first
+        self._checkpoint_final()  # the last steps, also when the data ran out first
         log.info("trainer.finished", step=self.cursor.step, version=self.cursor.policy_version)
 
     def _one_step(self, sft: bool) -> bool:
@@ -468,7 +473,10 @@ class Trainer:
             log.info("trainer.data_exhausted", step=self.cursor.step)
             return False
         if msg == MSG_CHECKPOINT:
-            self._checkpoint()
+            if self._checkpointed_at == self._position():
+                self._answer_saved()  # the request came while or just after this step's save
+            else:
+                self._checkpoint()
             return True
         batch_id = batch.get("batch_id", "")
         if batch_id and batch_id in self.cursor.trained_batches:
@@ -495,6 +503,8 @@ class Trainer:
             self.cursor.step += 1
         keys = [] if sft else [f"{g.prompt_id}@{g.epoch}" for g in batch["groups"]]
         self.cursor.note_trained(batch_id, keys, keep=self.tc.checkpoint_every)
+        if batch.get("groups"):  # from the buffer: the dataset epochs of its prompts
+            self.cursor.epoch = max(self.cursor.epoch, *(g.epoch for g in batch["groups"]))
         self._sync_status()  # GetStatus never shows a checkpoint of a step it does not show
         self._write_trained(self._trained_row("step", batch))
         metrics.update(self._speed(batch, sft, time.perf_counter() - started))
@@ -571,8 +581,15 @@ class Trainer:
         return self._checkpointed_at != self._position() and any(self._position())
 
     def _checkpoint_unsaved(self) -> None:
-        """A checkpoint of the steps trained since the last one, if checkpoints are on."""
+        """A checkpoint of the steps trained since the last one, if checkpoints are on (a
+        graceful stop; `checkpoint_every: 0` turns off all but the job's final one)."""
         if self.tc.checkpoint_every and self._unsaved():
+            self._checkpoint()
+
+    def _checkpoint_final(self) -> None:
+        """The job's end: its trained weights are saved (and exported) whatever
+        `checkpoint_every` is, once: not again when the last step's checkpoint has them."""
+        if self._unsaved():
             self._checkpoint()
 
     def _hold(self, batch_id: str) -> bool:
@@ -747,7 +764,8 @@ class Trainer:
             for _ in range(done % per_epoch):  # skip what the checkpoint already saw
                 next(self._sft_iter)
         epoch, samples = next(self._sft_iter)
-        self.cursor.epoch = epoch
+        if self.tc.mode == "sft":  # an RL job's epoch is its RL data's, not its warm-up's
+            self.cursor.epoch = epoch
         return {"samples": samples, "tokens": sum(s.length for s in samples)}
 
     def _fetch_batch(self, sft: bool) -> bytes:
@@ -1113,8 +1131,9 @@ class Trainer:
     def _checkpoint(self) -> str:
         """Save engines, cursor, RNG and an HF export; collective."""
         assert self.engine is not None
-        # Cleared now, not at the end: a CheckpointNow arriving while this one is written asks
-        # for another, after it.
+        # Cleared now, not at the end: a CheckpointNow arriving while this one is written is
+        # answered by it (it holds the current step), and the request it left set finds this
+        # step saved and writes nothing (`_answer_saved`).
         self.checkpoint_request.clear()
         started = time.perf_counter()
         root = self.checkpoint_root
@@ -1146,15 +1165,26 @@ class Trainer:
         CHECKPOINT_SECONDS.observe(time.perf_counter() - started)
         self._checkpointed_at = self._position()
         self.status.saved = (str(path), self.cursor.step)
-        self.status.checkpoints += 1
-        with self.checkpoint_done:
-            self.checkpoint_done.notify_all()
+        self._answered()
         log.info(
             "checkpoint.saved", path=str(path), seconds=round(time.perf_counter() - started, 2)
         )
         if self.dist.is_main:
             self._commit_held()  # durable now: the batches it holds are acknowledged
         return str(path)
+
+    def _answer_saved(self) -> None:
+        """A CheckpointNow when the newest checkpoint holds the current step already (every
+        rank decides alike): it is the answer. Saving again would only write the same weights
+        to a second folder (`step-NNNNNN.1`)."""
+        self.checkpoint_request.clear()
+        log.info("checkpoint.already_saved", path=self.status.saved[0])
+        self._answered()
+
+    def _answered(self) -> None:
+        self.status.checkpoints_answered += 1
+        with self.checkpoint_done:
+            self.checkpoint_done.notify_all()
 
     # ------------------------------------------------------------------ metrics
 

@@ -82,16 +82,18 @@ class _Servicer(trainer_pb2_grpc.TrainerServiceServicer):
                 f"the job has finished; its last checkpoint is {trainer.status.last_checkpoint!r}"
             )
         status = trainer.status
-        before = status.checkpoints
+        before = status.checkpoints_answered
         trainer.checkpoint_request.set()
 
         def wait() -> None:
             with trainer.checkpoint_done:
-                while status.checkpoints == before and not (status.finished or status.error):
+                while status.checkpoints_answered == before and not (
+                    status.finished or status.error
+                ):
                     trainer.checkpoint_done.wait(1.0)
 
         await asyncio.to_thread(wait)
-        if status.checkpoints == before:  # none written since the request: say why
+        if status.checkpoints_answered == before:  # not answered since the request: say why
             if status.error:
                 raise Unavailable(f"training failed before the checkpoint: {status.error}")
             raise FailedPrecondition(

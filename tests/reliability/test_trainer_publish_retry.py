@@ -50,7 +50,8 @@ def test_a_publish_that_failed_reaches_weight_sync_once_it_is_back(tmp_path: Pat
             "total_steps": 2,
             "groups_per_step": 4,
             "batch_wait_seconds": 1.0,
-            "checkpoint_every": 0,
+            "checkpoint_every": 0,  # the job's end still checkpoints: in tmp_path, not the repo
+            "checkpoint_dir": str(tmp_path / "ckpt"),
             "linger_seconds": 0.2,
             "max_staleness": -1,
             "optimizer": {"lr": 1e-3},

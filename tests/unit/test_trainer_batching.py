@@ -445,6 +445,7 @@ def test_an_eval_round_follows_a_trained_step_only(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(trainer, "_one_step", one_step)
     monkeypatch.setattr(trainer, "_evaluate", lambda: evaluated.append(trainer.cursor.step))
     monkeypatch.setattr(trainer, "_publish_current", lambda: None)
+    monkeypatch.setattr(trainer, "_checkpoint", lambda: "")  # the job's final checkpoint
     trainer._run()
     assert (trainer.cursor.step, evaluated) == (4, [2, 4])
 

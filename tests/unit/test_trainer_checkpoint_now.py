@@ -54,7 +54,7 @@ def _save(trainer: SimpleNamespace, path: str, step: int) -> None:
     written) set `saved`, count, notify."""
     trainer.checkpoint_request.clear()
     trainer.status.saved = (path, step)
-    trainer.status.checkpoints += 1
+    trainer.status.checkpoints_answered += 1
     with trainer.checkpoint_done:
         trainer.checkpoint_done.notify_all()
 
