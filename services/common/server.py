@@ -9,6 +9,10 @@ counts requests, errors and latency; a Prometheus /metrics endpoint; and a grace
 SIGTERM: health flips to NOT_SERVING, new calls are refused, in-flight calls get
 `grace_seconds` to finish, then `stop()` runs.
 
+Until `start()` has returned, every call to the service's own methods is answered UNAVAILABLE
+with a `retry-after-seconds` trailer (`StartGate`), so no handler ever runs on state `start()`
+has not prepared yet; only health (which says NOT_SERVING meanwhile) and reflection answer.
+
 Hostile input is answered, never crashed on: a request whose bytes are not the method's message
 gets INVALID_ARGUMENT (gRPC's own answer would be UNKNOWN, uncounted) and is counted like every
 other rejection in `kuberl_<service>_rpc_errors_total`; a message over `max_message_bytes` is
@@ -37,12 +41,17 @@ from pydantic import ValidationError
 from kuberl.common import metrics
 from kuberl.common import tls as transport
 from kuberl.common.config import ServerConfig, TLSConfig
-from kuberl.common.errors import InvalidArgument, ServiceError
+from kuberl.common.errors import InvalidArgument, ServiceError, Unavailable
 from kuberl.common.logs import get_logger
 
 log = get_logger(__name__)
 
 RETRY_AFTER_KEY = "retry-after-seconds"
+#: The retry hint of a call refused because the service is still starting.
+STARTING_RETRY_SECONDS = 1.0
+#: gRPC services answered while the service starts: health says NOT_SERVING, reflection only
+#: describes the API (nothing `start()` prepares).
+OPEN_WHILE_STARTING = ("grpc.health.v1.Health", reflection.SERVICE_NAME)
 
 
 class Service:
@@ -52,12 +61,15 @@ class Service:
     name: str = "service"
     #: Fully-qualified gRPC service names, for health and reflection.
     service_names: Sequence[str] = ()
+    #: What `start()` is busy with, for the UNAVAILABLE answer to calls that arrive meanwhile.
+    starting: str = "its start() has not returned yet"
 
     def register(self, server: grpc.aio.Server) -> None:
         """Add this service's servicers to the server."""
 
     async def start(self) -> None:
-        """Become ready to serve (connect dependencies). Health says SERVING after it returns."""
+        """Become ready to serve (connect dependencies). Until it returns, calls to this
+        service's methods are answered UNAVAILABLE and health says NOT_SERVING."""
 
     async def stop(self) -> None:
         """Release resources after in-flight calls have drained."""
@@ -162,10 +174,40 @@ def _checked(request: Any) -> Any:
     return request
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps exceptions to status codes and records per-method request counts and latency."""
+class StartGate:
+    """Closed until the service's `start()` has returned: its methods answer UNAVAILABLE.
 
-    def __init__(self, service: str) -> None:
+    One check for every service instead of one in each handler that needs it (weight-sync had
+    eight; a handler without one ran on state `start()` had not set up yet)."""
+
+    def __init__(self, service: Service) -> None:
+        self.name = service.name
+        self.starting = service.starting
+        self.ready = False
+
+    def open(self) -> None:
+        self.ready = True
+
+    @staticmethod
+    def guards(method: str) -> bool:
+        """Whether calls of `method` ("/package.Service/Method") wait for the start."""
+        return method.lstrip("/").rsplit("/", 1)[0] not in OPEN_WHILE_STARTING
+
+    def check(self) -> None:
+        if not self.ready:
+            raise Unavailable(
+                f"{self.name} is starting ({self.starting}); retry once its health check "
+                "says SERVING",
+                retry_after_seconds=STARTING_RETRY_SECONDS,
+            )
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions to status codes and records per-method request counts and latency;
+    with a `gate`, refuses the service's own methods (UNAVAILABLE) until it is open."""
+
+    def __init__(self, service: str, gate: StartGate | None = None) -> None:
+        self.gate = gate
         self.requests = metrics.counter(
             f"kuberl_{service}_rpc_requests_total", "gRPC calls handled", ["method", "code"]
         )
@@ -199,11 +241,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         await context.abort(code, message)
 
     def _wrap_unary(
-        self, method: str, behavior: Callable[..., Any]
+        self, method: str, behavior: Callable[..., Any], gate: StartGate | None
     ) -> Callable[..., Awaitable[Any]]:
         async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.perf_counter()
             try:
+                if gate is not None:
+                    gate.check()
                 result = behavior(_checked(request), context)
                 if inspect.isawaitable(result):
                     result = await result
@@ -219,11 +263,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
     def _wrap_stream(
-        self, method: str, behavior: Callable[..., Any]
+        self, method: str, behavior: Callable[..., Any], gate: StartGate | None
     ) -> Callable[..., AsyncIterator[Any]]:
         async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             started = time.perf_counter()
             try:
+                if gate is not None:
+                    gate.check()
                 async for item in behavior(_checked(request), context):
                     yield item
             except grpc.aio.AbortError:
@@ -244,33 +290,37 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        method = handler_call_details.method.rsplit("/", 1)[-1]
+        path = handler_call_details.method
+        method = path.rsplit("/", 1)[-1]
+        gate = self.gate if self.gate is not None and StartGate.guards(path) else None
         kw = {
             "request_deserializer": _tolerant(handler.request_deserializer),
             "response_serializer": handler.response_serializer,
         }
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(method, handler.unary_unary), **kw
+                self._wrap_unary(method, handler.unary_unary, gate), **kw
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                self._wrap_unary(method, handler.stream_unary), **kw
+                self._wrap_unary(method, handler.stream_unary, gate), **kw
             )
         # Streaming handlers are either async generators or coroutines that call context.write
         # (grpc's own health Watch does); each keeps its style when wrapped.
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                self._wrap_any(method, handler.unary_stream), **kw
+                self._wrap_any(method, handler.unary_stream, gate), **kw
             )
         return grpc.stream_stream_rpc_method_handler(
-            self._wrap_any(method, handler.stream_stream), **kw
+            self._wrap_any(method, handler.stream_stream, gate), **kw
         )
 
-    def _wrap_any(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap_any(
+        self, method: str, behavior: Callable[..., Any], gate: StartGate | None
+    ) -> Callable[..., Any]:
         if inspect.isasyncgenfunction(behavior):
-            return self._wrap_stream(method, behavior)
-        return self._wrap_unary(method, behavior)
+            return self._wrap_stream(method, behavior, gate)
+        return self._wrap_unary(method, behavior, gate)
 
 
 def _write_port_file(path: str, ports: dict[str, int]) -> None:
@@ -294,9 +344,10 @@ async def serve(
     tls = tls if tls is not None else transport.current()
     transport.configure(tls)
     credentials = transport.server_credentials(tls) if tls.enabled else None
+    gate = StartGate(service)
     server = grpc.aio.server(
         options=server_grpc_options(config.max_message_bytes),
-        interceptors=[ErrorInterceptor(service.name)],
+        interceptors=[ErrorInterceptor(service.name, gate)],
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -340,6 +391,7 @@ async def serve(
     done, _ = await asyncio.wait({ready_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
     if ready_task in done:
         ready_task.result()  # a failed start ends the process with its error
+        gate.open()  # before SERVING: a client that saw SERVING is never refused as starting
         for name in ("", *names):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("server.ready")

@@ -47,7 +47,7 @@ from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
 from kuberl.common import metrics
 from kuberl.common.channels import aio_channel
 from kuberl.common.config import JobConfig, WeightSyncConfig
-from kuberl.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from kuberl.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from kuberl.common.logs import get_logger
 from kuberl.common.server import Service
 from kuberl.common.weights.chunks import ChunkReceiver, CorruptSnapshot, iter_chunks
@@ -148,6 +148,9 @@ def _default_advertise_host() -> str:
 class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     name = "weight_sync"
     service_names = (SERVICE_NAME,)
+    # start() restores the last sealed version (about 1 s per GB); the server bootstrap answers
+    # every call UNAVAILABLE meanwhile, so no handler runs before `store` is open.
+    starting = "restoring its last version"
 
     def __init__(self, config: WeightSyncConfig, job: str = "kuberl", address: str = "") -> None:
         self.config = config
@@ -233,7 +236,6 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def RegisterEngine(
         self, request: pb.RegisterEngineRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterEngineResponse:
-        self._ready()
         for t in request.engine.transports:
             if transport_name(t) == "unspecified":
                 self.metrics.rejected.labels("bad_transport").inc()
@@ -263,7 +265,6 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatResponse:
-        self._ready()
         engine = self.registry.get(request.engine_id)
         if engine is None:
             return pb.HeartbeatResponse(current_version=self.current, known=False)
@@ -311,7 +312,6 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def ReportLoaded(
         self, request: pb.ReportLoadedRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReportLoadedResponse:
-        self._ready()
         engine = self.registry.get(request.engine_id)
         if engine is None:
             self.metrics.rejected.labels("unknown_engine").inc()
@@ -370,7 +370,6 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def Publish(
         self, request: pb.PublishRequest, context: grpc.aio.ServicerContext
     ) -> pb.PublishResponse:
-        self._ready()
         version = request.version
         if version <= 0:
             self.metrics.rejected.labels("bad_version").inc()
@@ -472,12 +471,15 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def UploadSnapshot(
         self, request_iterator: AsyncIterator[pb.SnapshotChunk], context: grpc.aio.ServicerContext
     ) -> pb.UploadSnapshotResponse:
-        self._ready()
         assert self.store is not None
         fd = -1
         version = 0
         receiver: ChunkReceiver | None = None
         handles = ""
+        # The trainer's manifest rides on the last chunk, so the bytes before it are bounded by
+        # what the store can keep, not by the manifest: without this bound, a stream that never
+        # sent one filled the folder (tmpfs: the pod's memory) under the versions kept there.
+        limit = self.store.max_version_bytes
 
         def write(offset: int, data: bytes) -> None:
             view = memoryview(data)
@@ -501,6 +503,15 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                     raise FailedPrecondition(
                         f"version {version} was superseded by version {self.highest_announced} "
                         "while it was sent"
+                    )
+                if receiver.received + len(chunk.data) > limit:
+                    self.metrics.rejected.labels("too_large").inc()
+                    raise InvalidArgument(
+                        f"upload of version {version} refused at {receiver.received} bytes: a "
+                        f"version may have at most {limit} bytes here (the size of "
+                        f"{self.store.directory}'s filesystem shared by the "
+                        f"weight_sync.retain_versions={self.store.retain} versions kept and the "
+                        "one being written)"
                     )
                 receiver.feed(chunk)
                 handles = chunk.cuda_ipc_handles_json or handles
@@ -529,7 +540,6 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def CommitPublish(
         self, request: pb.CommitPublishRequest, context: grpc.aio.ServicerContext
     ) -> pb.CommitPublishResponse:
-        self._ready()
         self._announced(request.version, pb.TRANSPORT_SHM)
         try:
             manifest = Manifest.from_proto(request.manifest)
@@ -791,12 +801,6 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             self._end_assignment(engine)
             engine.catch_up_below = max(engine.catch_up_below, stored.version + 1)
 
-    def _ready(self) -> None:
-        """UNAVAILABLE until start() has restored the last sealed version (about 1 s per GB),
-        while health says NOT_SERVING: requests then hit a store not opened yet, INTERNAL."""
-        if self.store is None:
-            raise Unavailable("weight-sync is starting (restoring its last version); retry")
-
     def _end_assignment(self, engine: Engine) -> None:
         assignment, engine.assignment = engine.assignment, None
         if assignment is not None and assignment.sender is not None:
@@ -906,7 +910,6 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def StreamSnapshot(
         self, request: pb.StreamSnapshotRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.SnapshotChunk]:
-        self._ready()
         assert self.store is not None
         stored = self.store.get(request.version) if request.version else self.store.latest()
         if stored is None:
@@ -940,7 +943,6 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def GetVersion(
         self, request: pb.GetVersionRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetVersionResponse:
-        self._ready()
         assert self.store is not None
         stored = self.store.get(self.current)
         answer = pb.GetVersionResponse(version=self.current)

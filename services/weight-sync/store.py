@@ -154,6 +154,14 @@ class VersionStore:
     def in_shared_memory(self) -> bool:
         return str(self.directory.resolve()).startswith("/dev/shm/")
 
+    @property
+    def max_version_bytes(self) -> int:
+        """The largest version this folder can keep: its filesystem's size shared by the
+        `retain` versions kept and the one being written. A larger one would fill it (tmpfs:
+        memory) by the time that many are there, so an upload is refused beyond it."""
+        fs = os.statvfs(self.directory)
+        return fs.f_blocks * fs.f_frsize // (self.retain + 1)
+
     def reserve(self, version: int) -> str:
         """A segment for `version`'s bytes (a free one if any, else a new file); its path."""
         existing = self._writing(version)

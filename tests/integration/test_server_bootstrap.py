@@ -1,9 +1,12 @@
-"""The shared gRPC server bootstrap, run for real in a subprocess: health transitions,
-reflection, message-size limits, error mapping with metrics, and the SIGTERM drain."""
+"""The shared gRPC server bootstrap, run for real in a subprocess: health transitions, calls
+refused until the service has started (in a real rollout replica too), reflection, message-size
+limits, error mapping with metrics, and the SIGTERM drain."""
 
 from __future__ import annotations
 
+import json
 import signal
+import socket
 import sys
 import threading
 import time
@@ -16,7 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kuberl.api.reward.v1 import reward_pb2, reward_pb2_grpc
+from kuberl.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from kuberl.common.channels import health_status, sync_channel
+from kuberl.common.modelbuild import build_model
 from tests.support import REPO, ServiceProcess
 
 APP = [sys.executable, str(REPO / "tests" / "integration" / "bootstrap_app.py")]
@@ -50,6 +55,44 @@ def test_health_is_not_serving_until_the_service_is_ready(tmp_path: Path) -> Non
         proc.wait_serving(timeout=20)
         late = {health_status(channel), health_status(channel, SERVICE)}
     assert (early, late) == ({"NOT_SERVING"}, {"SERVING"})
+
+
+def test_calls_before_the_service_is_ready_are_unavailable_with_a_retry_hint(
+    tmp_path: Path,
+) -> None:
+    # The handler ran before start() had returned: a service answered from state it had not
+    # set up yet (weight-sync guarded eight of its methods by hand, the others did not).
+    with _start(tmp_path, "--ready-delay", "3") as proc, sync_channel(proc.address) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            _score(channel, "early")
+        proc.wait_serving(timeout=20)
+        later = _score(channel, "later").scores[0].reward
+    answer = (err.value.code(), dict(err.value.trailing_metadata()).get("retry-after-seconds"))
+    assert (answer, later) == ((grpc.StatusCode.UNAVAILABLE, "1.000"), 1.0)
+
+
+def test_a_rollout_replica_still_starting_answers_unavailable(tmp_path: Path) -> None:
+    # Its start() loads the model, then waits for its buffer and reward, which never answer
+    # here. Its GetStatus answered (state STARTING) before the replica had a worker.
+    model = build_model(tmp_path / "model", arch="qwen2", size="tiny", tokenizer="digits", seed=0)
+    with socket.socket() as nowhere:  # bound, never listening: connections are refused
+        nowhere.bind(("127.0.0.1", 0))
+        absent = f"127.0.0.1:{nowhere.getsockname()[1]}"
+        job = tmp_path / "job.yaml"
+        local = {"host": "127.0.0.1", "port": 0, "metrics_port": 0}
+        rollout = {"server": local, "engine": {"kind": "torch"}, "weight_sync": False}
+        endpoints = dict.fromkeys(("buffer", "reward", "weight_sync", "trainer"), absent)
+        doc = {"model": {"path": str(model)}, "endpoints": endpoints, "rollout": rollout}
+        job.write_text(json.dumps(doc))
+        with ServiceProcess.kuberl("rollout", job, tmp_path) as proc:
+            proc.wait_listening(120)
+            with sync_channel(proc.address) as channel:
+                stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10)
+                health = health_status(channel)
+            proc.signal(signal.SIGKILL)  # its start waits minutes for the buffer: no drain
+    assert (err.value.code(), health) == (grpc.StatusCode.UNAVAILABLE, "NOT_SERVING")
 
 
 def test_reflection_lists_and_describes_the_services(app) -> None:

@@ -1,24 +1,30 @@
 """Weight-sync's edges found by review (2026-11-26): a lost ReportLoaded, a publish retried after
-it never committed, and a refused upload that must not touch another publish of its version.
+it never committed, a refused upload that must not touch another publish of its version; and
+(2026-11-27) calls while the last version is restored, and an upload whose manifest never comes.
 A real `kuberl serve weight_sync` in a subprocess; the engine and the trainer's calls are made
 by hand over gRPC, so the sequence is exact."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+import torch
 
 from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
 from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
 from kuberl.common.channels import sync_channel
-from kuberl.common.weights import WeightPublisher
-from tests.integration.test_weight_sync import _chunks, _job_file, _next_version, make_tensors
+from kuberl.common.weights import WeightPublisher, download_snapshot
+from kuberl.common.weights.chunks import iter_chunks
+from tests.integration.test_weight_sync import MB, _chunks, _job_file, _next_version, make_tensors
 from tests.support import ServiceProcess
 
 
@@ -131,3 +137,115 @@ def test_the_segment_a_dropped_copying_engine_may_still_read_is_never_rewritten(
     later = [publish(v + i) for i in (1, 2, 3)]
     assert (sent.pending.version, sent.pending.transport) == (v, pb.TRANSPORT_SHM)
     assert copying not in later
+
+
+def _answer(call: Callable[[], Any]) -> tuple[str, bool]:
+    """The status of a call, and whether it says the service is restoring its last version."""
+    try:
+        call()
+    except grpc.RpcError as exc:
+        return exc.code().name, "restoring its last version" in (exc.details() or "")
+    return "OK", False
+
+
+def _write_when_read(fifo: Path, proc: ServiceProcess, data: bytes) -> None:
+    """Hand `data` to the service once it opens `fifo` for reading (not before: it would never
+    see it); gives up when the service has exited."""
+    deadline = time.monotonic() + 60
+    while proc.proc.poll() is None and time.monotonic() < deadline:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # ENXIO: no reader yet
+                raise
+            time.sleep(0.02)
+            continue
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return
+
+
+def test_every_call_is_unavailable_while_the_last_version_is_restored(tmp_path: Path) -> None:
+    # start() takes back the last sealed version (hashing it: ~1 s per GB) before health says
+    # SERVING. Eight methods refused calls meanwhile by hand; GetStatus and LeaveEngine answered.
+    # A seal record that is a FIFO holds the restore until the test writes into it.
+    job = _job_file(tmp_path, ["snapshot"])
+    store = Path(json.loads(job.read_text())["weight_sync"]["shm_dir"]) / "wstest"
+    store.mkdir(parents=True)
+    os.mkfifo(store / "seg0.json")
+    early = pb.EngineInfo(engine_id="early", transports=[pb.TRANSPORT_SNAPSHOT])
+    with ServiceProcess.kuberl("weight_sync", job, tmp_path) as proc:
+        try:
+            proc.wait_listening()
+            with sync_channel(proc.address) as channel:
+                stub = pb_grpc.WeightSyncServiceStub(channel)
+                calls: dict[str, Callable[[], Any]] = {
+                    "RegisterEngine": lambda: stub.RegisterEngine(
+                        pb.RegisterEngineRequest(engine=early), timeout=5
+                    ),
+                    "Heartbeat": lambda: stub.Heartbeat(
+                        pb.HeartbeatRequest(engine_id="early"), timeout=5
+                    ),
+                    "LeaveEngine": lambda: stub.LeaveEngine(
+                        pb.LeaveEngineRequest(engine_id="early"), timeout=5
+                    ),
+                    "ReportLoaded": lambda: stub.ReportLoaded(
+                        pb.ReportLoadedRequest(engine_id="early", version=1, ok=True), timeout=5
+                    ),
+                    "Publish": lambda: stub.Publish(
+                        pb.PublishRequest(version=1, transports=[pb.TRANSPORT_SNAPSHOT]),
+                        timeout=5,
+                    ),
+                    "UploadSnapshot": lambda: stub.UploadSnapshot(iter(_chunks(1)), timeout=5),
+                    "CommitPublish": lambda: stub.CommitPublish(
+                        pb.CommitPublishRequest(version=1), timeout=5
+                    ),
+                    "StreamSnapshot": lambda: list(
+                        stub.StreamSnapshot(pb.StreamSnapshotRequest(), timeout=5)
+                    ),
+                    "GetVersion": lambda: stub.GetVersion(pb.GetVersionRequest(), timeout=5),
+                    "GetStatus": lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=5),
+                }
+                answers = {name: _answer(call) for name, call in calls.items()}
+        finally:
+            _write_when_read(store / "seg0.json", proc, b"not a seal record")
+        proc.wait_serving()
+    methods = pb.DESCRIPTOR.services_by_name["WeightSyncService"].methods_by_name
+    assert answers == dict.fromkeys(methods, ("UNAVAILABLE", True))
+
+
+def test_an_upload_whose_manifest_never_comes_stops_at_what_the_store_keeps_per_version(
+    tmp_path: Path,
+) -> None:
+    # The trainer's manifest rides on its last chunk, so the bytes before it were not bounded:
+    # a stream that never sent one wrote on into /dev/shm for as long as it went on. The bound
+    # is the store's filesystem shared by the versions it keeps and the one being written; so
+    # many are kept here that each may have about 4 MiB.
+    fs = os.statvfs("/dev/shm")
+    retain = fs.f_blocks * fs.f_frsize // (4 * MB) - 1
+    job = _job_file(tmp_path, ["snapshot"], retain=retain)
+
+    def without_manifest(version: int) -> Iterator[pb.SnapshotChunk]:
+        return iter_chunks(version, (bytes(MB) for _ in range(16)), chunk_bytes=MB)
+
+    with ServiceProcess.kuberl("weight_sync", job, tmp_path) as proc:
+        proc.wait_serving()
+        with WeightPublisher(proc.address, transports=("snapshot",)) as pub:
+            pub.publish(1, iter(make_tensors(61, 1).items()))
+            _, _, kept = download_snapshot(proc.address)
+            with sync_channel(proc.address) as channel:
+                stub = pb_grpc.WeightSyncServiceStub(channel)
+                stub.Publish(
+                    pb.PublishRequest(version=2, transports=[pb.TRANSPORT_SNAPSHOT]), timeout=10
+                )
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.UploadSnapshot(without_manifest(2), timeout=30)
+            current, _, flat = download_snapshot(proc.address)
+            retried = pub.publish(2, iter(make_tensors(62, 1).items())).version
+    refused = (err.value.code(), "may have at most" in (err.value.details() or ""))
+    assert (refused, current, torch.equal(flat, kept), retried) == (
+        (grpc.StatusCode.INVALID_ARGUMENT, True),
+        1,
+        True,
+        2,
+    )
