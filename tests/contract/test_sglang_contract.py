@@ -144,18 +144,23 @@ def _answer(request: httpx.Request) -> httpx.Response:
     path = request.url.path
     if path == "/generate":
         body = json.loads(request.content)
-        n = body["sampling_params"]["n"]
-        item = {
-            "text": "",
-            "output_ids": [5],
-            "meta_info": {
-                "id": body["rid"],
-                "finish_reason": {"type": "length", "length": 1},
-                "output_token_logprobs": [[-0.5, 5, None]],
-                "weight_version": "0",
-            },
-        }
-        return httpx.Response(200, json=item if n == 1 else [item] * n)
+        rids = body["rid"] if isinstance(body["rid"], list) else [body["rid"]]
+        n = body["sampling_params"].get("n", 1)
+        items = [
+            {
+                "text": "",
+                "output_ids": [5],
+                "meta_info": {
+                    "id": rid,
+                    "finish_reason": {"type": "length", "length": 1},
+                    "output_token_logprobs": [[-0.5, 5, None]],
+                    "weight_version": "0",
+                },
+            }
+            for rid in rids * n
+        ]
+        single = isinstance(body["rid"], str) and n == 1
+        return httpx.Response(200, json=items[0] if single else items)
     if path in ("/health_generate", "/abort_request", "/flush_cache"):
         return httpx.Response(200, text="")
     return httpx.Response(200, json={"success": True, "message": "ok"})
@@ -248,6 +253,61 @@ def sent() -> list[tuple[str, str, Any]]:
     return captured
 
 
+@pytest.fixture(scope="module")
+def attached() -> list[tuple[str, str, Any]]:
+    """Every (method, path, body) a replica sends when it starts on a server it did not launch
+    (one a replica that died mid-update may have left paused, inside an update session)."""
+    captured: list[tuple[str, str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        captured.append((request.method, request.url.path, body))
+        return _answer(request)
+
+    async def drive() -> None:
+        engine = SGLangEngine(
+            SGLangEngineConfig(url="http://sglang:30000"), transport=httpx.MockTransport(handler)
+        )
+        await engine.start()
+        await engine.close()
+
+    asyncio.run(drive())
+    return captured
+
+
+def _against_sglang(requests: list[tuple[str, str, Any]]) -> list[str]:
+    """What in these requests SGLang's source does not have: a route or method, a body key that
+    is no field of the route's request class, a required field left out."""
+    routes, classes = _routes(), _io_struct()
+    problems = []
+    for method, path, body in requests:
+        if path not in routes or method not in routes[path][0]:
+            problems.append(f"{method} {path}: no such route")
+            continue
+        cls = routes[path][1]
+        if body is None:
+            continue
+        if cls is None:
+            problems.append(f"{path}: sglang binds no request class but we send a body")
+            continue
+        fields = classes[cls]
+        unknown = sorted(set(body) - set(fields))
+        missing = sorted(f for f, required in fields.items() if required and f not in body)
+        if unknown or missing:
+            problems.append(f"{path} ({cls}): unknown {unknown}, missing required {missing}")
+    return problems
+
+
+def _function(path: str, cls: str, name: str) -> ast.FunctionDef | ast.AsyncFunctionDef:
+    tree = ast.parse((SGLANG / path).read_text())
+    owner = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return next(
+        n
+        for n in owner.body
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name
+    )
+
+
 def test_the_installed_sglang_is_the_pinned_version() -> None:
     assert importlib.metadata.version("sglang") == SGLANG_VERSION
 
@@ -336,10 +396,10 @@ def test_pause_modes_are_modes_sglang_accepts(sent) -> None:
 
 def test_generate_bodies_decode_with_sglangs_json_contract(sent) -> None:
     api = _api_types()
-    decoded = [
-        api.GenerateRequest.from_json_value(body) for _, path, body in sent if path == "/generate"
-    ]
-    assert [d.return_logprob for d in decoded] == [True] * len(decoded)
+    bodies = [body for _, path, body in sent if path == "/generate"]
+    decoded = [api.GenerateRequest.from_json_value(body) for body in bodies]
+    sampled = [d for b, d in zip(bodies, decoded, strict=True) if "-prefix" not in str(b["rid"])]
+    assert [d.return_logprob for d in sampled] == [True] * (len(bodies) - 2)  # 2 prefill-only
 
 
 def test_an_unknown_sampling_parameter_would_be_caught_by_that_contract() -> None:
@@ -410,3 +470,62 @@ def test_cuda_ipc_bodies_give_each_field_of_update_weights_from_tensor_its_decla
         if not accepts[declared[key]](value)
     ]
     assert (len(bodies) > 2, wrong) == (True, [])
+
+
+def test_attaching_to_a_running_server_sends_only_routes_and_bodies_sglang_has(attached) -> None:
+    assert ([p for _, p, _ in attached], _against_sglang(attached)) == (
+        ["/end_weight_update", "/continue_generation", "/health_generate"],
+        [],
+    )
+
+
+def test_the_recovery_calls_bind_the_session_and_continue_request_classes(attached) -> None:
+    routes = _routes()
+    assert {p: routes[p][1] for _, p, _ in attached if p != "/health_generate"} == {
+        "/end_weight_update": "EndWeightUpdateReqInput",
+        "/continue_generation": "ContinueGenerationReqInput",
+    }
+
+
+def test_sglang_gives_parallel_samples_fresh_rids_after_a_prefill_only_copy() -> None:
+    # What the group path rests on: 0.5.23 runs n > 1 as a max_new_tokens = 0 copy of the prompt
+    # (awaited) and then n requests under `regenerate_rid()`, a bare uuid4 that keeps nothing of
+    # the rid we sent, so an abort naming our rid reaches none of them. The client sends those
+    # two steps itself, with its own rids; if SGLang changes this, re-read it.
+    handler = ast.unparse(
+        _function("srt/managers/tokenizer_manager.py", "TokenizerManager", "_handle_batch_request")
+    )
+    regenerate = ast.unparse(
+        _function("srt/managers/io_struct.py", "GenerateReqInput", "regenerate_rid")
+    )
+    assert (
+        handler.count("tokenized_obj.rid = tmp_obj.regenerate_rid()"),
+        "tokenized_obj.sampling_params.max_new_tokens = 0" in handler,
+        "uuid.uuid4().hex" in regenerate and "self.rid}" not in regenerate,
+    ) == (2, True, True)
+
+
+def test_sglang_aborts_only_a_rid_it_holds_and_then_every_rid_it_prefixes() -> None:
+    # Why each sample of a group is aborted by its own rid, and why no rid may prefix another:
+    # the tokenizer manager forwards an abort only for a rid in its table, the scheduler then
+    # aborts every request whose rid starts with it.
+    tokenizer = ast.unparse(
+        _function("srt/managers/tokenizer_manager.py", "TokenizerManager", "abort_request")
+    )
+    scheduler = ast.unparse(_function("srt/managers/scheduler.py", "Scheduler", "abort_request"))
+    assert (
+        "self.rid_to_state.get(rid)" in tokenizer,
+        "req.rid.startswith(recv_req.rid)" in scheduler,
+    ) == (True, True)
+
+
+def test_a_group_goes_out_as_a_prefill_only_request_then_a_batch_with_a_rid_per_sample(
+    sent,
+) -> None:
+    bodies = [b for _, p, b in sent if p == "/generate" and isinstance(b["input_ids"][0], list)]
+    prefixes = [b for _, p, b in sent if p == "/generate" and "-prefix" in str(b["rid"])]
+    assert [(len(b["rid"]), len(set(b["rid"])), b["sampling_params"]["n"]) for b in bodies] == [
+        (4, 4, 1),
+        (4, 4, 1),
+    ]
+    assert [b["sampling_params"] for b in prefixes] == [{"max_new_tokens": 0}] * 2

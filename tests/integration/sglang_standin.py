@@ -7,15 +7,33 @@ against this small stdlib HTTP server that answers the routes of SGLang 0.5.23's
 
 - `/generate` answers `output_ids`, `meta_info.output_token_logprobs` ([logprob, id, null]),
   `finish_reason` ({"type": "stop", "matched": id} / {"type": "length", "length": n} /
-  {"type": "abort", "message": ...}), `weight_version` and `weight_versions`; a list for n > 1.
-  Tokens are a deterministic function of the prompt (not a model); unknown sampling parameters
-  are refused with 400 like SGLang's contract gate; requests wait while paused, like SGLang's.
-- `/pause_generation` (abort / in_place), `/continue_generation`, `/abort_request`,
-  `/flush_cache` (400 while requests run), `/health_generate`.
+  {"type": "abort", "message": ...}), `weight_version`, `weight_versions` and `cached_tokens`;
+  a list for n > 1 or a batch (`input_ids` a list of prompts, `rid` a list). Tokens are a
+  deterministic function of the prompt and the sample's index (its place in the batch, or among
+  the n samples), not a model; unknown sampling parameters are refused with 400 like SGLang's
+  contract gate; requests wait while paused, like SGLang's.
+- as in 0.5.23's `TokenizerManager._handle_batch_request`, n > 1 (parallel sampling) first runs
+  a prefill-only copy of the prompt, then the samples under fresh uuid rids
+  (`regenerate_rid`), which `meta_info.id` reports; the request's own rid is forgotten, so an
+  abort naming it reaches nothing. A batch keeps the rids it was given.
+- a prefix cache: a finished request's tokens are kept; a request's `cached_tokens` is the
+  longest kept prefix of its prompt, at most all but its last token
+  (`Req._compute_max_prefix_len`), looked up when it arrives, so the copies of one batch do not
+  find each other (0.5.23's default `fcfs` policy prefills them together; its in-batch prefix
+  check runs only under cache-aware policies such as `lpm`). `prefills` records
+  `(rid, prompt length, cached tokens)` per request.
+- `/abort_request {rid}` reaches a request only when one has exactly that rid (the tokenizer
+  manager's `rid_to_state` lookup), and then every running request whose rid starts with it (the
+  scheduler's `startswith`); `aborted` records the rid of every request aborted.
+- `/pause_generation` (abort / in_place), `/continue_generation`, `/flush_cache` (400 while
+  requests run), `/health_generate` (held while paused, 503 after `health_check_timeout`).
 - weight updates: `/update_weights_from_disk`, `/init_weights_update_group`,
   `/destroy_weights_update_group`, `/begin_weight_update` / `/end_weight_update` (the 0.5.23
   session that `/update_weights_from_distributed` and `/update_weights_from_tensor` require).
 - missing required fields get FastAPI's 422, unknown routes 404.
+
+Not modelled: SGLang aborts a request whose client has gone (it polls the connection every
+`SGLANG_REQUEST_STATE_WAIT_TIMEOUT`, 4 s); here it runs on.
 
 Faults are injected per route (`inject`): an HTTP status for the next k calls, a delay, or a
 dropped connection. Every request is recorded in `requests` for assertions. Run it in a thread
@@ -28,6 +46,7 @@ import argparse
 import json
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -63,18 +82,46 @@ class _Running:
 
 
 class StandInState:
-    def __init__(self, vocab_size: int, token_delay: float, eos_token_id: int) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        token_delay: float,
+        eos_token_id: int,
+        health_check_timeout: float,
+    ) -> None:
         self.vocab_size = vocab_size
         self.token_delay = token_delay
         self.eos_token_id = eos_token_id
+        self.health_check_timeout = health_check_timeout
         self.weight_version = "0"
         self.paused = False
         self.session = False
         self.groups: set[str] = set()
         self.running: dict[str, _Running] = {}
+        self.cache: list[tuple[int, ...]] = []  # token sequences of finished requests
+        self.prefills: list[tuple[str, int, int]] = []  # (rid, prompt length, cached tokens)
+        self.aborted: list[str] = []
         self.faults: dict[str, list[Fault]] = {}
         self.requests: list[tuple[str, str, Any]] = []
         self.cond = threading.Condition()
+
+    def cached_tokens(self, prompt: list[int]) -> int:
+        """The prompt's longest prefix among the kept sequences, at most all but its last token
+        (SGLang recomputes the last one for its logits)."""
+        best = 0
+        for seq in self.cache:
+            n = 0
+            for a, b in zip(prompt, seq, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        return min(best, len(prompt) - 1)
+
+    def abort(self, running: _Running) -> None:
+        if not running.abort.is_set():
+            running.abort.set()
+            self.aborted.append(running.rid)
 
     def take_fault(self, path: str) -> Fault | None:
         with self.cond:
@@ -171,7 +218,17 @@ class _Handler(BaseHTTPRequestHandler):
     # -- routes ----------------------------------------------------------------------------------
 
     def _health(self, body: dict[str, Any]) -> None:
-        self._send(200, text="")
+        # SGLang 0.5.23's `health_generate` (http_server.py) sends a one-token request and
+        # answers 200 once anything comes back within HEALTH_CHECK_TIMEOUT (20 s), else 503; a
+        # paused server holds that request (`TokenizerManager.generate_request` waits on
+        # `is_pause_cond` until `continue_generation`), so while paused it is never healthy.
+        state = self.server.state
+        deadline = time.monotonic() + state.health_check_timeout
+        with state.cond:
+            while state.paused and time.monotonic() < deadline:
+                state.cond.wait(min(0.05, max(deadline - time.monotonic(), 0.0)))
+            healthy = not state.paused
+        self._send(200 if healthy else 503, text="")
 
     def _generate(self, body: dict[str, Any]) -> None:
         state = self.server.state
@@ -181,28 +238,64 @@ class _Handler(BaseHTTPRequestHandler):
         if unknown:
             self._send(400, {"error": f"unknown field `{unknown[0]}` in sampling_params"})
             return
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+        batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        prompts = ids if batch else [ids]
+        if not all(
+            isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts
+        ):
             self._send(400, {"error": {"message": "input_ids must be a non-empty list of ints"}})
             return
-        rid = str(body.get("rid") or f"standin-{time.monotonic_ns()}")
+        given = body.get("rid")
+        if batch:
+            rids = given if isinstance(given, list) else [None] * len(prompts)
+            if len(rids) != len(prompts):  # GenerateReqInput._normalize_rid
+                msg = "The specified rids length mismatch with the batch_size for batch processing."
+                self._send(400, {"error": {"message": msg}})
+                return
+        else:
+            rids = [given]
         n = int(params.get("n", 1))
-        running = _Running(rid)
+        # (rid, prompt, sample index) of every request the scheduler gets. Parallel sampling
+        # (0.5.23 `_handle_batch_request`) sends each sample under a fresh `regenerate_rid()`
+        # uuid; the rid it was given is dropped.
+        jobs: list[tuple[str, list[int], int]] = []
+        for i, (prompt, rid) in enumerate(zip(prompts, rids, strict=True)):
+            if n > 1:
+                jobs += [(uuid.uuid4().hex, prompt, s) for s in range(n)]
+            else:
+                jobs.append((str(rid or uuid.uuid4().hex), prompt, i))
+        running = [_Running(rid) for rid, _, _ in jobs]
         with state.cond:
-            state.running[rid] = running
-            while state.paused and not running.abort.is_set():  # SGLang holds requests
+            for r in running:
+                state.running[r.rid] = r
+            while state.paused and not all(r.abort.is_set() for r in running):  # SGLang holds
                 state.cond.wait(0.05)
+            if n > 1:  # parallel sampling's prefill-only copy of each prompt, awaited first
+                for prompt in prompts:
+                    state.prefills.append(
+                        (uuid.uuid4().hex, len(prompt), state.cached_tokens(prompt))
+                    )
+                    state.cache.append(tuple(prompt))
+            cached = [state.cached_tokens(prompt) for _, prompt, _ in jobs]  # prefilled together
+            for (rid, prompt, _), c in zip(jobs, cached, strict=True):
+                state.prefills.append((rid, len(prompt), c))
         try:
-            items = [self._sample(ids, params, s, running, rid) for s in range(n)]
+            items = [
+                self._sample(prompt, params, s, r, c)
+                for (_, prompt, s), r, c in zip(jobs, running, cached, strict=True)
+            ]
         finally:
             with state.cond:
-                state.running.pop(rid, None)
+                for r in running:
+                    state.running.pop(r.rid, None)
                 state.cond.notify_all()
-        self._send(200, items[0] if n == 1 else items)
+        self._send(200, items if batch or n > 1 else items[0])
 
     def _sample(
-        self, ids: list[int], params: dict[str, Any], s: int, running: _Running, rid: str
+        self, ids: list[int], params: dict[str, Any], s: int, running: _Running, cached: int
     ) -> dict[str, Any]:
         state = self.server.state
+        rid = running.rid
         # As SGLang 0.5.23: ignore_eos skips every token stop, the stop ids included.
         stop_ids = set(params.get("stop_token_ids") or [])
         stop_ids.add(state.eos_token_id)
@@ -212,6 +305,8 @@ class _Handler(BaseHTTPRequestHandler):
         out: list[int] = []
         versions: list[str] = []
         finish: dict[str, Any] = {"type": "length", "length": limit}
+        if running.abort.is_set():  # aborted while held, a prefill-only request included
+            finish, limit = {"type": "abort", "message": "Abort in waiting queue"}, 0
         base = sum(ids) * 31 + 13 * s
         for i in range(limit):
             if state.token_delay:
@@ -229,6 +324,8 @@ class _Handler(BaseHTTPRequestHandler):
             if token in stop_ids:
                 finish = {"type": "stop", "matched": token}
                 break
+        with state.cond:
+            state.cache.append(tuple(ids + out))
         spans: list[dict[str, Any]] = []
         for i, v in enumerate(versions):
             if spans and spans[-1]["version"] == v:
@@ -239,7 +336,7 @@ class _Handler(BaseHTTPRequestHandler):
             "text": " ".join(map(str, out)),
             "output_ids": out,
             "meta_info": {
-                "id": f"{rid}-{s}",
+                "id": rid,
                 "prompt_tokens": len(ids),
                 "completion_tokens": len(out),
                 "finish_reason": finish,
@@ -249,7 +346,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "weight_version": state.weight_version,
                 "weight_versions": spans,
                 "e2e_latency": 0.0,
-                "cached_tokens": 0,
+                "cached_tokens": cached,
             },
         }
 
@@ -263,7 +360,7 @@ class _Handler(BaseHTTPRequestHandler):
             state.paused = True
             if mode == "abort":
                 for r in state.running.values():
-                    r.abort.set()
+                    state.abort(r)
             state.cond.notify_all()
         if mode == "abort":  # SGLang returns once nothing is running
             with state.cond:
@@ -279,11 +376,15 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, {"message": "Generation continued successfully.", "status": "ok"})
 
     def _abort(self, body: dict[str, Any]) -> None:
+        # 0.5.23: `TokenizerManager.abort_request` forwards an abort only for a rid it holds a
+        # request state for (one tokenizer worker), and `Scheduler.abort_request` then aborts
+        # every request whose rid starts with it.
         state = self.server.state
+        rid = str(body.get("rid") or "")
         with state.cond:
-            for rid, r in state.running.items():
-                if body.get("abort_all") or rid == body.get("rid"):
-                    r.abort.set()
+            for r in list(state.running.values()):
+                if body.get("abort_all") or (rid in state.running and r.rid.startswith(rid)):
+                    state.abort(r)
             state.cond.notify_all()
         self._send(200, text="")
 
@@ -383,8 +484,9 @@ class SGLangStandIn:
         vocab_size: int = 100,
         token_delay: float = 0.0,
         eos_token_id: int = 0,
+        health_check_timeout: float = 20.0,
     ) -> None:
-        self.state = StandInState(vocab_size, token_delay, eos_token_id)
+        self.state = StandInState(vocab_size, token_delay, eos_token_id, health_check_timeout)
         self._server = _Server(("127.0.0.1", port), _Handler)
         self._server.state = self.state
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)

@@ -388,7 +388,7 @@ def _wait_generating(replicas: list[ServiceProcess], prompts: int, timeout: floa
     batches are generating (with hundreds of tokens per sample, generation is nearly all of a
     batch's time)."""
     for replica in replicas:
-        replica.wait_listening(timeout)
+        replica.wait_serving(timeout)  # GetStatus is UNAVAILABLE until the replica has started
     deadline = time.monotonic() + timeout
     while True:
         statuses = [_status(r.address) for r in replicas]
@@ -1088,7 +1088,10 @@ def test_the_loop_runs_unchanged_on_the_sglang_engine(env, job) -> None:
 
     with SGLangStandIn(vocab_size=90) as server:
         asyncio.run(go(server.url))
-        generated = [b for _, p, b in server.requests if p == "/generate"]
+        # A group is a prefill-only request, then one batch sampling all of it.
+        generated = [
+            b for _, p, b in server.requests if p == "/generate" and b.get("return_logprob")
+        ]
     groups = buffer.take_all(3)
     t = groups[0].trajectories[1]
     assert (len(groups), len(generated)) == (3, 3)

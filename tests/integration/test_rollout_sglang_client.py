@@ -139,6 +139,55 @@ def test_a_generation_past_its_deadline_times_out_and_is_aborted_on_the_server(s
     assert aborts == [{"rid": generated["rid"]}]
 
 
+def test_a_group_past_its_deadline_has_every_sample_aborted_on_the_server() -> None:
+    # SGLang 0.5.23 runs n > 1 samples under fresh uuid rids (`regenerate_rid`): the abort that
+    # named the request's own rid reached none of them, and they ran on to max_new_tokens.
+    with SGLangStandIn(token_delay=0.01) as server:
+        engine = _engine(server.url, request_timeout_seconds=0.3)
+        params = SamplingParams(max_new_tokens=500, ignore_eos=True, n=3)
+        with pytest.raises(EngineTimeout, match="no answer in time"):
+            run(_with(engine, engine.generate([[1, 2]], params)))
+        samples = [rid for rid, _, _ in server.state.prefills[1:]]  # after the prompt's prefill
+        aborted = list(server.state.aborted)
+    assert (len(samples), sorted(aborted)) == (3, sorted(samples))
+
+
+def test_a_group_prefills_its_prompt_once_and_every_sample_finds_it_cached(server) -> None:
+    # Parallel sampling's point: the prompt is computed once, the samples share its KV cache.
+    engine = _engine(server.url)
+    run(_with(engine, engine.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=2, n=4))))
+    assert [cached for _, _, cached in server.state.prefills] == [0, 3, 3, 3, 3]
+
+
+def test_a_group_whose_prefill_is_aborted_comes_back_aborted_without_sampling(server) -> None:
+    # Aborted while the server is paused in place (a drain): sending the samples after it would
+    # leave them held until the server continues.
+    engine = _engine(server.url)
+
+    async def go() -> list[str]:
+        await engine.pause("in_place")
+        task = asyncio.create_task(engine.generate([[1, 2]], SamplingParams(n=2)))
+        while not server.state.running:
+            await asyncio.sleep(0.01)
+        await engine.abort_all()
+        out = await asyncio.wait_for(task, 5)
+        return [c.finish_reason for c in out[0]]
+
+    reasons = run(_with(engine, go()))
+    sent = [p for _, p, _ in server.requests if p == "/generate"]
+    assert (reasons, sent) == (["abort", "abort"], ["/generate"])
+
+
+def test_a_batch_of_copies_alone_would_prefill_the_prompt_once_per_copy(server) -> None:
+    # Why the group's prefill-only request comes first: the copies of one batch arrive together
+    # and (SGLang's default fcfs policy) are prefilled together, none finding another's cache.
+    import httpx
+
+    body = {"rid": ["a", "b"], "input_ids": [[1, 2, 3]] * 2, "sampling_params": {}}
+    httpx.post(f"{server.url}/generate", json=body | {"sampling_params": {"max_new_tokens": 1}})
+    assert [cached for _, _, cached in server.state.prefills] == [0, 0]
+
+
 def test_an_unreachable_server_is_unavailable_and_unhealthy() -> None:
     with SGLangStandIn() as gone:
         url = gone.url
@@ -579,3 +628,46 @@ def test_an_abort_pause_of_a_server_paused_in_place_aborts_and_continues_first(s
         ("/pause_generation", {"mode": "abort"}),
         ("/continue_generation", {}),
     ]
+
+
+# -- attaching to a server a dead replica left behind ---------------------------------------------
+
+
+def test_a_replica_attaching_to_a_server_left_paused_continues_it_and_is_ready_at_once() -> None:
+    # A rollout container that died mid-update leaves its SGLang container's server paused, and
+    # a paused server holds /health_generate (0.5.23 answers 503 after 20 s): the restarted
+    # replica waited until startup_timeout_seconds and failed.
+    with SGLangStandIn(health_check_timeout=0.2) as server:
+        server.state.paused = True
+        engine = _engine(server.url, startup_timeout_seconds=3)
+
+        async def go() -> list[int]:
+            await engine.start()
+            out = await engine.generate([[3]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+            return out[0][0].token_ids
+
+        started = time.monotonic()
+        tokens = run(_with(engine, go()))
+        took = time.monotonic() - started
+    assert (tokens, took < 2) == (_expected([3], 0, 2), True)
+
+
+def test_a_replica_attaching_ends_an_update_session_left_open_and_waits_for_a_whole_version(
+    server,
+) -> None:
+    # A replica that died between begin_weight_update and end_weight_update left the session
+    # open: 0.5.23 refused every later begin ("already open"), and SGLang may hold part of a
+    # version, which the new replica served.
+    server.state.session = True
+    engine = _engine(server.url, startup_timeout_seconds=3)
+    generate = SamplingParams(max_new_tokens=2)
+
+    async def go() -> int:
+        await engine.start()
+        with pytest.raises(EngineUnavailable, match="may hold part of a version"):
+            await engine.generate([[1]], generate)
+        await engine.apply_broadcast(_instruction())  # begins a session: the old one is gone
+        out = await engine.generate([[1]], generate)
+        return out[0][0].version_start
+
+    assert run(_with(engine, go())) == 3

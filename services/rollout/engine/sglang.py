@@ -6,10 +6,15 @@ request to a route of `sglang/srt/entrypoints/http_server.py`, with a body whose
 of the matching request class in `sglang/srt/managers/io_struct.py` of 0.5.23;
 `tests/contract/test_sglang_contract.py` checks both against the installed package.
 
-- generation: `POST /generate` with `input_ids`, `sampling_params` (n samples per prompt) and
-  `return_logprob`; one request per prompt, so SGLang's continuous batching schedules them and a
-  group returns as soon as its samples are done. Response token ids come from `output_ids`,
-  logprobs from `meta_info.output_token_logprobs`, versions from `meta_info.weight_versions`.
+- generation: `POST /generate` with `input_ids`, `sampling_params` and `return_logprob`; one
+  call per prompt, so SGLang's continuous batching schedules them and a group returns as soon as
+  its samples are done. A group of n > 1 samples is not SGLang's parallel sampling (`n` in
+  `sampling_params`), which gives every sample a fresh random rid that no abort can name; it is
+  the same two steps that parallel sampling runs inside SGLang, with rids of our own: a
+  prefill-only request (`max_new_tokens: 0`) puts the prompt in SGLang's prefix cache, then one
+  batch request of n copies (`n: 1`, one rid per sample) finds it there. Response token ids come
+  from `output_ids`, logprobs from `meta_info.output_token_logprobs`, versions from
+  `meta_info.weight_versions`.
 - control: `/pause_generation` (mode `abort` or `in_place`), `/continue_generation`,
   `/abort_request`, `/flush_cache`, `/health_generate`.
 - weights: `/update_weights_from_disk` (a safetensors folder the server reads at the same
@@ -27,11 +32,16 @@ of the matching request class in `sglang/srt/managers/io_struct.py` of 0.5.23;
   continue it) and `generate` refuses at once, until a whole version is loaded (the weight-sync
   service catches a failed engine up by snapshot).
 
+Start: a server this replica did not launch may have been left paused, or inside a weight-update
+session, by a replica that died mid-update; `start` ends such a session and continues generation
+before it waits for `/health_generate` (which SGLang holds while paused).
+
 Errors: connection failures, 5xx and 429 are retried `max_retries` times with exponential
 backoff and then raise `EngineUnavailable`; a deadline raises `EngineTimeout` (a timed-out
-generation is aborted on the server first); any other 4xx raises `EngineRejected` with the
-server's message. Nothing in this module has run against a live SGLang server (none can run
-where kuberl is developed); its behaviour is tested against `tests/integration/sglang_standin.py`.
+generation is aborted on the server first, sample by sample); any other 4xx raises
+`EngineRejected` with the server's message. Nothing in this module has run against a live SGLang
+server (none can run where kuberl is developed); its behaviour is tested against
+`tests/integration/sglang_standin.py`.
 """
 
 from __future__ import annotations
@@ -102,11 +112,44 @@ def sampling_params_body(params: SamplingParams) -> dict[str, Any]:
 
 
 def generate_body(prompt: Sequence[int], params: SamplingParams, rid: str) -> dict[str, Any]:
-    """The JSON body of one `POST /generate` (one prompt, `n` samples)."""
+    """The JSON body of one `POST /generate` for one sample (`params.n` is 1)."""
     return {
         "rid": rid,
         "input_ids": list(prompt),
         "sampling_params": sampling_params_body(params),
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "stream": False,
+    }
+
+
+def sample_rids(rid: str, n: int) -> list[str]:
+    """One rid per sample of a group, none a prefix of another (SGLang's scheduler aborts every
+    request whose rid starts with the one named)."""
+    width = len(str(n - 1))
+    return [f"{rid}-s{j:0{width}d}" for j in range(n)]
+
+
+def prefix_body(prompt: Sequence[int], rid: str) -> dict[str, Any]:
+    """A prefill-only `POST /generate`: SGLang computes the prompt's KV cache, keeps it in its
+    radix cache and generates nothing. What 0.5.23 itself sends before parallel samples
+    (`TokenizerManager._handle_batch_request`: a copy of the request with `max_new_tokens = 0`,
+    awaited before the samples are sent)."""
+    return {
+        "rid": f"{rid}-prefix",
+        "input_ids": list(prompt),
+        "sampling_params": {"max_new_tokens": 0},
+        "stream": False,
+    }
+
+
+def group_body(prompt: Sequence[int], params: SamplingParams, rids: list[str]) -> dict[str, Any]:
+    """One `POST /generate` for a group: a batch of `len(rids)` copies of the prompt, one sample
+    each. Sent after `prefix_body`, every copy finds the prompt in the prefix cache."""
+    return {
+        "rid": rids,
+        "input_ids": [list(prompt)] * len(rids),
+        "sampling_params": sampling_params_body(params.with_(n=1)),
         "return_logprob": True,
         "logprob_start_len": -1,
         "stream": False,
@@ -173,6 +216,12 @@ def parse_generate_response(item: dict[str, Any], fallback_version: int) -> Comp
         matched_stop=finish.get("matched") if isinstance(finish, dict) else None,
         rid=str(meta.get("id", "")),
     )
+
+
+def _aborted(answer: Any) -> bool:
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    finish = meta.get("finish_reason") if isinstance(meta, dict) else None
+    return isinstance(finish, dict) and finish.get("type") == "abort"
 
 
 def _version(value: Any) -> int | None:
@@ -301,7 +350,9 @@ class SGLangEngine(Engine):
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Launch the server when configured to, then wait until it generates."""
+        """Launch the server when configured to (or recover one already running), then wait
+        until it generates."""
+        recovered = self.config.launch  # a server launched here starts unpaused, with no session
         if self.config.launch and self._process is None:
             if not self.model_path:
                 raise EngineError("sglang.launch needs the model path")
@@ -310,7 +361,11 @@ class SGLangEngine(Engine):
             log.info("sglang.launch", command=" ".join(cmd))
             self._process = subprocess.Popen(cmd)
         deadline = time.monotonic() + self.config.startup_timeout_seconds
-        while not await self.health():
+        while True:
+            if not recovered:
+                recovered = await self._recover()
+            if recovered and await self.health():
+                break
             if self._process is not None and self._process.poll() is not None:
                 raise EngineUnavailable(
                     f"sglang.launch_server exited with {self._process.returncode}"
@@ -322,6 +377,46 @@ class SGLangEngine(Engine):
                 )
             await asyncio.sleep(1.0)
         log.info("sglang.ready", url=self.url, version=self._version)
+
+    async def _recover(self) -> bool:
+        """Undo what a replica that died mid-update may have left on a server it did not launch
+        (the SGLang container outlived the rollout container), so the server generates again;
+        False while the server does not answer yet. Read in SGLang 0.5.23, not run:
+
+        - an update session opened by `/begin_weight_update` and never ended makes the next
+          `begin` fail ("a weight-update session is already open",
+          `SchedulerWeightUpdaterManager.begin_weight_update`); `/end_weight_update` closes it,
+          and on a server with no session only answers 400 ("no weight-update session is
+          open"). A session found open means an update died between its begin and end: SGLang
+          may hold part of a version, so generation waits for a whole one (weight-sync's
+          catch-up);
+        - a paused server holds every request, `/health_generate`'s one-token request included
+          (`TokenizerManager.generate_request` waits on `is_pause_cond`), until
+          `/continue_generation`, which on a server that is not paused only sets the flags that
+          are already clear (`TokenizerManager.continue_generation`,
+          `Scheduler.continue_generation`) and empties torch's CUDA cache. A server paused after
+          a failed update may hold part of a version too; the replica loads a whole one (its
+          catch-up) before it generates anything.
+        """
+        try:
+            await self.call("POST", "/end_weight_update", {}, timeout=30.0, retry=False)
+        except EngineRejected as exc:
+            log.debug("sglang.no_update_session", url=self.url, answer=str(exc))
+        except (EngineUnavailable, EngineTimeout):
+            return False
+        else:
+            self._torn = True
+            log.warning(
+                "sglang.update_session_ended",
+                url=self.url,
+                reason="left open by a replica that died mid-update; waiting for a whole version",
+            )
+        try:
+            await self.call("POST", "/continue_generation", {}, timeout=30.0, retry=False)
+        except (EngineUnavailable, EngineTimeout):
+            return False
+        self._paused = False
+        return True
 
     async def close(self) -> None:
         if self._running:
@@ -379,10 +474,10 @@ class SGLangEngine(Engine):
         submitted_version = self._version
         self._running[rid] = params.n
         try:
-            answer = await self.call("POST", "/generate", generate_body(prompt, params, rid))
-        except EngineTimeout:
-            await self._abort_quietly(rid)
-            raise
+            if params.n == 1:
+                answer = await self._post_generate(generate_body(prompt, params, rid), [rid])
+            else:
+                answer = await self._generate_group(prompt, params, rid)
         finally:
             self._running.pop(rid, None)
         items = answer if isinstance(answer, list) else [answer]
@@ -391,6 +486,27 @@ class SGLangEngine(Engine):
                 f"/generate {rid}: expected {params.n} sample(s), got {len(items)} item(s)"
             )
         return [parse_generate_response(item, submitted_version) for item in items]
+
+    async def _generate_group(self, prompt: Sequence[int], params: SamplingParams, rid: str) -> Any:
+        """n > 1 samples of one prompt as SGLang's parallel sampling runs them (prefill the prompt
+        once, then the samples on its cached prefix), but under rids a timeout can abort: 0.5.23
+        gives parallel samples fresh uuid rids (`regenerate_rid`) and drops the request's own
+        from its table, so `/abort_request` with it reaches nothing."""
+        prefix = prefix_body(prompt, rid)
+        answer = await self._post_generate(prefix, [prefix["rid"]])
+        if _aborted(answer):
+            # Aborted (a pause, a drain) before any sample started: so is the group.
+            return [answer] * params.n
+        rids = sample_rids(rid, params.n)
+        return await self._post_generate(group_body(prompt, params, rids), rids)
+
+    async def _post_generate(self, body: dict[str, Any], rids: list[str]) -> Any:
+        """One `/generate`; past its deadline each of its requests is aborted on the server."""
+        try:
+            return await self.call("POST", "/generate", body)
+        except EngineTimeout:
+            await asyncio.gather(*(self._abort_quietly(r) for r in rids))
+            raise
 
     def _new_rid(self) -> str:
         """A request id no other is a prefix of: SGLang aborts every request whose rid starts
