@@ -1039,6 +1039,16 @@ class WeightSyncConfig(Section):
     retain_versions: int = Field(
         2, ge=1, description="Complete versions kept (older ones are deleted once superseded)."
     )
+    max_version_bytes: int = Field(
+        0,
+        ge=0,
+        description="Most bytes one version may have in the store: an upload is refused at the "
+        "chunk that would cross it, before its manifest arrives. 0: the size of the store "
+        "folder's filesystem / (retain_versions + 1), room for the versions kept and the one "
+        "being written; a positive value caps that (the smaller of the two applies), for a "
+        "folder allowed less than its filesystem holds. The chart sets it to "
+        "weightSync.snapshotSizeLimit / (retain_versions + 1) unless the job sets it.",
+    )
     advertise_host: str | None = Field(
         None,
         description="Address engines use to reach this service's broadcast groups (the pod IP "

@@ -191,7 +191,11 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         # Hashing what a crashed predecessor left takes ~1 s per GB: in a thread, while health
         # still says NOT_SERVING.
         self.store = await asyncio.to_thread(
-            VersionStore, self._store_dir(), self.config.retain_versions, restore=True
+            VersionStore,
+            self._store_dir(),
+            self.config.retain_versions,
+            restore=True,
+            max_version_bytes=self.config.max_version_bytes,
         )
         restored = self.store.latest()
         if restored is not None:
@@ -211,6 +215,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             "weight_sync.ready",
             store=str(self.store.directory),
             shm=self.store.in_shared_memory,
+            max_version_bytes=self.store.max_version_bytes,
             transports=",".join(self.config.transports),
             advertise_host=self.advertise_host,
             device=self.config.device,
@@ -480,6 +485,14 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         # what the store can keep, not by the manifest: without this bound, a stream that never
         # sent one filled the folder (tmpfs: the pod's memory) under the versions kept there.
         limit = self.store.max_version_bytes
+        if limit < self.store.filesystem_version_bytes:
+            why = f"weight_sync.max_version_bytes={limit}"
+        else:
+            why = (
+                f"the size of {self.store.directory}'s filesystem shared by the "
+                f"weight_sync.retain_versions={self.store.retain} versions kept and the one "
+                "being written"
+            )
 
         def write(offset: int, data: bytes) -> None:
             view = memoryview(data)
@@ -508,10 +521,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                     self.metrics.rejected.labels("too_large").inc()
                     raise InvalidArgument(
                         f"upload of version {version} refused at {receiver.received} bytes: a "
-                        f"version may have at most {limit} bytes here (the size of "
-                        f"{self.store.directory}'s filesystem shared by the "
-                        f"weight_sync.retain_versions={self.store.retain} versions kept and the "
-                        "one being written)"
+                        f"version may have at most {limit} bytes here ({why})"
                     )
                 receiver.feed(chunk)
                 handles = chunk.cuda_ipc_handles_json or handles

@@ -136,10 +136,19 @@ class VersionStore:
     left in `directory` (hashing its payload: about 1 s per GB on one core); without it, or
     when none checks out, whatever was left is deleted."""
 
-    def __init__(self, directory: str | Path, retain: int = 2, *, restore: bool = False) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        retain: int = 2,
+        *,
+        restore: bool = False,
+        max_version_bytes: int = 0,
+    ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.retain = retain
+        #: The configured cap per version (`weight_sync.max_version_bytes`; 0: none).
+        self.cap = max_version_bytes
         self.versions: dict[int, StoredVersion] = {}
         self.segments: list[Segment] = []
         self._names = itertools.count()
@@ -155,12 +164,20 @@ class VersionStore:
         return str(self.directory.resolve()).startswith("/dev/shm/")
 
     @property
-    def max_version_bytes(self) -> int:
-        """The largest version this folder can keep: its filesystem's size shared by the
+    def filesystem_version_bytes(self) -> int:
+        """The largest version this folder's filesystem can keep: its size shared by the
         `retain` versions kept and the one being written. A larger one would fill it (tmpfs:
-        memory) by the time that many are there, so an upload is refused beyond it."""
+        memory) by the time that many are there."""
         fs = os.statvfs(self.directory)
         return fs.f_blocks * fs.f_frsize // (self.retain + 1)
+
+    @property
+    def max_version_bytes(self) -> int:
+        """The largest version kept here, so the bound of an upload: the filesystem's share,
+        or the configured cap when smaller (a volume allowed less than its filesystem holds,
+        e.g. a disk-backed emptyDir whose sizeLimit the kubelet enforces by eviction)."""
+        bound = self.filesystem_version_bytes
+        return min(bound, self.cap) if self.cap else bound
 
     def reserve(self, version: int) -> str:
         """A segment for `version`'s bytes (a free one if any, else a new file); its path."""

@@ -20,7 +20,8 @@ from tests.support import REPO
 
 EXAMPLE = REPO / "examples" / "gsm8k-qwen.yaml"
 # What the chart sets for every install (helm/kuberl/templates/_helpers.tpl): service addresses,
-# its Redis, and folders on the pods' volumes.
+# its Redis, folders on the pods' volumes, and the per-version bound that keeps weight-sync's
+# volume within its size limit.
 WIRING = {
     "endpoints",
     "redis.url",
@@ -28,6 +29,7 @@ WIRING = {
     "trainer.checkpoint_dir",
     "weight_sync.snapshot_dir",
     "weight_sync.shm_dir",
+    "weight_sync.max_version_bytes",
 }
 
 

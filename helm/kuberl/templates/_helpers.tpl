@@ -121,8 +121,8 @@ redis://{{ include "kuberl.redisHost" . }}:{{ .Values.redis.port }}/0
 
 {{/*
 The job file every service reads: values.job with the chart's wiring merged over it (endpoints,
-Redis URL, listeners, volumes, the SGLang engine). The ConfigMap and the pods' checksum annotation
-both use it.
+Redis URL, listeners, volumes, weight-sync's bound per version, the SGLang engine). The ConfigMap
+and the pods' checksum annotation both use it.
 */}}
 {{- define "kuberl.jobConfig" -}}
 {{- $fullname := include "kuberl.fullname" . }}
@@ -146,6 +146,19 @@ both use it.
 {{- if .Values.tls.enabled }}
 {{- $_ := set $wiring "tls" (include "kuberl.tlsSettings" . | fromYaml) }}
 {{- end }}
+{{- /* A version may take at most the weight-sync volume's size limit shared by the versions kept and the one being written, so an upload is refused before the volume outgrows what the kubelet allows (it would evict the pod, versions and all). The job's own value wins; 2 is the job model's retain_versions default (tests/helm checks they agree). */}}
+{{- $jobWeightSync := dig "weight_sync" dict $job }}
+{{- with .Values.weightSync.snapshotSizeLimit }}
+{{- if not (hasKey $jobWeightSync "max_version_bytes") }}
+{{- $size := include "kuberl.quantityBytes" (dict "value" . "name" "weightSync.snapshotSizeLimit") | int64 }}
+{{- $retain := dig "retain_versions" 2 $jobWeightSync }}
+{{- $bound := div $size (add1 $retain) }}
+{{- if lt $bound 1 }}
+{{- fail (printf "weightSync.snapshotSizeLimit %v leaves no room for a version: it is shared by job.weight_sync.retain_versions=%v versions kept and the one being written; give the volume the model's size in its dtype x (retain_versions + 1)" . $retain) }}
+{{- end }}
+{{- $_ := set (get $wiring "weight_sync") "max_version_bytes" $bound }}
+{{- end }}
+{{- end }}
 {{- if .Values.rollout.sglang.enabled }}
 {{- $engine := dict }}
 {{- $jobEngine := dig "rollout" "engine" dict $job }}
@@ -162,7 +175,6 @@ both use it.
 {{- $_ := set $engine "snapshot_dir" (include "kuberl.sglangSnapshotDir" .) }}
 {{- $_ := set (get $wiring "rollout") "engine" $engine }}
 {{- /* SGLang engines take a version by NCCL or from a snapshot: unless the job chose a device, the relay gets a GPU (kuberl.weightSyncGpu) so that NCCL is offered at all. */}}
-{{- $jobWeightSync := dig "weight_sync" dict $job }}
 {{- if and (not (hasKey $jobWeightSync "device")) (has "nccl" (include "kuberl.weightSyncTransports" $jobWeightSync | fromJsonArray)) }}
 {{- $_ := set (get $wiring "weight_sync") "device" "cuda" }}
 {{- end }}
@@ -172,6 +184,32 @@ both use it.
 {{- fail "rollout.sglang.enabled needs the policy's weights in model.path (or job.model.path): without it the trainer and the rollout worker build a tiny random model while SGLang serves another one (rollout.sglang.model must be the same weights as model.path)" }}
 {{- end }}
 {{- toYaml $merged }}
+{{- end }}
+
+{{/*
+A Kubernetes quantity as a whole number of bytes (dict "value" q "name" "the value's path"): plain
+bytes, or an integer with a binary (Ki Mi Gi Ti Pi) or decimal (k M G T P) suffix. Anything else
+(a fraction, milli, an exponent, `K`, which Kubernetes does not accept) fails the render naming the
+value, rather than guessing a size.
+*/}}
+{{- define "kuberl.quantityBytes" -}}
+{{- $value := .value }}
+{{- if kindIs "float64" $value }}
+{{- /* YAML and JSON numbers arrive as float64: a whole one is plain bytes. */}}
+{{- $value = ternary (printf "%.0f" $value) (toString $value) (eq $value (floor $value)) }}
+{{- end }}
+{{- $text := toString $value }}
+{{- $units := dict "" 1 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "P" 1000000000000000 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "Pi" 1125899906842624 }}
+{{- if not (regexMatch "^(0|[1-9][0-9]{0,17})(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$" $text) }}
+{{- fail (printf "%s %q is not a quantity the chart can size: write a whole number of bytes, optionally with a binary (Ki, Mi, Gi, Ti, Pi) or decimal (k, M, G, T, P) suffix, e.g. 64Gi or 1536Mi" .name $text) }}
+{{- end }}
+{{- $number := regexFind "^[0-9]+" $text }}
+{{- $unit := get $units (trimPrefix $number $text) }}
+{{- $bytes := mul (int64 $number) $unit }}
+{{- if ne (div $bytes $unit) (int64 $number) }}
+{{- fail (printf "%s %q is more bytes than a 64-bit integer holds" .name $text) }}
+{{- end }}
+{{- $bytes }}
 {{- end }}
 
 {{/* The folder, in both containers of a rollout pod, where SGLang weight snapshots are written and read (/update_weights_from_disk). */}}
