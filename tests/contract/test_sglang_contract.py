@@ -20,6 +20,7 @@ import asyncio
 import base64
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -197,19 +198,27 @@ def _cuda_ipc_instruction() -> Any:
     return cuda_ipc_instruction(manifest)
 
 
+DROPPED = 9  # the prompt whose first /generate loses its connection in `sent`
+
+
 @pytest.fixture(scope="module")
 def sent() -> list[tuple[str, str, Any]]:
     """Every (method, path, body) the client sends while each of its methods is used once."""
     captured: list[tuple[str, str, Any]] = []
+    dropped: list[Any] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content) if request.content else None
         captured.append((request.method, request.url.path, body))
+        if request.url.path == "/generate" and body["input_ids"] == [DROPPED] and not dropped:
+            dropped.append(body)
+            raise httpx.ReadError("connection dropped mid-request", request=request)
         return _answer(request)
 
     async def drive() -> None:
         engine = SGLangEngine(
-            SGLangEngineConfig(url="http://sglang:30000"), transport=httpx.MockTransport(handler)
+            SGLangEngineConfig(url="http://sglang:30000", retry_backoff_seconds=0),
+            transport=httpx.MockTransport(handler),
         )
         await engine.health()
         await engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=4))
@@ -227,11 +236,12 @@ def sent() -> list[tuple[str, str, Any]]:
         )
         # ignore_eos apart: with stop ids the client refuses it (SGLang would ignore the ids).
         await engine.generate([[4]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        await engine.generate([[DROPPED]], SamplingParams(max_new_tokens=2))  # retried
         await engine.pause("abort")
         await engine.pause("in_place")
         await engine.resume()
         await engine.abort_all()
-        await engine._abort_quietly("kuberl-x-1")
+        await engine._abort_live({"kuberl-x-1"})
         await engine.flush_cache()
         await engine.update_weights_from_disk("/snapshots/v2", version=2)
         await engine.init_weights_update_group("10.0.0.1", 29500, 1, 2, "g", "nccl")
@@ -529,3 +539,46 @@ def test_a_group_goes_out_as_a_prefill_only_request_then_a_batch_with_a_rid_per_
         (4, 4, 1),
     ]
     assert [b["sampling_params"] for b in prefixes] == [{"max_new_tokens": 0}] * 2
+
+
+def test_every_generate_rid_is_new_and_none_is_a_prefix_of_another(sent) -> None:
+    # SGLang refuses a rid it still holds, and its abort matches by prefix.
+    rids = [
+        r
+        for _, p, b in sent
+        if p == "/generate"
+        for r in (b["rid"] if isinstance(b["rid"], list) else [b["rid"]])
+    ]
+    ordered = sorted(set(rids))
+    prefixes = [(a, b) for a, b in itertools.pairwise(ordered) if b.startswith(a)]
+    assert (len(ordered), prefixes) == (len(rids), [])
+
+
+def test_a_retried_generate_aborts_the_dropped_attempt_then_goes_out_under_a_new_rid(sent) -> None:
+    at = [i for i, (_, p, b) in enumerate(sent) if p == "/generate" and b["input_ids"] == [DROPPED]]
+    calls = [(p, b["rid"]) for _, p, b in sent[at[0] : at[-1] + 1]]
+    dropped, retry = calls[0][1], calls[-1][1]
+    assert (calls, dropped != retry) == (
+        [("/generate", dropped), ("/abort_request", dropped), ("/generate", retry)],
+        True,
+    )
+
+
+def test_sglang_refuses_a_rid_it_holds_until_the_request_ends_or_a_gone_client_is_aborted() -> None:
+    # Why each attempt of a /generate has rids of its own: `_init_req_state` refuses a rid still
+    # in rid_to_state (a ValueError, which the /generate route answers with 400), and a request
+    # whose client hung up keeps its rid until the poll for gone clients aborts it.
+    init = ast.unparse(
+        _function("srt/managers/tokenizer_manager.py", "TokenizerManager", "_init_req_state")
+    )
+    wait = ast.unparse(
+        _function("srt/managers/tokenizer_manager.py", "TokenizerManager", "_stream_one_response")
+    )
+    http = (SGLANG / "srt/entrypoints/http_server.py").read_text()
+    assert (
+        "if rid in self.rid_to_state or rid in rids:" in init,
+        "raise ValueError(f'Duplicate request ID detected: {rid}')" in init,
+        "except ValueError as e:" in http and "return _create_error_response(e)" in http,
+        'status_code=getattr(e, "status_code", HTTPStatus.BAD_REQUEST)' in http,
+        "await request.is_disconnected()" in wait and "self.abort_request(obj.rid)" in wait,
+    ) == (True,) * 5

@@ -22,6 +22,9 @@ against this small stdlib HTTP server that answers the routes of SGLang 0.5.23's
   find each other (0.5.23's default `fcfs` policy prefills them together; its in-batch prefix
   check runs only under cache-aware policies such as `lpm`). `prefills` records
   `(rid, prompt length, cached tokens)` per request.
+- a rid is held from a request's arrival until it ends, and a request naming a rid still held
+  (or one rid twice in a batch) is refused whole with 400 "Duplicate request ID detected: <rid>"
+  (0.5.23 `TokenizerManager._init_req_state`, answered by `_create_error_response`).
 - `/abort_request {rid}` reaches a request only when one has exactly that rid (the tokenizer
   manager's `rid_to_state` lookup), and then every running request whose rid starts with it (the
   scheduler's `startswith`); `aborted` records the rid of every request aborted.
@@ -32,12 +35,15 @@ against this small stdlib HTTP server that answers the routes of SGLang 0.5.23's
   session that `/update_weights_from_distributed` and `/update_weights_from_tensor` require).
 - missing required fields get FastAPI's 422, unknown routes 404.
 
-Not modelled: SGLang aborts a request whose client has gone (it polls the connection every
-`SGLANG_REQUEST_STATE_WAIT_TIMEOUT`, 4 s); here it runs on.
-
-Faults are injected per route (`inject`): an HTTP status for the next k calls, a delay, or a
-dropped connection. Every request is recorded in `requests` for assertions. Run it in a thread
-(`with SGLangStandIn() as s: s.url`) or as a process (`python sglang_standin.py --port-file f`).
+Faults are injected per route (`inject`): an HTTP status for the next k calls, a delay, a
+connection dropped before the request starts (`drop`), or one dropped once it runs
+(`hang_up`, /generate only). As in 0.5.23, a request whose client hung up runs on, holding its
+rids, until it is aborted or SGLang's poll for gone clients notices (`disconnect_poll`:
+`SGLANG_REQUEST_STATE_WAIT_TIMEOUT`, 4 s, in `TokenizerManager._stream_one_response`, then
+`abort_request`); its tokens are read by nobody, so the stand-in makes none. A request that
+keeps its client is not polled: it runs to its end. Every request is recorded in `requests` for
+assertions. Run it in a thread (`with SGLangStandIn() as s: s.url`) or as a process
+(`python sglang_standin.py --port-file f`).
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ class Fault:
     status: int | None = None
     delay: float = 0.0
     drop: bool = False
+    hang_up: bool = False
     times: int = 1
 
 
@@ -88,11 +95,13 @@ class StandInState:
         token_delay: float,
         eos_token_id: int,
         health_check_timeout: float,
+        disconnect_poll: float,
     ) -> None:
         self.vocab_size = vocab_size
         self.token_delay = token_delay
         self.eos_token_id = eos_token_id
         self.health_check_timeout = health_check_timeout
+        self.disconnect_poll = disconnect_poll
         self.weight_version = "0"
         self.paused = False
         self.session = False
@@ -138,6 +147,7 @@ class StandInState:
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
+    hang_up = False  # this request's connection drops once it runs (an injected fault)
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet
         return
@@ -175,6 +185,7 @@ class _Handler(BaseHTTPRequestHandler):
         with state.cond:
             state.requests.append((method, path, body))
         fault = state.take_fault(path)
+        self.hang_up = fault is not None and fault.hang_up
         if fault is not None:
             time.sleep(fault.delay)
             if fault.drop:
@@ -266,8 +277,23 @@ class _Handler(BaseHTTPRequestHandler):
                 jobs.append((str(rid or uuid.uuid4().hex), prompt, i))
         running = [_Running(rid) for rid, _, _ in jobs]
         with state.cond:
-            for r in running:
-                state.running[r.rid] = r
+            # 0.5.23 `_init_req_state`: every rid given, before anything runs, against the rids
+            # held and the batch's own; one clash refuses the whole request.
+            held = set(state.running)
+            duplicate = next(
+                (r for i, r in enumerate(rids) if r and (r in held or r in rids[:i])), None
+            )
+            if duplicate is None:
+                for r in running:
+                    state.running[r.rid] = r
+        if duplicate is not None:
+            msg = f"Duplicate request ID detected: {duplicate}"
+            self._send(400, {"error": {"message": msg}})
+            return
+        if self.hang_up:
+            self._run_without_client(running)
+            return
+        with state.cond:
             while state.paused and not all(r.abort.is_set() for r in running):  # SGLang holds
                 state.cond.wait(0.05)
             if n > 1:  # parallel sampling's prefill-only copy of each prompt, awaited first
@@ -290,6 +316,21 @@ class _Handler(BaseHTTPRequestHandler):
                     state.running.pop(r.rid, None)
                 state.cond.notify_all()
         self._send(200, items if batch or n > 1 else items[0])
+
+    def _run_without_client(self, running: list[_Running]) -> None:
+        """The client's connection drops with the request running: it holds its rids until it
+        is aborted or `disconnect_poll` passes (SGLang's poll for gone clients, which aborts)."""
+        state = self.server.state
+        self.close_connection = True
+        self.connection.shutdown(2)
+        deadline = time.monotonic() + state.disconnect_poll
+        with state.cond:
+            while not all(r.abort.is_set() for r in running) and time.monotonic() < deadline:
+                state.cond.wait(0.05)
+            for r in running:
+                state.abort(r)  # by the poll, if the client did not
+                state.running.pop(r.rid, None)
+            state.cond.notify_all()
 
     def _sample(
         self, ids: list[int], params: dict[str, Any], s: int, running: _Running, cached: int
@@ -485,8 +526,11 @@ class SGLangStandIn:
         token_delay: float = 0.0,
         eos_token_id: int = 0,
         health_check_timeout: float = 20.0,
+        disconnect_poll: float = 4.0,
     ) -> None:
-        self.state = StandInState(vocab_size, token_delay, eos_token_id, health_check_timeout)
+        self.state = StandInState(
+            vocab_size, token_delay, eos_token_id, health_check_timeout, disconnect_poll
+        )
         self._server = _Server(("127.0.0.1", port), _Handler)
         self._server.state = self.state
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -506,11 +550,15 @@ class SGLangStandIn:
         status: int | None = None,
         delay: float = 0.0,
         drop: bool = False,
+        hang_up: bool = False,
         times: int = 1,
     ) -> None:
-        """Make the next `times` calls to `path` fail with `status`, wait `delay`, or drop."""
+        """Make the next `times` calls to `path` fail with `status`, wait `delay`, drop before
+        they start (`drop`) or once they run (`hang_up`); a fault with none of these lets its
+        calls through."""
+        fault = Fault(status, delay, drop, hang_up, times)
         with self.state.cond:
-            self.state.faults.setdefault(path, []).append(Fault(status, delay, drop, times))
+            self.state.faults.setdefault(path, []).append(fault)
 
     def start(self) -> SGLangStandIn:
         self._thread.start()

@@ -115,6 +115,53 @@ def test_a_dropped_connection_is_retried(server) -> None:
     assert len(out[0][0].token_ids) == 2
 
 
+def test_a_generate_whose_connection_dropped_midway_is_retried_under_new_rids_and_aborted(
+    server,
+) -> None:
+    # SGLang 0.5.23 holds a rid until its request ends (a dropped client's, until its 4 s poll
+    # notices) and refuses it meanwhile: the retry, under the same rid, got 400 "Duplicate
+    # request ID" (not retried) and the prompt failed, while the first attempt ran on.
+    server.inject("/generate", hang_up=True)
+    engine = _engine(server.url, max_retries=2)
+    out = run(_with(engine, engine.generate([[1]], SamplingParams(max_new_tokens=2))))
+    first = next(b["rid"] for _, p, b in server.requests if p == "/generate")
+    assert (out[0][0].token_ids, server.state.aborted) == (_expected([1], 0, 2), [first])
+
+
+def test_a_group_whose_samples_lost_their_connection_is_resampled_under_new_rids(server) -> None:
+    server.inject("/generate")  # the prefill-only request goes through
+    server.inject("/generate", hang_up=True)  # the batch of samples is cut off once running
+    engine = _engine(server.url, max_retries=2)
+    params = SamplingParams(max_new_tokens=2, n=3, ignore_eos=True)
+    out = run(_with(engine, engine.generate([[1, 2]], params)))
+    batches = [
+        b["rid"] for _, p, b in server.requests if p == "/generate" and isinstance(b["rid"], list)
+    ]
+    tokens = [c.token_ids for c in out[0]]
+    assert (tokens, sorted(server.state.aborted)) == (
+        [_expected([1, 2], s, 2) for s in range(3)],
+        sorted(batches[0]),
+    )
+
+
+def test_the_stand_in_refuses_a_rid_it_still_holds_as_sglang_0_5_23_does(server) -> None:
+    # TokenizerManager._init_req_state: a rid in rid_to_state (or twice in one batch) is a
+    # ValueError, which the /generate route answers with 400 and its message.
+    import httpx
+
+    server.inject("/generate", hang_up=True)
+    body = {"rid": "a", "input_ids": [1], "sampling_params": {"max_new_tokens": 1}}
+    with pytest.raises(httpx.TransportError):
+        httpx.post(f"{server.url}/generate", json=body)
+    again = httpx.post(f"{server.url}/generate", json=body)
+    twice = httpx.post(
+        f"{server.url}/generate", json=body | {"rid": ["b", "b"], "input_ids": [[1], [2]]}
+    )
+    assert [(r.status_code, r.json()) for r in (again, twice)] == [
+        (400, {"error": {"message": f"Duplicate request ID detected: {rid}"}}) for rid in "ab"
+    ]
+
+
 def test_errors_beyond_the_retry_budget_raise_unavailable_with_the_last_status(server) -> None:
     server.inject("/generate", status=503, times=10)
     engine = _engine(server.url, max_retries=2)
@@ -581,6 +628,22 @@ def test_no_request_id_is_a_prefix_of_another() -> None:
     engine = _engine("http://127.0.0.1:9")
     rids = sorted(engine._new_rid() for _ in range(1200))
     assert not any(b.startswith(a) for a, b in itertools.pairwise(rids))
+
+
+def test_no_rid_of_any_attempt_of_a_prompt_is_a_prefix_of_another() -> None:
+    # A retry's rids are new (SGLang refuses one it still holds) and, as aborts match by prefix,
+    # none may prefix another attempt's: "-a1" would prefix "-a10".
+    from kuberl.rollout.engine.sglang import attempt_rid, prefix_body, sample_rids
+
+    attempts = [attempt_rid("kuberl-x-000000000001", a, 11) for a in range(11)]
+    group = [r for a in attempts for r in [prefix_body([1], a)["rid"], *sample_rids(a, 12)]]
+    clash = [
+        (a, b)
+        for rids in (sorted(attempts), sorted(group))
+        for a, b in itertools.pairwise(rids)
+        if b.startswith(a)
+    ]
+    assert clash == []
 
 
 def test_a_connect_timeout_is_retried_like_a_refused_connection() -> None:

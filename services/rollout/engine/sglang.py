@@ -39,9 +39,12 @@ before it waits for `/health_generate` (which SGLang holds while paused).
 Errors: connection failures, 5xx and 429 are retried `max_retries` times with exponential
 backoff and then raise `EngineUnavailable`; a deadline raises `EngineTimeout` (a timed-out
 generation is aborted on the server first, sample by sample); any other 4xx raises
-`EngineRejected` with the server's message. Nothing in this module has run against a live SGLang
-server (none can run where kuberl is developed); its behaviour is tested against
-`tests/integration/sglang_standin.py`.
+`EngineRejected` with the server's message. Each attempt of a `/generate` has rids of its own
+(`attempt_rid`), and one that failed after reaching the server is aborted before the next:
+SGLang holds a rid until it sees its request end (a dropped connection only at its next poll for
+gone clients, every 4 s) and refuses it meanwhile ("Duplicate request ID"). Nothing in this
+module has run against a live SGLang server (none can run where kuberl is developed); its
+behaviour is tested against `tests/integration/sglang_standin.py`.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +124,14 @@ def generate_body(prompt: Sequence[int], params: SamplingParams, rid: str) -> di
         "logprob_start_len": -1,
         "stream": False,
     }
+
+
+def attempt_rid(rid: str, attempt: int, attempts: int) -> str:
+    """The rid of one attempt of a request (`prefix_body` and `sample_rids` derive theirs from
+    it). A retry never reuses a rid: SGLang holds one until it sees its request end and refuses
+    it meanwhile. Fixed width, so no attempt's rid is a prefix of another's."""
+    width = len(str(attempts - 1))
+    return f"{rid}-a{attempt:0{width}d}"
 
 
 def sample_rids(rid: str, n: int) -> list[str]:
@@ -224,6 +235,15 @@ def _aborted(answer: Any) -> bool:
     return isinstance(finish, dict) and finish.get("type") == "abort"
 
 
+class _Retryable(Exception):
+    """One attempt of a call failed in a way the next may not (a connection error, 5xx, 429).
+    `may_run`: the request may have reached the server and still run there."""
+
+    def __init__(self, reason: str, *, may_run: bool) -> None:
+        super().__init__(reason)
+        self.may_run = may_run
+
+
 def _version(value: Any) -> int | None:
     try:
         return int(value)
@@ -272,7 +292,9 @@ class SGLangEngine(Engine):
         self._pause_mode: PauseMode = "in_place"
         #: SGLang may hold part of a version (a bucketed update failed after loading began).
         self._torn = False
-        self._running: dict[str, int] = {}  # rid -> samples
+        # A prompt's rid -> the rids it may have running on the server, every attempt's (each
+        # retry is sent under new ones), until answered or aborted.
+        self._running: dict[str, set[str]] = {}
         self._ids = itertools.count()
         self._session = uuid.uuid4().hex[:8]
 
@@ -314,38 +336,56 @@ class SGLangEngine(Engine):
         last = ""
         for attempt in range(attempts):
             if attempt:
-                delay = self.config.retry_backoff_seconds * 2 ** (attempt - 1)
-                log.warning("sglang.retry", call=what, attempt=attempt, reason=last, delay=delay)
-                await asyncio.sleep(delay)
+                await self._backoff(what, attempt, last)
             try:
-                response = await self._http().request(
-                    method,
-                    path,
-                    json=body,
-                    timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
-                )
-            except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-                last = f"{type(exc).__name__}: {exc}"  # not connected yet: retried like a refusal
-                continue
-            except httpx.TimeoutException as exc:
-                raise EngineTimeout(f"{what}: no answer in time ({type(exc).__name__})") from None
-            except httpx.TransportError as exc:
-                last = f"{type(exc).__name__}: {exc}"
-                continue
-            if response.status_code in _RETRY_STATUS:
-                last = f"HTTP {response.status_code}: {_message(response)}"
-                continue
-            if response.status_code >= 400:
-                raise EngineRejected(
-                    f"{what} refused with HTTP {response.status_code}: {_message(response)}"
-                )
-            if not response.content:
-                return None
-            try:
-                return response.json()
-            except ValueError:
-                return response.text
+                return await self._send(method, path, body, timeout)
+            except _Retryable as exc:
+                last = str(exc)
         raise EngineUnavailable(f"{what} failed after {attempts} attempt(s): {last}")
+
+    async def _send(
+        self, method: str, path: str, body: dict[str, Any] | None, timeout: float | None
+    ) -> Any:
+        """One attempt of `call`: the decoded answer of a 2xx; `_Retryable`, `EngineTimeout` or
+        `EngineRejected` otherwise."""
+        what = f"{method} {self.url}{path}"
+        try:
+            response = await self._http().request(
+                method,
+                path,
+                json=body,
+                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+            )
+        except (httpx.ConnectTimeout, httpx.PoolTimeout, httpx.ConnectError) as exc:
+            # Not connected yet: nothing reached the server; a timeout is retried like a refusal.
+            raise _Retryable(f"{type(exc).__name__}: {exc}", may_run=False) from None
+        except httpx.TimeoutException as exc:
+            raise EngineTimeout(f"{what}: no answer in time ({type(exc).__name__})") from None
+        except httpx.TransportError as exc:
+            raise _Retryable(f"{type(exc).__name__}: {exc}", may_run=True) from None
+        if response.status_code in _RETRY_STATUS:
+            # SGLang may hold the rids past its answer (a failed handler aborts what it had
+            # dispatched and keeps the rids until the scheduler confirms:
+            # `TokenizerManager._release_req_states_on_failure`).
+            message = f"HTTP {response.status_code}: {_message(response)}"
+            raise _Retryable(message, may_run=True)
+        if response.status_code >= 400:
+            raise EngineRejected(
+                f"{what} refused with HTTP {response.status_code}: {_message(response)}"
+            )
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            return response.text
+
+    async def _backoff(self, what: str, attempt: int, reason: str, **context: Any) -> None:
+        delay = self.config.retry_backoff_seconds * 2 ** (attempt - 1)
+        log.warning(
+            "sglang.retry", call=what, attempt=attempt, reason=reason, delay=delay, **context
+        )
+        await asyncio.sleep(delay)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -472,10 +512,10 @@ class SGLangEngine(Engine):
             )
         rid = self._new_rid()
         submitted_version = self._version
-        self._running[rid] = params.n
+        self._running[rid] = set()
         try:
             if params.n == 1:
-                answer = await self._post_generate(generate_body(prompt, params, rid), [rid])
+                answer = await self._post_generate(rid, lambda r: generate_body(prompt, params, r))
             else:
                 answer = await self._generate_group(prompt, params, rid)
         finally:
@@ -492,32 +532,70 @@ class SGLangEngine(Engine):
         once, then the samples on its cached prefix), but under rids a timeout can abort: 0.5.23
         gives parallel samples fresh uuid rids (`regenerate_rid`) and drops the request's own
         from its table, so `/abort_request` with it reaches nothing."""
-        prefix = prefix_body(prompt, rid)
-        answer = await self._post_generate(prefix, [prefix["rid"]])
+        answer = await self._post_generate(rid, lambda r: prefix_body(prompt, r))
         if _aborted(answer):
             # Aborted (a pause, a drain) before any sample started: so is the group.
             return [answer] * params.n
-        rids = sample_rids(rid, params.n)
-        return await self._post_generate(group_body(prompt, params, rids), rids)
+        return await self._post_generate(
+            rid, lambda r: group_body(prompt, params, sample_rids(r, params.n))
+        )
 
-    async def _post_generate(self, body: dict[str, Any], rids: list[str]) -> Any:
-        """One `/generate`; past its deadline each of its requests is aborted on the server."""
-        try:
-            return await self.call("POST", "/generate", body)
-        except EngineTimeout:
-            await asyncio.gather(*(self._abort_quietly(r) for r in rids))
-            raise
+    async def _post_generate(self, rid: str, body_for: Callable[[str], dict[str, Any]]) -> Any:
+        """One `/generate` of the prompt `rid`, retried as `call` retries, but every attempt under
+        rids of its own (`body_for(attempt_rid(...))` is its body), and an attempt that failed
+        after reaching the server aborted before the next: SGLang 0.5.23 holds a rid until it
+        sees its request end (a dropped client's only once its poll for gone clients notices,
+        `TokenizerManager._stream_one_response`) and refuses it meanwhile with 400 "Duplicate
+        request ID" (`_init_req_state`). Past its deadline every request the prompt may still
+        have on the server is aborted."""
+        live = self._running[rid]
+        attempts = 1 + self.config.max_retries
+        what = f"POST {self.url}/generate"
+        last = ""
+        for attempt in range(attempts):
+            if attempt:
+                await self._backoff(what, attempt, last, rid=rid)
+            body = body_for(attempt_rid(rid, attempt, attempts))
+            rids = body["rid"] if isinstance(body["rid"], list) else [body["rid"]]
+            live.update(rids)
+            try:
+                answer = await self._send("POST", "/generate", body, None)
+            except _Retryable as exc:
+                last = str(exc)
+                if not exc.may_run:
+                    live.difference_update(rids)
+                await self._abort_live(live)
+                continue
+            except EngineTimeout:
+                await self._abort_live(live)
+                raise
+            except EngineRejected:
+                live.difference_update(rids)  # answered: SGLang has let them go
+                raise
+            live.difference_update(rids)
+            return answer
+        raise EngineUnavailable(f"{what} failed after {attempts} attempt(s): {last}")
 
     def _new_rid(self) -> str:
         """A request id no other is a prefix of: SGLang aborts every request whose rid starts
         with the one given (`req.rid.startswith`), so aborting `...-1` also aborted `...-10`."""
         return f"kuberl-{self._session}-{next(self._ids):012d}"
 
-    async def _abort_quietly(self, rid: str) -> None:
-        try:
-            await self.call("POST", "/abort_request", {"rid": rid}, timeout=10.0, retry=False)
-        except EngineError as exc:
-            log.warning("sglang.abort_failed", rid=rid, error=str(exc))
+    async def _abort_live(self, rids: set[str]) -> None:
+        """Abort each of `rids` on the server, best effort; those SGLang took leave the set (one
+        it no longer holds is a no-op there). An abort that failed is logged, and the request
+        ends when SGLang's poll finds its client gone."""
+
+        async def abort(rid: str) -> str | None:
+            try:
+                await self.call("POST", "/abort_request", {"rid": rid}, timeout=10.0, retry=False)
+            except EngineError as exc:
+                log.warning("sglang.abort_failed", rid=rid, error=str(exc))
+                return None
+            return rid
+
+        aborted = await asyncio.gather(*(abort(r) for r in sorted(rids)))
+        rids.difference_update(aborted)
 
     # -- pause / abort ---------------------------------------------------------------------------
 
