@@ -40,7 +40,6 @@ from kuberl.common.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
-    Unavailable,
 )
 from kuberl.common.logs import get_logger
 from kuberl.common.plugins import PluginError, load_plugin
@@ -139,8 +138,8 @@ class BufferService(Service):
 
     @property
     def db(self) -> BufferStore:
-        if self.store is None:
-            raise Unavailable("buffer is starting: not connected to Redis yet")
+        # Handlers run only once start() has returned (the bootstrap's start gate).
+        assert self.store is not None, "connected by start()"
         return self.store
 
     async def start(self) -> None:

@@ -19,6 +19,9 @@ from kuberl.common import tls as transport
 from kuberl.common.config import TLSConfig
 from kuberl.common.server import grpc_options
 
+#: How often a service's start asks a dependency whether it is SERVING yet.
+DEPENDENCY_POLL_SECONDS = 0.05
+
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
@@ -75,7 +78,25 @@ def wait_serving(
     raise TimeoutError(f"{address} not SERVING after {timeout:.0f}s (last status {last})")
 
 
-async def wait_serving_async(
-    address: str, timeout: float = 60.0, service: str = "", *, tls: TLSConfig | None = None
-) -> None:
-    await asyncio.to_thread(wait_serving, address, timeout, service, tls=tls)
+async def wait_for_dependency(name: str, address: str, timeout: float) -> None:
+    """Wait in a service's `start()` until `name`'s server at `address` reports SERVING;
+    TimeoutError says what it last answered. It asks on the event loop, so the SIGTERM that
+    cancels the start ends it at once (a wait in a thread held a stopping process for up to its
+    whole `timeout`: 300 s for a rollout replica whose buffer never answered)."""
+    deadline = time.monotonic() + timeout
+    last = "UNAVAILABLE"
+    async with aio_channel(address) as channel:
+        health_stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                answer = await health_stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+            except grpc.aio.AioRpcError as exc:
+                last = exc.code().name
+            if last == "SERVING":
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{name} at {address} not SERVING after {timeout:.0f}s (last status {last})"
+                )
+            await asyncio.sleep(DEPENDENCY_POLL_SECONDS)

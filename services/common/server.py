@@ -9,6 +9,13 @@ counts requests, errors and latency; a Prometheus /metrics endpoint; and a grace
 SIGTERM: health flips to NOT_SERVING, new calls are refused, in-flight calls get
 `grace_seconds` to finish, then `stop()` runs.
 
+A SIGTERM while `start()` is still running interrupts it (the task is cancelled: a service's
+waits for its dependencies, `channels.wait_for_dependency`, end at once), `stop()` cleans up
+whatever was set up, and the process exits 0 within seconds: a start may not outlast a pod's
+grace period. Work the start had in a thread that cannot be interrupted (a model being loaded) is
+left behind: the process leaves without waiting for it (`STOP_STARTING_SECONDS`). Once stopped,
+a repeated SIGTERM or SIGINT is ignored while the process exits.
+
 Until `start()` has returned, every call to the service's own methods is answered UNAVAILABLE
 with a `retry-after-seconds` trailer (`StartGate`), so no handler ever runs on state `start()`
 has not prepared yet; only health (which says NOT_SERVING meanwhile) and reflection answer.
@@ -26,10 +33,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +63,10 @@ STARTING_RETRY_SECONDS = 1.0
 #: gRPC services answered while the service starts: health says NOT_SERVING, reflection only
 #: describes the API (nothing `start()` prepares).
 OPEN_WHILE_STARTING = ("grpc.health.v1.Health", reflection.SERVICE_NAME)
+#: A start interrupted by SIGTERM gets this long to unwind, and then the threads it left working
+#: this long to end before the process leaves without them (the local supervisor SIGKILLs a
+#: service still starting 5 s after its SIGTERM).
+STOP_STARTING_SECONDS = 2.0
 
 
 class Service:
@@ -69,10 +84,13 @@ class Service:
 
     async def start(self) -> None:
         """Become ready to serve (connect dependencies). Until it returns, calls to this
-        service's methods are answered UNAVAILABLE and health says NOT_SERVING."""
+        service's methods are answered UNAVAILABLE and health says NOT_SERVING. A SIGTERM
+        cancels it, so a long wait must end on cancellation: awaited on the event loop, or in a
+        thread only in short slices, never a thread blocked for minutes."""
 
     async def stop(self) -> None:
-        """Release resources after in-flight calls have drained."""
+        """Release resources after in-flight calls have drained; also after a start that SIGTERM
+        interrupted, so it releases only what was set up."""
 
 
 KEEPALIVE_MS = 30_000
@@ -323,6 +341,41 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return self._wrap_unary(method, behavior, gate)
 
 
+async def _interrupt_start(starting: asyncio.Task[None]) -> None:
+    """Cancel a start that SIGTERM interrupted and give it a moment to unwind."""
+    log.info("server.start_interrupted")
+    starting.cancel()
+    await asyncio.wait({starting}, timeout=STOP_STARTING_SECONDS)
+    if not starting.done():  # it swallowed the cancellation: stop() runs beside it
+        log.warning("server.start_not_interrupted", waited_seconds=STOP_STARTING_SECONDS)
+    elif not starting.cancelled() and starting.exception() is not None:
+        log.warning("server.start_failed_while_stopping", error=repr(starting.exception()))
+
+
+async def _leave_start_behind(executor: ThreadPoolExecutor) -> None:
+    """End the process now if threads of an interrupted start are still working.
+
+    asyncio.run and the interpreter both wait for every thread of the loop's executor to end,
+    and a thread cannot be interrupted: one loading a model (or waiting in a torchrun
+    rendezvous) kept the stopped process alive until Kubernetes SIGKILLed it."""
+    ended = threading.Event()
+
+    def shut_down() -> None:
+        executor.shutdown(wait=True)
+        ended.set()
+
+    threading.Thread(target=shut_down, name="start-threads", daemon=True).start()
+    deadline = time.monotonic() + STOP_STARTING_SECONDS
+    while not ended.is_set() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if not ended.is_set():
+        log.warning("server.start_left_behind", reason="its threads are still working")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 def _write_port_file(path: str, ports: dict[str, int]) -> None:
     tmp = Path(path).with_suffix(".tmp")
     tmp.write_text(json.dumps(ports))
@@ -337,7 +390,9 @@ async def serve(
     stop_event: asyncio.Event | None = None,
     tls: TLSConfig | None = None,
 ) -> None:
-    """Run `service` until SIGTERM/SIGINT (or `stop_event`), then drain and stop it.
+    """Run `service` until SIGTERM/SIGINT (or `stop_event`), then drain and stop it. It owns
+    the process (`kuberl serve`): it installs the signal handlers and, after a start it had to
+    interrupt, may end the process itself.
 
     `tls` is the job's `tls` section (None: `kuberl.common.tls.current()`); it secures this
     server and becomes the process default for the service's own client channels."""
@@ -383,13 +438,18 @@ async def serve(
 
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
+    # The loop's own executor, so that what an interrupted start left in its threads can be
+    # waited for with a bound (`_leave_start_behind`).
+    executor = ThreadPoolExecutor(thread_name_prefix="asyncio")
+    loop.set_default_executor(executor)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
     ready_task = asyncio.create_task(service.start())
     stop_task = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({ready_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-    if ready_task in done:
+    started = ready_task in done
+    if started:
         ready_task.result()  # a failed start ends the process with its error
         gate.open()  # before SERVING: a client that saw SERVING is never refused as starting
         for name in ("", *names):
@@ -397,10 +457,19 @@ async def serve(
         log.info("server.ready")
         await stop_task
     else:
-        ready_task.cancel()
+        await _interrupt_start(ready_task)
 
-    log.info("server.draining", grace_seconds=config.grace_seconds)
+    # Until the start returned only health and reflection ran: nothing to drain.
+    grace = config.grace_seconds if started else 0.0
+    log.info("server.draining", grace_seconds=grace)
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(config.grace_seconds)
+    await server.stop(grace)
     await service.stop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        # Stopped: a repeated signal (the local supervisor sends a second SIGTERM to a process
+        # still exiting) must not kill it with -15 once the loop's handlers are gone.
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
     log.info("server.stopped")
+    if not started:
+        await _leave_start_behind(executor)

@@ -883,9 +883,9 @@ class Supervisor:
         return 130 if status == "interrupted" else 0
 
 
-#: Seconds a process that never reached SERVING gets to stop: it has nothing to drain or save,
-#: and one still waiting for a dependency (a trainer for the buffer) may not even notice SIGTERM
-#: (a failed start once took 150 s to shut down, the trainer's 120 s grace first).
+#: Seconds a process that never reached SERVING gets to stop: it has nothing to drain or save.
+#: `serve()` ends an interrupted start within about 2 s (`STOP_STARTING_SECONDS`); this is the
+#: backstop for one that does not (a failed start once took 150 s to shut down).
 STARTING_GRACE_SECONDS = 5.0
 
 

@@ -6,7 +6,8 @@ service, registers with weight-sync and catches up to its current version (so a 
 mid-job never generates with stale initial weights), probes the `python` tool's sandbox when
 the job uses it, then starts `RolloutWorker.run`. Health says SERVING only after all of that.
 `stop()` (after SIGTERM) drains: no new leases, in-flight prompts finish within
-`rollout.drain_seconds` or are released to the buffer.
+`rollout.drain_seconds` or are released to the buffer. A SIGTERM during the start interrupts
+it, its waits included; `stop()` then closes only what had been set up.
 
 The `RolloutService` RPCs: `GetStatus`; `Pause` / `Resume`; `Drain` (drain, answer, then exit
 as on SIGTERM); `NotifyWeightsUpdate` (weight-sync's push of an update instruction, queued in
@@ -21,6 +22,7 @@ import os
 import signal
 import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ from kuberl.api.reward.v1 import reward_pb2_grpc
 from kuberl.api.rollout.v1 import rollout_pb2 as pb
 from kuberl.api.rollout.v1 import rollout_pb2_grpc
 from kuberl.buffer.client import BufferStub
-from kuberl.common.channels import aio_channel, wait_serving_async
+from kuberl.common.channels import aio_channel, wait_for_dependency
 from kuberl.common.config import JobConfig
 from kuberl.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kuberl.common.logs import get_logger
@@ -49,30 +51,38 @@ STATES = {
     "draining": pb.REPLICA_STATE_DRAINING,
 }
 DEPENDENCY_WAIT_SECONDS = 300.0
+#: The catch-up to weight-sync's version is waited for in slices this long: a SIGTERM during
+#: the start leaves no thread blocked for the whole `rollout.catch_up_seconds`.
+CATCH_UP_SLICE_SECONDS = 0.5
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    """The control API. Its methods run only once `start()` has returned (the bootstrap's start
+    gate answers UNAVAILABLE before), so the engine and the worker exist."""
+
     def __init__(self, service: RolloutService) -> None:
         self.service = service
 
     def _worker(self) -> RolloutWorker:
-        if self.service.worker is None:
-            raise Unavailable("the replica is still starting (loading the model)")
+        assert self.service.worker is not None, "set by start(), before the gate opens"
         return self.service.worker
+
+    def _engine(self) -> Engine:
+        assert self.service.engine is not None, "set by start(), before the gate opens"
+        return self.service.engine
 
     async def GetStatus(
         self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetStatusResponse:
-        worker = self.service.worker
-        engine = self.service.engine
+        worker = self._worker()
         return pb.GetStatusResponse(
             replica_id=self.service.replica_id,
             engine=self.service.config.rollout.engine.kind,
-            state=STATES[worker.state] if worker else pb.REPLICA_STATE_STARTING,
-            policy_version=engine.version if engine else 0,
-            prompts_in_flight=worker.prompts_in_flight if worker else 0,
-            groups_put=worker.groups_put if worker else 0,
-            generated_tokens=worker.generated_tokens if worker else 0,
+            state=STATES[worker.state],
+            policy_version=self._engine().version,
+            prompts_in_flight=worker.prompts_in_flight,
+            groups_put=worker.groups_put,
+            generated_tokens=worker.generated_tokens,
         )
 
     async def Pause(
@@ -110,9 +120,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if not request.HasField("instruction") or request.instruction.version <= 0:
             raise InvalidArgument("instruction.version must be > 0")
         accepted = client.submit(request.instruction)
-        engine = self.service.engine
         return pb.NotifyWeightsUpdateResponse(
-            accepted=accepted, policy_version=engine.version if engine else 0
+            accepted=accepted, policy_version=self._engine().version
         )
 
 
@@ -150,8 +159,8 @@ class RolloutService(Service):
         )
         endpoints = config.endpoints
         await asyncio.gather(
-            wait_serving_async(endpoints.buffer, DEPENDENCY_WAIT_SECONDS),
-            wait_serving_async(endpoints.reward, DEPENDENCY_WAIT_SECONDS),
+            wait_for_dependency("buffer", endpoints.buffer, DEPENDENCY_WAIT_SECONDS),
+            wait_for_dependency("reward", endpoints.reward, DEPENDENCY_WAIT_SECONDS),
         )
         buffer_channel, reward_channel = (
             aio_channel(endpoints.buffer),
@@ -175,6 +184,7 @@ class RolloutService(Service):
         log.info("replica.started", replica=self.replica_id, version=self.engine.version)
 
     async def stop(self) -> None:
+        # Also after a start that SIGTERM interrupted: only what was set up is released.
         if self.worker is not None:
             await self.worker.drain()
         if self._run is not None:
@@ -232,11 +242,16 @@ class RolloutService(Service):
                 # SGLang joins a broadcast group with every tensor-parallel rank.
                 ranks=tp_size,
             )
-        await wait_serving_async(config.endpoints.weight_sync, DEPENDENCY_WAIT_SECONDS)
-        current = await asyncio.to_thread(self.weights.start)
-        caught_up = await asyncio.to_thread(
-            self.weights.wait_for_version, current, config.rollout.catch_up_seconds
+        await wait_for_dependency(
+            "weight-sync", config.endpoints.weight_sync, DEPENDENCY_WAIT_SECONDS
         )
+        current = await asyncio.to_thread(self.weights.start)
+        deadline = time.monotonic() + config.rollout.catch_up_seconds
+        caught_up = False
+        while not caught_up and (left := deadline - time.monotonic()) > 0:
+            caught_up = await asyncio.to_thread(
+                self.weights.wait_for_version, current, min(CATCH_UP_SLICE_SECONDS, left)
+            )
         if not caught_up:
             raise Unavailable(
                 f"could not load the current policy version {current} within "

@@ -11,8 +11,9 @@ a publish that fails is retried); then it loads the model and builds the DeepSpe
 (health stays NOT_SERVING until then), then trains on a background thread while the event loop
 answers RPCs. When the job's last step is done the trainer keeps answering for
 `linger_seconds` (so a supervisor reads the final status) and then stops itself like on SIGTERM:
-exit 0. SIGTERM stops training after the current step. A training error ends the process with a
-non-zero exit and the error in the log.
+exit 0. SIGTERM stops training after the current step; during the start it ends the wait for the
+buffer at once (a model still loading is left behind: `kuberl.common.server`), also exit 0. A
+training error ends the process with a non-zero exit and the error in the log.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kuberl.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from kuberl.common.channels import wait_for_dependency
 from kuberl.common.config import JobConfig
 from kuberl.common.errors import FailedPrecondition, Unavailable
 from kuberl.common.logs import get_logger
@@ -49,16 +51,20 @@ def buffer_endpoint(config: JobConfig) -> str | None:
 
 
 class _Servicer(trainer_pb2_grpc.TrainerServiceServicer):
+    """Its methods run only once `start()` has returned (the bootstrap's start gate answers
+    UNAVAILABLE before): the model is loaded and the trainer set up."""
+
     def __init__(self, service: TrainerService) -> None:
         self.service = service
+
+    def _trainer(self) -> Trainer:
+        assert self.service.trainer is not None, "set up by start(), before the gate opens"
+        return self.service.trainer
 
     async def GetStatus(
         self, request: trainer_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> trainer_pb2.GetStatusResponse:
-        trainer = self.service.trainer
-        if trainer is None:
-            raise Unavailable("the trainer is starting (loading the model)")
-        s = trainer.status
+        s = self._trainer().status
         return trainer_pb2.GetStatusResponse(
             mode=s.mode,
             step=s.step,
@@ -74,9 +80,7 @@ class _Servicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def CheckpointNow(
         self, request: trainer_pb2.CheckpointNowRequest, context: grpc.aio.ServicerContext
     ) -> trainer_pb2.CheckpointNowResponse:
-        trainer = self.service.trainer
-        if trainer is None or not trainer.status.ready:
-            raise Unavailable("the trainer is starting (loading the model)")
+        trainer = self._trainer()
         if trainer.status.finished:
             raise FailedPrecondition(
                 f"the job has finished; its last checkpoint is {trainer.status.last_checkpoint!r}"
@@ -119,7 +123,6 @@ class TrainerService(Service):
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(_Servicer(self), server)
 
     async def start(self) -> None:
-        from kuberl.common.channels import wait_serving_async
         from kuberl.trainer.distributed import collective_timeout_seconds, init_distributed
         from kuberl.trainer.loop import Trainer
 
@@ -130,7 +133,7 @@ class TrainerService(Service):
             asyncio.to_thread(init_distributed, collective_timeout_seconds(self.config))
         )
         if buffer:
-            await wait_serving_async(buffer, DEPENDENCY_WAIT_SECONDS)
+            await wait_for_dependency("buffer", buffer, DEPENDENCY_WAIT_SECONDS)
         trainer = Trainer(self.config, await joining)
         self.trainer = trainer
         await asyncio.to_thread(trainer.setup)

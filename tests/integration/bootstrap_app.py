@@ -6,12 +6,17 @@ size limits, error mapping and the SIGTERM drain of a real server in its own pro
 the reward service; it only borrows its contract to have a real, reflectable proto.
 
     python tests/integration/bootstrap_app.py --port-file F [--ready-delay S] [--grace S]
+        [--delay-in-thread] [--stopped-file F]
+
+`--delay-in-thread` spends the start's delay in a thread, as a model load does (nothing can
+interrupt it); `--stopped-file` is touched by the service's `stop()`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 from pathlib import Path
 
 import grpc
@@ -49,14 +54,23 @@ class BootstrapTestService(Service):
     name = "bootstraptest"
     service_names = (reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name,)
 
-    def __init__(self, ready_delay: float) -> None:
+    def __init__(self, ready_delay: float, in_thread: bool, stopped_file: str | None) -> None:
         self.ready_delay = ready_delay
+        self.in_thread = in_thread
+        self.stopped_file = stopped_file
 
     def register(self, server: grpc.aio.Server) -> None:
         reward_pb2_grpc.add_RewardServiceServicer_to_server(_Scorer(), server)
 
     async def start(self) -> None:
-        await asyncio.sleep(self.ready_delay)
+        if self.in_thread:
+            await asyncio.to_thread(time.sleep, self.ready_delay)
+        else:
+            await asyncio.sleep(self.ready_delay)
+
+    async def stop(self) -> None:
+        if self.stopped_file:
+            Path(self.stopped_file).touch()
 
 
 def main() -> None:
@@ -65,6 +79,8 @@ def main() -> None:
     parser.add_argument("--max-message-bytes", type=int, default=1024 * 1024)
     parser.add_argument("--ready-delay", type=float, default=0.0)
     parser.add_argument("--grace", type=float, default=10.0)
+    parser.add_argument("--delay-in-thread", action="store_true")
+    parser.add_argument("--stopped-file")
     args = parser.parse_args()
     setup_logging("bootstraptest")
     config = ServerConfig(
@@ -74,7 +90,8 @@ def main() -> None:
         max_message_bytes=args.max_message_bytes,
         grace_seconds=args.grace,
     )
-    asyncio.run(serve(BootstrapTestService(args.ready_delay), config, port_file=args.port_file))
+    service = BootstrapTestService(args.ready_delay, args.delay_in_thread, args.stopped_file)
+    asyncio.run(serve(service, config, port_file=args.port_file))
 
 
 if __name__ == "__main__":

@@ -514,11 +514,11 @@ def test_an_sglang_replica_offers_cuda_ipc_only_with_one_tensor_parallel_rank(
         def wait_for_version(self, version: int, timeout: float) -> bool:
             return True
 
-    async def serving(address: str, timeout: float) -> None:
+    async def serving(name: str, address: str, timeout: float) -> None:
         return None
 
     monkeypatch.setattr(kuberl.common.weights, "EngineClient", Client)
-    monkeypatch.setattr(kuberl.rollout.server, "wait_serving_async", serving)
+    monkeypatch.setattr(kuberl.rollout.server, "wait_for_dependency", serving)
     replica = _Replica("http://127.0.0.1:9")
     replica.service.config.rollout.engine.tp_size = tp_size  # type: ignore[union-attr]
     run(replica.service._join_weight_sync())

@@ -1,9 +1,11 @@
 """The shared gRPC server bootstrap, run for real in a subprocess: health transitions, calls
-refused until the service has started (in a real rollout replica too), reflection, message-size
-limits, error mapping with metrics, and the SIGTERM drain."""
+refused until the service has started (in a real rollout replica too), a SIGTERM while starting
+(real rollout and trainer processes too), reflection, message-size limits, error mapping with
+metrics, and the SIGTERM drain."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -11,7 +13,9 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -22,7 +26,7 @@ from kuberl.api.reward.v1 import reward_pb2, reward_pb2_grpc
 from kuberl.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from kuberl.common.channels import health_status, sync_channel
 from kuberl.common.modelbuild import build_model
-from tests.support import REPO, ServiceProcess
+from tests.support import REPO, ServiceProcess, scratch_shm_dir
 
 APP = [sys.executable, str(REPO / "tests" / "integration" / "bootstrap_app.py")]
 SERVICE = "kuberl.reward.v1.RewardService"
@@ -71,19 +75,51 @@ def test_calls_before_the_service_is_ready_are_unavailable_with_a_retry_hint(
     assert (answer, later) == ((grpc.StatusCode.UNAVAILABLE, "1.000"), 1.0)
 
 
+LOCAL = {"host": "127.0.0.1", "port": 0, "metrics_port": 0}
+
+
+@contextlib.contextmanager
+def _nowhere() -> Iterator[str]:
+    """An address bound but never listening: connections to it are refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def _job(tmp_path: Path, endpoints: dict[str, str], **sections: Any) -> Path:
+    """A job file for one `kuberl serve` process, on a tiny locally built model."""
+    model = build_model(tmp_path / "model", arch="qwen2", size="tiny", tokenizer="digits", seed=0)
+    doc = {"model": {"path": str(model)}, "endpoints": endpoints, **sections}
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps(doc))
+    return job
+
+
+def _wait_logged(proc: ServiceProcess, event: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while f"event={event}" not in proc.log_path.read_text(errors="replace"):
+        assert proc.proc.poll() is None and time.monotonic() < deadline, proc.log()
+        time.sleep(0.05)
+
+
+def _sigterm(proc: ServiceProcess, timeout: float = 20.0) -> tuple[int | None, float]:
+    """SIGTERM the process, and again every 10 ms while it exits (the local supervisor sends a
+    second one to a process still running); its exit code (None: still running after
+    `timeout`) and the seconds it took."""
+    started = time.monotonic()
+    while proc.proc.poll() is None and time.monotonic() < started + timeout:
+        proc.signal(signal.SIGTERM)
+        time.sleep(0.01)
+    return proc.proc.poll(), time.monotonic() - started
+
+
 def test_a_rollout_replica_still_starting_answers_unavailable(tmp_path: Path) -> None:
     # Its start() loads the model, then waits for its buffer and reward, which never answer
     # here. Its GetStatus answered (state STARTING) before the replica had a worker.
-    model = build_model(tmp_path / "model", arch="qwen2", size="tiny", tokenizer="digits", seed=0)
-    with socket.socket() as nowhere:  # bound, never listening: connections are refused
-        nowhere.bind(("127.0.0.1", 0))
-        absent = f"127.0.0.1:{nowhere.getsockname()[1]}"
-        job = tmp_path / "job.yaml"
-        local = {"host": "127.0.0.1", "port": 0, "metrics_port": 0}
-        rollout = {"server": local, "engine": {"kind": "torch"}, "weight_sync": False}
+    with _nowhere() as absent:
         endpoints = dict.fromkeys(("buffer", "reward", "weight_sync", "trainer"), absent)
-        doc = {"model": {"path": str(model)}, "endpoints": endpoints, "rollout": rollout}
-        job.write_text(json.dumps(doc))
+        rollout = {"server": LOCAL, "engine": {"kind": "torch"}, "weight_sync": False}
+        job = _job(tmp_path, endpoints, rollout=rollout)
         with ServiceProcess.kuberl("rollout", job, tmp_path) as proc:
             proc.wait_listening(120)
             with sync_channel(proc.address) as channel:
@@ -91,8 +127,95 @@ def test_a_rollout_replica_still_starting_answers_unavailable(tmp_path: Path) ->
                 with pytest.raises(grpc.RpcError) as err:
                     stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10)
                 health = health_status(channel)
-            proc.signal(signal.SIGKILL)  # its start waits minutes for the buffer: no drain
     assert (err.value.code(), health) == (grpc.StatusCode.UNAVAILABLE, "NOT_SERVING")
+
+
+# -- SIGTERM while starting -------------------------------------------------------------------
+# A pod stopped while its start still waits must be gone within its grace period, its stop()
+# run: Kubernetes SIGKILLs it after that, and the local supervisor after 5 s.
+
+
+def test_sigterm_while_the_start_works_in_a_thread_stops_the_service_and_exits_0_at_once(
+    tmp_path: Path,
+) -> None:
+    # A thread cannot be interrupted (a model being loaded): the process waited for it to end.
+    stopped = tmp_path / "stopped"
+    args = ("--ready-delay", "60", "--delay-in-thread", "--stopped-file", str(stopped))
+    with _start(tmp_path, *args) as proc:
+        time.sleep(0.5)  # the start is in its thread
+        code, seconds = _sigterm(proc)
+        log = proc.log_path.read_text()
+    assert (code, seconds < 5, stopped.exists()) == (0, True, True), (seconds, log)
+
+
+@pytest.mark.parametrize(
+    ("service", "waiting"), [("rollout", "replica.engine_ready"), ("trainer", "dist.ready")]
+)
+def test_sigterm_ends_a_service_waiting_for_its_dependencies_within_seconds(
+    tmp_path: Path, service: str, waiting: str
+) -> None:
+    # Their buffer never answers: each waited for it in a thread for up to 300 s, and a
+    # SIGTERM waited for that thread (a replica took 300.8 s to exit).
+    with _nowhere() as absent:
+        endpoints = dict.fromkeys(("buffer", "reward", "weight_sync", "trainer"), absent)
+        sections = {service: {"server": LOCAL}}
+        if service == "rollout":
+            sections["rollout"] |= {"engine": {"kind": "torch"}, "weight_sync": False}
+        with ServiceProcess.kuberl(
+            service, _job(tmp_path, endpoints, **sections), tmp_path
+        ) as proc:
+            _wait_logged(proc, waiting)
+            time.sleep(0.5)  # waiting for the buffer
+            code, seconds = _sigterm(proc)
+            log = proc.log_path.read_text()
+    assert (code, seconds < 5, "start_left_behind" in log) == (0, True, False), (seconds, log)
+
+
+@pytest.fixture
+def stand_in(tmp_path: Path) -> Iterator[str]:
+    """A server whose health says SERVING: the buffer and reward a replica's start waits for."""
+    folder = tmp_path / "stand-in"
+    folder.mkdir()
+    with _start(folder) as proc:
+        yield proc.wait_serving().address
+
+
+def test_sigterm_ends_a_replica_catching_up_to_weight_sync_within_seconds(
+    tmp_path: Path, stand_in: str
+) -> None:
+    # Weight-sync's current version never loads (its tensors are not the model's): the replica
+    # waited for it in a thread for all of rollout.catch_up_seconds, and so did its SIGTERM.
+    import torch
+
+    from kuberl.common.weights import WeightPublisher
+
+    sync_config = {
+        "server": LOCAL,
+        "heartbeat_seconds": 0.5,
+        "shm_dir": scratch_shm_dir("kuberl-bootstrap-test"),
+        "advertise_host": "127.0.0.1",
+    }
+    rollout = {
+        "server": LOCAL,
+        "engine": {"kind": "torch"},
+        "weight_sync": True,
+        "catch_up_seconds": 120,
+    }
+    with _nowhere() as absent:
+        endpoints = {"buffer": stand_in, "reward": stand_in, "trainer": absent}
+        job = _job(tmp_path, {**endpoints, "weight_sync": absent}, weight_sync=sync_config)
+        with ServiceProcess.kuberl("weight_sync", job, tmp_path, name="weight-sync") as sync:
+            sync.wait_serving(60)
+            with WeightPublisher(sync.address) as publisher:
+                publisher.publish(1, iter({"not.in.the.model": torch.zeros(4)}.items()))
+            endpoints["weight_sync"] = sync.address
+            job = _job(tmp_path, endpoints, weight_sync=sync_config, rollout=rollout)
+            with ServiceProcess.kuberl("rollout", job, tmp_path) as proc:
+                _wait_logged(proc, "engine.registered")
+                time.sleep(0.5)  # catching up
+                code, seconds = _sigterm(proc)
+                log = proc.log_path.read_text()
+    assert (code, seconds < 5, "start_left_behind" in log) == (0, True, False), (seconds, log)
 
 
 def test_reflection_lists_and_describes_the_services(app) -> None:
