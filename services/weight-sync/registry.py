@@ -62,6 +62,10 @@ class Engine:
     #: receiving it (a slow engine), so it is sent nothing of that version again, and later
     #: versions by snapshot, until it reports or heartbeats a version at least as new.
     overdue: Assignment | None = field(default=None, repr=False)
+    #: Updates that failed in a row, and when the next catch-up may be sent: a version this
+    #: engine cannot load is retried with a growing pause, not as fast as it fails.
+    failures: int = 0
+    retry_at: float = 0.0
 
     def info(self, now: float) -> pb.EngineInfo:
         return pb.EngineInfo(

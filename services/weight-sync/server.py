@@ -67,6 +67,11 @@ log = get_logger(__name__)
 SERVICE_NAME = "kuberl.weight_sync.v1.WeightSyncService"
 #: Longest a heartbeat long poll is held, whatever the engine asks.
 MAX_POLL_SECONDS = 30.0
+#: The pause before an engine whose update failed is sent the current version again, doubled
+#: for every failure in a row up to `RETRY_MAX_SECONDS`. An engine that cannot load a version
+#: (its model does not match it) failed and got it again every few milliseconds, for good.
+RETRY_FIRST_SECONDS = 0.5
+RETRY_MAX_SECONDS = 30.0
 
 
 class _Metrics:
@@ -332,6 +337,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         if request.ok:
             self._note_loaded(engine, request.version)
             engine.last_error = ""
+            engine.failures, engine.retry_at = 0, 0.0
             if assignment is not None and assignment.version == request.version:
                 seconds = time.monotonic() - assignment.started
                 self.metrics.update_seconds.labels(transport).observe(seconds)
@@ -346,6 +352,9 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             )  # fmt: skip
         else:
             engine.last_error = request.error
+            engine.failures += 1
+            pause = min(RETRY_FIRST_SECONDS * 2 ** (engine.failures - 1), RETRY_MAX_SECONDS)
+            engine.retry_at = time.monotonic() + pause
             if not late:
                 self.metrics.update_failures.labels(transport).inc()
             log.warning(
@@ -368,6 +377,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             engine.overdue = None
         if version > engine.loaded_version:
             engine.loaded_version = version
+            engine.failures, engine.retry_at = 0, 0.0
             self._refresh_engine_gauges()
 
     # ------------------------------------------------------------------ publishing
@@ -696,8 +706,11 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         return started
 
     def _catch_up(self, engine: Engine) -> None:
-        """An idle engine behind the current version gets it by snapshot."""
+        """An idle engine behind the current version gets it by snapshot (after a failed update,
+        once its pause is over: a heartbeat then sends it)."""
         if engine.assignment is not None or engine.loaded_version >= self.current:
+            return
+        if time.monotonic() < engine.retry_at:
             return
         if engine.overdue is not None and engine.overdue.version >= self.current:
             # Most likely still receiving it: the client ignores a version it is receiving, so
