@@ -337,7 +337,6 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         if request.ok:
             self._note_loaded(engine, request.version)
             engine.last_error = ""
-            engine.failures, engine.retry_at = 0, 0.0
             if assignment is not None and assignment.version == request.version:
                 seconds = time.monotonic() - assignment.started
                 self.metrics.update_seconds.labels(transport).observe(seconds)
@@ -495,14 +494,6 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         # what the store can keep, not by the manifest: without this bound, a stream that never
         # sent one filled the folder (tmpfs: the pod's memory) under the versions kept there.
         limit = self.store.max_version_bytes
-        if limit < self.store.filesystem_version_bytes:
-            why = f"weight_sync.max_version_bytes={limit}"
-        else:
-            why = (
-                f"the size of {self.store.directory}'s filesystem shared by the "
-                f"weight_sync.retain_versions={self.store.retain} versions kept and the one "
-                "being written"
-            )
 
         def write(offset: int, data: bytes) -> None:
             view = memoryview(data)
@@ -531,7 +522,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                     self.metrics.rejected.labels("too_large").inc()
                     raise InvalidArgument(
                         f"upload of version {version} refused at {receiver.received} bytes: a "
-                        f"version may have at most {limit} bytes here ({why})"
+                        f"version may have at most {limit} bytes here ({self._bound_reason(limit)})"
                     )
                 receiver.feed(chunk)
                 handles = chunk.cuda_ipc_handles_json or handles
@@ -823,6 +814,17 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             engine.last_error = error[:500]
             self._end_assignment(engine)
             engine.catch_up_below = max(engine.catch_up_below, stored.version + 1)
+
+    def _bound_reason(self, limit: int) -> str:
+        """What set the store's bound per version, `limit` (for an upload refused at it)."""
+        assert self.store is not None
+        if self.store.cap and limit == self.store.cap:
+            return f"weight_sync.max_version_bytes={limit}"
+        return (
+            f"the size of {self.store.directory}'s filesystem shared by the "
+            f"weight_sync.retain_versions={self.store.retain} versions kept and the one "
+            "being written"
+        )
 
     def _end_assignment(self, engine: Engine) -> None:
         assignment, engine.assignment = engine.assignment, None

@@ -57,7 +57,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -333,12 +333,29 @@ class SGLangEngine(Engine):
         """One API call with retries; returns the decoded JSON (or text) of a 2xx answer."""
         attempts = 1 + (self.config.max_retries if retry else 0)
         what = f"{method} {self.url}{path}"
+        return await self._retrying(
+            what, attempts, lambda _: self._send(method, path, body, timeout)
+        )
+
+    async def _retrying(
+        self,
+        what: str,
+        attempts: int,
+        attempt: Callable[[int], Awaitable[Any]],
+        **context: Any,
+    ) -> Any:
+        """`attempt(k)` for k = 0, 1, ... with exponential backoff between them, until one
+        returns or raises anything but `_Retryable`; `EngineUnavailable` after `attempts`."""
         last = ""
-        for attempt in range(attempts):
-            if attempt:
-                await self._backoff(what, attempt, last)
+        for k in range(attempts):
+            if k:
+                delay = self.config.retry_backoff_seconds * 2 ** (k - 1)
+                log.warning(
+                    "sglang.retry", call=what, attempt=k, reason=last, delay=delay, **context
+                )
+                await asyncio.sleep(delay)
             try:
-                return await self._send(method, path, body, timeout)
+                return await attempt(k)
             except _Retryable as exc:
                 last = str(exc)
         raise EngineUnavailable(f"{what} failed after {attempts} attempt(s): {last}")
@@ -379,13 +396,6 @@ class SGLangEngine(Engine):
             return response.json()
         except ValueError:
             return response.text
-
-    async def _backoff(self, what: str, attempt: int, reason: str, **context: Any) -> None:
-        delay = self.config.retry_backoff_seconds * 2 ** (attempt - 1)
-        log.warning(
-            "sglang.retry", call=what, attempt=attempt, reason=reason, delay=delay, **context
-        )
-        await asyncio.sleep(delay)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -550,22 +560,18 @@ class SGLangEngine(Engine):
         have on the server is aborted."""
         live = self._running[rid]
         attempts = 1 + self.config.max_retries
-        what = f"POST {self.url}/generate"
-        last = ""
-        for attempt in range(attempts):
-            if attempt:
-                await self._backoff(what, attempt, last, rid=rid)
-            body = body_for(attempt_rid(rid, attempt, attempts))
+
+        async def attempt(k: int) -> Any:
+            body = body_for(attempt_rid(rid, k, attempts))
             rids = body["rid"] if isinstance(body["rid"], list) else [body["rid"]]
             live.update(rids)
             try:
                 answer = await self._send("POST", "/generate", body, None)
             except _Retryable as exc:
-                last = str(exc)
                 if not exc.may_run:
                     live.difference_update(rids)
                 await self._abort_live(live)
-                continue
+                raise
             except EngineTimeout:
                 await self._abort_live(live)
                 raise
@@ -574,7 +580,8 @@ class SGLangEngine(Engine):
                 raise
             live.difference_update(rids)
             return answer
-        raise EngineUnavailable(f"{what} failed after {attempts} attempt(s): {last}")
+
+        return await self._retrying(f"POST {self.url}/generate", attempts, attempt, rid=rid)
 
     def _new_rid(self) -> str:
         """A request id no other is a prefix of: SGLang aborts every request whose rid starts
