@@ -35,11 +35,8 @@ def leave(code: int) -> NoReturn:
     work is done and written (`kuberl serve trainer` after the service stopped cleanly, and the
     ZeRO test and benchmark workers). gloo's worker threads may still be destroying finished
     collectives that hold Python tensors; one that needs the GIL while the interpreter
-    finalizes is made to exit inside a C++ destructor, and the process dies in std::terminate
-    (exit -6, a finished job reported as failed; about once in 15 loaded runs). The core dump
-    of 2026-11-26: ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> ~AsyncAllgatherWork ->
-    TensorImpl::decref_pyobject -> take_gil -> PyThread_exit_thread, while the main thread was
-    in Py_FinalizeEx."""
+    finalizes is made to exit inside a C++ destructor and the process dies in std::terminate,
+    so a finished job would be reported as failed."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -110,9 +107,9 @@ def skip_cpu_op_builds() -> None:
     """Keep DeepSpeed from JIT-compiling its CPU shared-memory all-reduce op at start.
 
     DeepSpeed's torch backend builds `deepspeed_shm_comm` with ninja/g++ the first time a CPU
-    process group starts (measured 50-95 s on a 2-core machine, then cached in
-    ~/.cache/torch_extensions). Only its tensor-parallel inference all-reduce uses it; training
-    collectives go through gloo either way. `deepspeed.ops.__compatible_ops__` is a cached dict
+    process group starts (about a minute, then cached in ~/.cache/torch_extensions). Only its
+    tensor-parallel inference all-reduce uses it; training collectives go through gloo either
+    way. `deepspeed.ops.__compatible_ops__` is a cached dict
     that DeepSpeed consults before building.
     """
     import deepspeed.ops

@@ -117,22 +117,22 @@ class Trainer:
             if not self._one_step(sft=tc.mode == "sft"):
                 break
             stepped = self.cursor.step != before  # not a checkpoint or an acknowledgement only
-            if (
-                stepped
-                and tc.mode == "rl"
-                and tc.eval_every
-                and self.cursor.step % tc.eval_every == 0
-            ):
+            if stepped and self._eval_due():
                 self._evaluate()
         if self.stopped:
             log.info("trainer.stopped", step=self.cursor.step)
             return
-        if tc.mode == "rl" and (not tc.eval_every or self.cursor.step % tc.eval_every):
+        if tc.mode == "rl" and not self._eval_due():
             self._evaluate()  # the final weights' round, unless the last step just had one
         if self.cursor.policy_version > 0:
             self.publisher.publish_current(self.cursor.policy_version)  # engines end on these
         self._checkpoint_final()  # the last steps, also when the data ran out first
         log.info("trainer.finished", step=self.cursor.step, version=self.cursor.policy_version)
+
+    def _eval_due(self) -> bool:
+        """An RL job's step is a multiple of `eval_every`."""
+        tc = self.tc
+        return tc.mode == "rl" and bool(tc.eval_every) and self.cursor.step % tc.eval_every == 0
 
     def _warm_up(self) -> bool:
         """The SFT warm-up of an RL job (`sft_steps`); False when the job ends in it."""
@@ -176,11 +176,8 @@ class Trainer:
         else:
             metrics = self.rl_step(batch, self.cursor.step, self.cursor.policy_version)
         self._advance(batch, sft)
-        metrics.update(
-            speed(
-                batch, time.perf_counter() - started, self.models, self.tc.algorithm, sft, self.dist
-            )
-        )
+        seconds = time.perf_counter() - started
+        metrics.update(speed(batch, seconds, self.models, self.tc.algorithm, sft, self.dist))
         if self._checkpoint_due(sft):
             self._checkpoint()  # before the batch is acknowledged: see `delivery`
         self.delivery.trained(batch.batch_id, self._unsaved())
