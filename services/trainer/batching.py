@@ -7,12 +7,6 @@ views of a micro-batch and the index that maps one to the other (`gather_index`:
 of the model's `[b, T-1]` next-token outputs that score the response). The trainer's models
 compute their outputs at those positions only (`PolicyModel.forward(..., positions)`),
 response-aligned; `to_response` maps outputs of every position the same way.
-
-Gradient accumulation is driven by a token budget: `micro_batches` sorts a rank's sequences by
-length and fills each micro-batch while `longest * count <= micro_batch_tokens` (length
-bucketing: padding stays small because neighbours have similar lengths). A sequence longer than
-the budget gets a micro-batch of its own. `shard` deals sequences to ranks round-robin by length
-so every rank gets a similar token count.
 """
 
 from __future__ import annotations
@@ -83,7 +77,9 @@ def shard(
 def micro_batches(
     samples: Sequence[TrainingSequence], budget_tokens: int
 ) -> list[list[TrainingSequence]]:
-    """Group samples so that each group's padded size (longest * count) fits the budget."""
+    """Group samples so that each group's padded size (longest * count) fits the budget: sorted
+    by length and filled in order, so padding stays small because neighbours have similar
+    lengths. A sequence longer than the budget gets a micro-batch of its own."""
     ordered = sorted(samples, key=lambda s: (-s.length, s.index))
     groups: list[list[TrainingSequence]] = []
     current: list[TrainingSequence] = []

@@ -1,15 +1,10 @@
 """Rank 0's side of the buffer conversation about training batches: GetBatch, Ack and hold.
-
-A trained batch is acknowledged by the next GetBatch (`ack_batch_id`), or by a separate Ack when
-the job ends, stops or evaluates first. With `ack_after_checkpoint` (the default) a batch whose
-step no checkpoint has yet is *held* instead: the buffer keeps its groups out of redelivery and
-out of the backpressure window, and the held batches are acknowledged right after the next
-checkpoint (`commit_held`). A restarted trainer's first GetBatch of each stream kind asks for its
-held batches back (`reopen_held`): a batch its checkpoint names (`Cursor.trained_batches`) is
-only acknowledged (`settle_trained`), one trained after the checkpoint is trained again. So every
-group is in the final weights exactly once, for any `checkpoint_every` > 0.
-
-Every rank builds one; on the other ranks (no buffer) the calls do nothing.
+A trained batch is acknowledged by the next GetBatch; while no checkpoint has its step
+(`ack_after_checkpoint`) it is *held* instead (kept out of redelivery and of the backpressure
+window) and acknowledged right after the next checkpoint. A restarted trainer asks for its held
+batches back (`reopen_held`): one its checkpoint names (`Cursor.trained_batches`) is only
+acknowledged, one trained after it is trained again, so every group is in the final weights
+exactly once. On ranks other than 0 (no buffer) the calls do nothing.
 """
 
 from __future__ import annotations

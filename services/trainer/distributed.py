@@ -1,12 +1,6 @@
-"""The trainer's process group and the few collectives the training loop needs.
-
-`init_distributed` joins the torchrun world (torchrun's c10d rendezvous sets RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR and MASTER_PORT on every worker of every node) or, for a plain
-`kuberl serve trainer`, makes a world of one in an in-memory store (no port). gloo on CPU, NCCL
-on GPU.
-
-Rank 0 talks to the buffer and broadcasts what it got as protobuf bytes (`broadcast_bytes`);
-per-rank metrics are merged as JSON (`gather_json`). Nothing is pickled.
+"""The trainer's process group (gloo on CPU, NCCL on GPU) and the few collectives the training
+loop needs: bytes from rank 0 (`broadcast_bytes`: protobuf batches, control messages) and
+per-rank metrics as JSON (`gather_json`), so nothing is pickled.
 """
 
 from __future__ import annotations
@@ -65,7 +59,9 @@ def collective_timeout_seconds(config: JobConfig) -> float:
 
 
 def init_distributed(timeout_seconds: float | None = None) -> DistInfo:
-    """Join the torchrun world (or make a world of one) and pick this rank's device;
+    """Join the torchrun world (its c10d rendezvous sets RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR and MASTER_PORT on every worker of every node) or, for a plain `kuberl serve
+    trainer`, make a world of one in an in-memory store (no port), and pick this rank's device;
     `timeout_seconds` bounds each collective (DeepSpeed's default: 10 minutes)."""
     import deepspeed
     import torch.distributed as dist

@@ -5,10 +5,6 @@ sampling (the buffer's SFT stream holds the kept samples as groups). Examples co
 file of `{"prompt": ..., "response": ...}` objects (`completion` is accepted for `response`), are
 tokenised with the model's tokenizer (the response gets the EOS token appended so the model learns
 to stop) and become `TrainingSequence`s whose loss mask covers the response only.
-
-The loss is the token mean of -log pi(response token) over the whole optimizer batch, across
-micro-batches and data-parallel ranks: each micro-batch's sum is divided by the batch's global
-token count, and multiplied by the world size because DeepSpeed averages gradients over ranks.
 """
 
 from __future__ import annotations
@@ -125,7 +121,10 @@ def _reindexed(s: TrainingSequence, index: int) -> TrainingSequence:
 
 
 def sft_loss_fn(global_tokens: int, world_size: int) -> Any:
-    """The micro-batch loss of the batch-wide response-token mean NLL (see module doc)."""
+    """The micro-batch loss of the token mean of -log pi(response token) over the whole
+    optimizer batch, across micro-batches and data-parallel ranks: each micro-batch's sum is
+    divided by the batch's global token count, and multiplied by the world size because
+    DeepSpeed averages gradients over ranks."""
 
     def loss_fn(mb: MicroBatch, outputs: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         lp, ent = split_outputs(outputs)  # [b, R] each
