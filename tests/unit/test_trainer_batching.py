@@ -514,3 +514,35 @@ def test_a_collective_may_wait_out_a_whole_eval_round_and_more() -> None:
     default = collective_timeout_seconds(parse_job_config({}, env={}))
     long_eval = parse_job_config({"trainer": {"eval_timeout_seconds": 3600}}, env={})
     assert (default, collective_timeout_seconds(long_eval)) == (1800.0, 4200.0)
+
+
+def test_a_steps_mfu_counts_the_passes_its_mode_ran(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The GPU-only branch of the step's speed figures, run on the CPU with a stand-in peak.
+    from types import SimpleNamespace
+
+    from kuberl.common.config import AlgorithmConfig
+    from kuberl.common.modelbuild import build_model
+    from kuberl.trainer import telemetry
+    from kuberl.trainer.batch import Batch
+    from kuberl.trainer.distributed import DistInfo
+    from kuberl.trainer.engine import PolicyModel, load_causal_lm
+    from kuberl.trainer.models import Models
+
+    path = build_model(tmp_path / "m", arch="qwen2", size="tiny", tokenizer="digits", seed=0)
+    policy = PolicyModel(load_causal_lm(path, torch.float32))
+    models = Models(policy=SimpleNamespace(module=policy))  # type: ignore[arg-type]
+    monkeypatch.setattr(telemetry, "peak_flops", lambda device: 1e12)
+    batch = Batch(samples=[_sample(0, 3, 5), _sample(1, 2, 4)])
+    alg = AlgorithmConfig(ppo_epochs=2, recompute_old_logprobs=True)
+    dist = DistInfo(0, 1, 0, torch.device("cpu"))
+    body, head = telemetry.policy_params(policy)
+    by_mode = {}
+    for sft in (True, False):
+        flops = telemetry.step_flops(
+            body_params=body, head_params=head, tokens=14, response_tokens=9,
+            training_passes=1 if sft else 2, forward_passes=0 if sft else 1,
+        )  # fmt: skip
+        by_mode[sft] = telemetry.speed(batch, 2.0, models, alg, sft, dist)["mfu"] / flops
+    assert by_mode == {True: pytest.approx(1 / 2e12), False: pytest.approx(1 / 2e12)}
