@@ -34,8 +34,8 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _unique_names(self) -> DataConfig:
-        """The buffer keeps one dataset per name (its file stem unless `name` is set): a second
-        of the same name was loaded as 'already loaded', its prompts silently missing."""
+        """The buffer keeps one dataset per name (its file stem unless `name` is set), so a
+        second dataset of the same name would never be loaded."""
         seen: dict[str, str] = {}
         for kind, datasets in (("train", self.train), ("eval", self.eval)):
             for i, d in enumerate(datasets):

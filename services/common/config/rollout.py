@@ -83,9 +83,8 @@ class SGLangEngineConfig(Section):
 
 
 def _engine_kind(value: Any) -> str:
-    """The engine section's `kind`, `torch` (its default) when left out: an engine section
-    without it, e.g. `{max_batch_size: 4}` or KUBERL_ROLLOUT__ENGINE__DEVICE alone, was refused
-    as 'Unable to extract tag'."""
+    """The engine section's `kind`, `torch` when left out, so that an engine section without it
+    (`{max_batch_size: 4}`, or KUBERL_ROLLOUT__ENGINE__DEVICE alone) is the default engine."""
     kind = value.get("kind", "torch") if isinstance(value, dict) else getattr(value, "kind", "")
     return str(kind)
 
