@@ -672,7 +672,7 @@ def value_loss_and_metrics(
     global_count: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The critic's loss, 0.5 * (V - R)^2, clipped PPO-style when `config.value_clip` is set:
-    0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2). All inputs [B, T]."""
+    0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2). All inputs [B, T]."""
     valid = _valid(mask)
     _check_same_shape(valid, values=values, old_values=old_values, returns=returns)
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
@@ -682,9 +682,11 @@ def value_loss_and_metrics(
     loss = 0.5 * (values - returns) ** 2  # [B, T]
     clip_frac = zero
     if config.value_clip is not None:
-        clipped_values = old_values + (values - old_values).clamp(
-            -config.value_clip, config.value_clip
-        )
+        # Clamping V itself keeps a value inside the range bit-identical to V; old + clamp(V - old)
+        # can round one step away from it and count the token as clipped.
+        clipped_values = torch.clamp(
+            values, old_values - config.value_clip, old_values + config.value_clip
+        )  # [B, T]
         clipped_loss = 0.5 * (clipped_values - returns) ** 2  # [B, T]
         clip_frac = masked_mean((clipped_loss > loss).to(values.dtype), valid)
         loss = torch.maximum(loss, clipped_loss)  # [B, T]
