@@ -8,7 +8,13 @@ overrides and `errors` the wording of validation errors. Unknown fields are erro
 error names the field path and what was expected.
 """
 
-from kuberl.common.config.algorithm import AlgorithmConfig, ImportanceConfig, KLConfig
+from kuberl.common.config.algorithm import (
+    BUILTIN_ADVANTAGES,
+    BUILTIN_POLICY_LOSSES,
+    AlgorithmConfig,
+    ImportanceConfig,
+    KLConfig,
+)
 from kuberl.common.config.base import ConfigError, Section, ServerConfig
 from kuberl.common.config.buffer import BufferConfig
 from kuberl.common.config.data import ColumnsConfig, DataConfig, DatasetConfig
@@ -40,6 +46,8 @@ from kuberl.common.config.trainer import OptimizerConfig, TrainerConfig
 from kuberl.common.config.weight_sync import TransportName, WeightSyncConfig
 
 __all__ = [
+    "BUILTIN_ADVANTAGES",
+    "BUILTIN_POLICY_LOSSES",
     "BUILTIN_VERIFIERS",
     "ENV_PREFIX",
     "JOB_RULES",

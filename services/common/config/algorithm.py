@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from kuberl.common.config.base import Section
+
+#: The advantage estimators and policy losses `kuberl.trainer.algorithms` registers under these
+#: names; a job names one of them or a plugin, `package.module:function`.
+BUILTIN_ADVANTAGES = ("grpo", "drgrpo", "rloo", "reinforce_pp", "gae")
+BUILTIN_POLICY_LOSSES = ("ppo", "gspo")
+PLUGIN_PATH = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*$"
+
+
+def _builtin_or_plugin_schema(builtins: tuple[str, ...]) -> dict[str, Any]:
+    return {"anyOf": [{"enum": list(builtins)}, {"pattern": PLUGIN_PATH}]}
+
+
+def _builtin_or_plugin(value: str, builtins: tuple[str, ...], kind: str) -> str:
+    """`value` unchanged if it names a built-in or has a plugin path's shape (the trainer loads
+    and checks plugins at start, where their modules are importable)."""
+    if value in builtins or re.match(PLUGIN_PATH, value):
+        return value
+    raise ValueError(
+        f"unknown {kind} {value!r}; expected one of {', '.join(builtins)}, or a plugin "
+        "'package.module:function'"
+    )
 
 
 class KLConfig(Section):
@@ -62,12 +84,14 @@ class AlgorithmConfig(Section):
 
     Read by `kuberl.trainer.algorithms` (see docs/algorithms.md for the formulas)."""
 
-    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "gae"] = Field(
+    advantage: str = Field(
         "grpo",
-        description="grpo: (r - group mean) / (group std + eps); drgrpo: r - group mean (use "
-        "loss_agg token_sum with loss_norm_tokens for its length-unbiased loss); rloo: r - mean "
-        "of the other samples of the group; reinforce_pp: discounted token returns normalised "
-        "over the batch; gae: PPO with a critic.",
+        description="A built-in estimator or a plugin `package.module:function` "
+        "(docs/algorithms.md). grpo: (r - group mean) / (group std + eps); drgrpo: r - group "
+        "mean (use loss_agg token_sum with loss_norm_tokens for its length-unbiased loss); "
+        "rloo: r - mean of the other samples of the group; reinforce_pp: discounted token "
+        "returns normalised over the batch; gae: PPO with a critic.",
+        json_schema_extra=_builtin_or_plugin_schema(BUILTIN_ADVANTAGES),
     )
     normalize_std: bool = Field(True, description="GRPO: divide by the group's std.")
     std_eps: float = Field(
@@ -76,10 +100,12 @@ class AlgorithmConfig(Section):
     whiten_advantages: bool = Field(
         True, description="gae: normalise advantages to mean 0, std 1 over the batch's tokens."
     )
-    policy_loss: Literal["ppo", "gspo"] = Field(
+    policy_loss: str = Field(
         "ppo",
-        description="ppo: token-level clipped ratio; gspo: sequence-level ratio "
+        description="A built-in loss or a plugin `package.module:function` "
+        "(docs/algorithms.md). ppo: token-level clipped ratio; gspo: sequence-level ratio "
         "exp(mean token log-ratio), clipped per sequence (use small clips, e.g. 3e-4 / 4e-4).",
+        json_schema_extra=_builtin_or_plugin_schema(BUILTIN_POLICY_LOSSES),
     )
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0, description="> clip_low is DAPO clip-higher.")
@@ -114,6 +140,16 @@ class AlgorithmConfig(Section):
         '("bypass": the PPO ratio is taken against the engine, and importance.mode must be '
         "none).",
     )
+
+    @field_validator("advantage")
+    @classmethod
+    def _known_advantage(cls, value: str) -> str:
+        return _builtin_or_plugin(value, BUILTIN_ADVANTAGES, "advantage estimator")
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _known_policy_loss(cls, value: str) -> str:
+        return _builtin_or_plugin(value, BUILTIN_POLICY_LOSSES, "policy loss")
 
     @model_validator(mode="after")
     def _importance_needs_old_logprobs(self) -> AlgorithmConfig:
