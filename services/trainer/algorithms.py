@@ -323,27 +323,33 @@ def _per_sequence(advantages: Tensor, inputs: AdvantageInputs) -> tuple[Tensor, 
 
 @register_advantage("grpo")
 def _grpo(inputs: AdvantageInputs, config: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    """`grpo_advantages` of rewards [B] on every response token; returns: the reward. [B, T]."""
     adv = grpo_advantages(inputs.rewards, inputs.group_size, config.normalize_std, config.std_eps)
     return _per_sequence(adv, inputs)
 
 
 @register_advantage("drgrpo")
 def _drgrpo(inputs: AdvantageInputs, config: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    """`drgrpo_advantages` of rewards [B] on every response token; returns: the reward. [B, T]."""
     return _per_sequence(drgrpo_advantages(inputs.rewards, inputs.group_size), inputs)
 
 
 @register_advantage("rloo")
 def _rloo(inputs: AdvantageInputs, config: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    """`rloo_advantages` of rewards [B] on every response token; returns: the reward. [B, T]."""
     return _per_sequence(rloo_advantages(inputs.rewards, inputs.group_size), inputs)
 
 
 @register_advantage("reinforce_pp")
 def _reinforce_pp(inputs: AdvantageInputs, config: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    """`reinforce_pp_advantages` of token_rewards [B, T]: (whitened returns, returns), [B, T]."""
     return reinforce_pp_advantages(inputs.token_rewards, inputs.mask, config.gamma, config.std_eps)
 
 
 @register_advantage("gae", needs_critic=True)
 def _gae(inputs: AdvantageInputs, config: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    """`compute_gae` of token_rewards and the critic's values [B, T], advantages whitened
+    (`whiten_advantages`); returns are the critic's targets. [B, T], [B, T]."""
     if inputs.values is None:
         raise ValueError("advantage 'gae' needs the critic's values ([B, T])")
     advantages, returns = compute_gae(
@@ -666,6 +672,8 @@ def gspo_policy_loss(
 
 @register_policy_loss("ppo")
 def _ppo(inputs: PolicyLossInputs, config: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """`ppo_policy_loss` with the configured clips: loss [B, T], stats ratio / clipped /
+    dual_clipped [B, T]."""
     return ppo_policy_loss(
         inputs.logprobs,
         inputs.old_logprobs,
@@ -678,6 +686,7 @@ def _ppo(inputs: PolicyLossInputs, config: AlgorithmConfig) -> tuple[Tensor, dic
 
 @register_policy_loss("gspo")
 def _gspo(inputs: PolicyLossInputs, config: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """`gspo_policy_loss` with the configured clips: loss [B, T], stats ratio / clipped [B, T]."""
     return gspo_policy_loss(
         inputs.logprobs,
         inputs.old_logprobs,
