@@ -12,7 +12,7 @@ then each entry framed as its field" parses to the same message.
 `serialize_split` encodes a message that way, `encode_entries` frames entries that are already
 bytes (stored groups, sent as they are); the buffer's server uses the readers (`read_varint`) to
 find entries in a request without parsing them again. Callers: the buffer's client stub
-(`kuberl.buffer.client`), its GetBatch responses and its request validation.
+(`kuberl.common.buffer_client`), its GetBatch responses and its request validation.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import asyncio
 from typing import Any
 
 from kuberl.rollout.engine.base import EngineRejected
-from kuberl.rollout.functions import PromptItem, RolloutContext, Sample
+from kuberl.rollout.functions import PromptItem, RolloutContext, RolloutSample
 from kuberl.rollout.tools import (
     TOOL_CALL_CLOSE,
     ToolRegistry,
@@ -39,7 +39,7 @@ def tool_registry(ctx: RolloutContext) -> ToolRegistry:
     return tools
 
 
-async def multi_turn_rollout(ctx: RolloutContext, prompt: PromptItem) -> list[Sample]:
+async def multi_turn_rollout(ctx: RolloutContext, prompt: PromptItem) -> list[RolloutSample]:
     """n tool-using samples of one prompt, run concurrently (the engine batches their turns)."""
     tools = tool_registry(ctx)
     return list(
@@ -47,7 +47,9 @@ async def multi_turn_rollout(ctx: RolloutContext, prompt: PromptItem) -> list[Sa
     )
 
 
-async def _one_sample(ctx: RolloutContext, tools: ToolRegistry, prompt: PromptItem) -> Sample:
+async def _one_sample(
+    ctx: RolloutContext, tools: ToolRegistry, prompt: PromptItem
+) -> RolloutSample:
     mt = ctx.config.rollout.multi_turn
     budget = mt.max_total_tokens or ctx.sampling.max_new_tokens
     stops = tuple(dict.fromkeys((*ctx.sampling.stop, TOOL_CALL_CLOSE)))
@@ -97,7 +99,7 @@ async def _one_sample(ctx: RolloutContext, tools: ToolRegistry, prompt: PromptIt
         logprobs += [0.0] * len(tool_ids)
         mask += [0] * len(tool_ids)
         finish = "length"  # if the budget ends here, the sample was cut short
-    return Sample(
+    return RolloutSample(
         token_ids=tokens,
         logprobs=logprobs,
         finish_reason=finish,

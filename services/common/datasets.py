@@ -1,9 +1,10 @@
-"""Reading prompt datasets (JSONL or Parquet) into rows the buffer stores, and epoch shuffling.
+"""Reading prompt datasets (JSONL or Parquet) into rows, and the seeded order of an epoch.
 
 `read_dataset` turns a file and a column mapping into `PromptRow`s (prompt text, reference answer,
-metadata JSON); it is called by the buffer's LoadDataset (at start for `data.train` and
-`data.eval`, or on request). `epoch_order` is the seeded permutation of one epoch: the same seed
-and epoch always give the same order, so a restarted job replays its data in the same order.
+metadata JSON). The buffer's LoadDataset calls it (at start for `data.train` and `data.eval`, or
+on request) and `kuberl.common.modelbuild` reads the same rows as a tokenizer's corpus, so it
+lives here rather than in either. `epoch_order` is the seeded permutation of one epoch: the same
+seed and epoch always give the same order, so a restarted job replays its data in the same order.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""Sharp tiny models of a real architecture, built locally, for the rollout engine's tests and
-benchmark.
+"""Sharp tiny models of a real architecture, built locally, for the rollout engine's tests.
 
 `kuberl.common.modelbuild` builds a job's models; its random initialisation gives near-uniform
 next-token distributions (entropy ~ log V), so greedy decoding repeats one character and samples
