@@ -33,12 +33,12 @@ from kuberl.common.weights.manifest import Manifest
 from kuberl.common.weights.transports import (
     BufferPool,
     Receiver,
-    download_snapshot,
-    gpu_uuid,
     make_receiver,
     transport_name,
     transport_value,
 )
+from kuberl.common.weights.transports.cuda_ipc import gpu_uuid
+from kuberl.common.weights.transports.snapshot import download_snapshot
 
 log = get_logger(__name__)
 

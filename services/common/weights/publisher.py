@@ -33,13 +33,9 @@ from kuberl.common.channels import DEFAULT_MAX_MESSAGE_BYTES, sync_channel
 from kuberl.common.logs import get_logger
 from kuberl.common.weights.chunks import DEFAULT_CHUNK_BYTES, iter_chunks
 from kuberl.common.weights.manifest import ManifestBuilder, TensorEntry
-from kuberl.common.weights.transports import (
-    ShmWriter,
-    export_cuda_ipc,
-    gpu_uuid,
-    transport_name,
-    transport_value,
-)
+from kuberl.common.weights.transports import transport_name, transport_value
+from kuberl.common.weights.transports.cuda_ipc import export_cuda_ipc, gpu_uuid
+from kuberl.common.weights.transports.shm import ShmWriter
 
 log = get_logger(__name__)
 

@@ -7,7 +7,7 @@ sender broadcasts that bucket, then `/destroy_weights_update_group`. Field names
 SGLang's `InitWeightsUpdateGroupReqInput` / `UpdateWeightsFromDistributedReqInput`.
 
 CUDA IPC (`cuda_ipc`, an SGLang server on the trainer's GPU): `tensor_update_requests` turns the
-instruction's JSON handle set (one engine's, `kuberl.common.weights.transports`) into one
+instruction's JSON handle set (one engine's, `kuberl.common.weights.transports.cuda_ipc`) into one
 `/update_weights_from_tensor` body per bucket (`UpdateWeightsFromTensorReqInput`). SGLang takes
 only its own payload there: per tensor-parallel rank, base64 of what `ForkingPickler` writes for
 `{"flattened_tensor": <uint8 CUDA tensor>, "metadata": [<name, shape, dtype, start_idx, end_idx,
@@ -47,7 +47,11 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
 from kuberl.common.weights.manifest import Manifest, TensorEntry, torch_dtype
-from kuberl.common.weights.transports import CUDA_IPC_HANDLE_BYTES, CudaIpcBucket, parse_cuda_ipc
+from kuberl.common.weights.transports.cuda_ipc import (
+    CUDA_IPC_HANDLE_BYTES,
+    CudaIpcBucket,
+    parse_cuda_ipc,
+)
 
 
 def init_group_request(instruction: pb.UpdateInstruction) -> dict[str, Any]:
