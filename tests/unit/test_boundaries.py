@@ -61,6 +61,8 @@ def module_name(root: Path, path: Path) -> str:
 
 
 def _import_module_target(node: ast.Call) -> str | None:
+    """The module an `import_module(...)` / `__import__(...)` call names, if written in the code
+    (a plugin path held in a variable is the user's code, not a kuberl package)."""
     func = node.func
     name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
     if name not in ("import_module", "__import__") or not node.args:
@@ -68,10 +70,8 @@ def _import_module_target(node: ast.Call) -> str | None:
     arg = node.args[0]
     if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
         return arg.value
-    if isinstance(arg, ast.JoinedStr):
-        return "".join(
-            v.value if isinstance(v, ast.Constant) else ANY for v in arg.values
-        )  # a plugin path held in a variable is user code, not a kuberl package: not a JoinedStr
+    if isinstance(arg, ast.JoinedStr):  # f"kuberl.{name}.server": a field may name any package
+        return "".join(v.value if isinstance(v, ast.Constant) else ANY for v in arg.values)
     return None
 
 
