@@ -3,9 +3,8 @@
 The buffer's hot messages are a small head plus a list of large entries: a PutTrajectoriesRequest
 is 8 groups of ~150 KB, a GetBatchResponse 32 of them. Encoding such a message in one
 `SerializeToString` is slow in the upb runtime: it grows its output buffer by doubling, and past
-glibc's mmap threshold every growth is fresh memory whose pages fault in. On the 2-core VM a
-1.2 MB PutTrajectoriesRequest took 1.4 ms and ~770 page faults to serialize, the same groups one
-by one and joined 0.09 ms and none (docs/buffer.md). Parsers accept a message's fields in any
+glibc's mmap threshold every growth is fresh memory whose pages fault in; encoding the entries one
+by one and joining them avoids that (figures in docs/buffer.md). Parsers accept a message's fields in any
 order and keep the relative order of a repeated field's entries, so a message encoded as "head,
 then each entry framed as its field" parses to the same message.
 

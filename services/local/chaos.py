@@ -64,8 +64,8 @@ class ChaosProfile:
 # `ci`: the CI-sized run (tests/reliability/test_chaos.py): 11 faults in a job of a few minutes.
 # `long`: `make chaos`, 31 faults over 10+ minutes.
 PROFILES = {
-    # The window ends well before the job does: a rollout replica takes up to ~35 s to come back
-    # on a loaded 2-core box, and the last fault needs steps after its recovery to be survived.
+    # The window ends well before the job does: a killed rollout replica needs tens of seconds to
+    # come back on a small machine, and the last fault needs steps after its recovery to be survived.
     # Its short delay and gap keep 11 faults inside a CI job whose steps take ~0.2 s each.
     "ci": ChaosProfile(
         "ci",

@@ -125,9 +125,8 @@ def _latest_hf_export(checkpoint_dir: Path) -> Path:
 
 
 def _thread_count(share: float) -> str:
-    """Torch threads for a process given its share of the CPUs. Measured here (2 cores shared
-    with other work): one SFT step took 0.5 s with 1 thread and 4-10 s with 2 (OpenMP threads
-    spin against each other and against the other services), so small machines get 1."""
+    """Torch threads for a process given its share of the CPUs: OpenMP threads beyond that share
+    spin against each other and against the other services, so small machines get 1."""
     return str(max(1, int((os.cpu_count() or 1) * share)))
 
 
@@ -885,7 +884,7 @@ class Supervisor:
 
 #: Seconds a process that never reached SERVING gets to stop: it has nothing to drain or save.
 #: `serve()` ends an interrupted start within about 2 s (`STOP_STARTING_SECONDS`); this is the
-#: backstop for one that does not (a failed start once took 150 s to shut down).
+#: backstop for one that does not.
 STARTING_GRACE_SECONDS = 5.0
 
 
