@@ -8,9 +8,6 @@ rollout-function path): it gets the engine, tokenizer and sampling parameters th
 `RolloutContext` and may do anything — several engine calls, external environments, custom
 masking. The worker scores the samples, builds trajectories and puts the group, so a custom
 function never touches the buffer or the reward service.
-
-A sample whose generation was aborted (weight update in `abort` mode, pause, shutdown) keeps
-finish_reason "abort"; the worker regenerates or releases the prompt, never trains on it.
 """
 
 from __future__ import annotations
@@ -45,7 +42,11 @@ class PromptItem:
 @dataclass
 class RolloutSample:
     """One generated response of a group, as a rollout function returns it: tokens, the engine's
-    logprobs, the loss mask and the policy versions; the worker turns it into a trajectory."""
+    logprobs, the loss mask and the policy versions; the worker turns it into a trajectory.
+
+    A sample whose generation was aborted (weight update in `abort` mode, pause, shutdown) keeps
+    finish_reason "abort": the worker then regenerates or releases the prompt, never trains on it.
+    """
 
     token_ids: list[int]
     logprobs: list[float]  # engine logprob per token; any value where loss_mask is 0

@@ -1,16 +1,10 @@
 """The data plane: how the bytes of one version reach an engine, one module per transport.
 
-`make_receiver(transport)` is the factory the engine client uses for whatever `UpdateInstruction`
-the service sends; every receiver implements `base.Receiver`. The transports:
-
-- `gloo`, `nccl` (`broadcast`): a torch.distributed broadcast per bucket, SGLang-compatible; one
-  code path for both backends.
-- `shm` (`shm`): a shared-memory file on the engine's host, written once by the trainer.
-- `snapshot` (`snapshot`): a CRC32C-checked gRPC stream from the service; reaches any engine.
-- `cuda_ipc` (`cuda_ipc`): CUDA IPC handles of the trainer's GPU buckets, device to device.
-
-The senders and helpers of a transport are imported from its module
-(`kuberl.common.weights.transports.shm.ShmWriter`, ...).
+`broadcast` (gloo and nccl, one code path, SGLang-compatible), `shm` (a shared-memory file on the
+engine's host), `snapshot` (a checked gRPC stream from the service; reaches any engine) and
+`cuda_ipc` (device to device on the trainer's GPU) each hold a `base.Receiver` and what the
+sending side needs. `make_receiver(transport)` is the factory the engine client calls for
+whatever `UpdateInstruction` the service sends.
 """
 
 from kuberl.common.weights.chunks import DEFAULT_CHUNK_BYTES

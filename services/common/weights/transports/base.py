@@ -1,10 +1,6 @@
-"""What every transport shares: the transport names, the `Receiver` interface and the buffers a
-receiver writes into.
-
-A receiver ends with the version's flat uint8 payload in a buffer of the engine's own, which
-`Manifest.views` cuts into tensors. The buffer comes from the caller (`Allocator`): `BufferPool`
-double-buffers an engine across versions, so a version is received into the buffer the engine does
-not serve from and no page is allocated after the first two versions.
+"""What every transport shares: the transport names, the `Receiver` interface and the buffer a
+receiver writes one version's flat payload into (`Allocator`; `BufferPool` double-buffers an
+engine so that nothing is allocated after the first two versions).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""The `gloo` and `nccl` transports: one broadcast of a flat uint8 tensor per bucket.
-
-A torch.distributed group is formed for one version, rank 0 the sender (`BroadcastSender`), the
-engines the other ranks (`BroadcastReceiver`). Both backends run this one code path (the backend
-and the device are parameters), so the gloo tests cover the logic NCCL runs. The fields are
-SGLang's (`/init_weights_update_group`: master_address, master_port, rank_offset, world_size,
-group_name, backend; `/update_weights_from_distributed` with `load_format="flattened_bucket"`), so
-an SGLang server joins the same group natively (`kuberl.common.weights.sglang` builds those
-requests). Both ends form the group the way SGLang's `init_custom_process_group` does
-(`new_group`), never as torch's global default group (the trainer may own that one). An NCCL
-collective that does not finish in time is aborted by us (`ProcessGroup.abort`), not left to
-NCCL's watchdog, which would end the whole process.
+"""The `gloo` and `nccl` transports: a torch.distributed group formed for one version, rank 0 the
+sender (`BroadcastSender`), the engines the other ranks (`BroadcastReceiver`), one broadcast of a
+flat uint8 tensor per bucket. Both backends run this one code path, so the gloo tests cover the
+logic NCCL runs. Groups are formed as SGLang forms its own (`new_group`), so an SGLang server
+joins natively (`kuberl.common.weights.sglang` builds its requests), and never as torch's default
+group, which the trainer may own.
 """
 
 from __future__ import annotations

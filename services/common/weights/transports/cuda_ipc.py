@@ -1,9 +1,6 @@
-"""The `cuda_ipc` transport: an engine on the trainer's GPU copies its buckets device to device.
-
-The trainer exports CUDA IPC handles of its GPU buckets as JSON (`export_cuda_ipc`, never
-pickle), one set per engine that will open them; the engine opens its set and copies into its own
-GPU buffer (`CudaIpcReceiver`), so nothing goes through the host. `parse_cuda_ipc` and
-`split_cuda_ipc` check a handle set field by field without touching CUDA.
+"""The `cuda_ipc` transport: the trainer exports CUDA IPC handles of its GPU buckets as JSON
+(`export_cuda_ipc`, never pickle), one set per engine; an engine on the same GPU opens its set and
+copies device to device (`CudaIpcReceiver`). `parse_cuda_ipc` checks a set without touching CUDA.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The `shm` transport: the payload is a file in shared memory (/dev/shm) on the engine's host.
-
-The trainer writes it once (`ShmWriter`, into the file the weight-sync service names); every engine
-maps it read-only, keeping the mapping across versions since the service reuses its files, and
-copies it into its own buffer (`ShmReceiver`), or serves from the mapping itself (`in_place`).
+"""The `shm` transport: the trainer writes a version once into a shared-memory file the service
+names (`ShmWriter`); every engine on that host maps it and copies it into its own buffer, or
+serves from the mapping itself (`ShmReceiver`).
 """
 
 from __future__ import annotations

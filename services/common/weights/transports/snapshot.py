@@ -1,8 +1,6 @@
-"""The `snapshot` transport: the payload streamed over gRPC by the service's `StreamSnapshot`.
-
-Chunks are CRC32C-checked and the whole checked against a final SHA-256
-(`kuberl.common.weights.chunks`). It reaches any engine the service can reach, so it is the
-fallback of every other transport and how a late joiner catches up.
+"""The `snapshot` transport: the version streamed by the service's `StreamSnapshot` in
+CRC32C-checked chunks with a final SHA-256 (`kuberl.common.weights.chunks`). It reaches any
+engine the service can reach, so it is every other transport's fallback and a late joiner's way in.
 """
 
 from __future__ import annotations
