@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kuberl.common.config import JobConfig
+from kuberl.trainer import algorithms as algo
 from kuberl.trainer.distributed import DistInfo
 from kuberl.trainer.engine import (
     FrozenModel,
@@ -34,7 +35,7 @@ class Models:
     """Empty until `load`; the steps, checkpoints and publishes read it."""
 
     policy: TrainEngine | None = None
-    #: PPO's value model (`advantage: gae`, rl mode).
+    #: The value model of an advantage estimator that needs a critic (GAE), rl mode.
     critic: TrainEngine | None = None
     #: The frozen reference policy of the KL term (`kl.coef` > 0, rl mode).
     reference: FrozenModel | None = None
@@ -75,7 +76,7 @@ class Models:
             # The policy's own build (head settings, compiled layers), frozen.
             ref = build_policy(load_causal_lm(self.model_dir, dtype), tc, temperature)
             self.reference = FrozenModel(ref, tc, dist, dtype, offload=alg.kl.offload_reference)
-        if alg.advantage == "gae" and tc.mode == "rl":
+        if algo.resolve_algorithm(alg).needs_critic and tc.mode == "rl":
             backbone = load_causal_lm(self.model_dir, dtype).get_decoder()
             critic = ValueModel(backbone, int(hf.config.hidden_size))
             self.critic = TrainEngine(critic, tc, dist, dtype)
