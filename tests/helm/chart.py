@@ -97,6 +97,22 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "rollout": {"replicas": 2, "sglang": {"enabled": True}},
         "trainer": {"nodes": 1, "gpusPerNode": 4},
     },
+    # A shared GPU cluster: the NVIDIA runtime as a runtime class, a trainer PriorityClass made by
+    # the chart, zone spread of the CPU services.
+    "gpu-scheduling": {
+        "rollout": {"runtimeClassName": "nvidia"},
+        "trainer": {"runtimeClassName": "nvidia", "priorityClass": {"create": True}},
+        "reward": {
+            "topologySpreadConstraints": [
+                {
+                    "maxSkew": 1,
+                    "topologyKey": "topology.kubernetes.io/zone",
+                    "whenUnsatisfiable": "ScheduleAnyway",
+                    "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "reward"}},
+                }
+            ]
+        },
+    },
     "cpu-only": {
         "rollout": {"sglang": {"enabled": False}},
         "model": {"path": ""},

@@ -108,6 +108,13 @@ redis://{{ include "kuberl.redisHost" . }}:{{ .Values.redis.port }}/0
 {{ include "kuberl.fullname" . }}-trainer-headless
 {{- end }}
 
+{{/* The PriorityClass the chart creates for the trainer (trainer.priorityClass.create), or nothing. */}}
+{{- define "kuberl.trainerPriorityClass" -}}
+{{- if .Values.trainer.priorityClass.create }}
+{{- default (printf "%s-trainer" (include "kuberl.fullname" .)) .Values.trainer.priorityClass.name }}
+{{- end }}
+{{- end }}
+
 {{/* Address of trainer rank 0 (pod 0 of the StatefulSet) through the headless Service. */}}
 {{- define "kuberl.trainerMaster" -}}
 {{ include "kuberl.fullname" . }}-trainer-0.{{ include "kuberl.trainerHeadless" . }}.{{ .Release.Namespace }}.svc
@@ -242,14 +249,15 @@ enableServiceLinks: false
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.priorityClassName }}
-priorityClassName: {{ . }}
-{{- end }}
 securityContext:
   {{- toYaml .Values.podSecurityContext | nindent 2 }}
 {{- end }}
 
-{{/* Scheduling of one component: (dict "root" $ "values" .Values.buffer "gpu" false). */}}
+{{/*
+Scheduling of one component: (dict "root" $ "values" .Values.buffer "gpu" false), optionally
+"priorityClassName" (a class the chart made for it). Priority class: the component's, else the
+global one. Runtime class, affinity and topology spread: the component's own.
+*/}}
 {{- define "kuberl.scheduling" -}}
 {{- $nodeSelector := .values.nodeSelector }}
 {{- $tolerations := .values.tolerations }}
@@ -269,6 +277,52 @@ tolerations:
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- with .values.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with default .root.Values.priorityClassName (default .values.priorityClassName .priorityClassName) }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .values.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- end }}
+
+{{/*
+The disk-backed emptyDirs of every kuberl pod (the ones kuberl.jobVolume makes), by the value
+path an error should name.
+*/}}
+{{- define "kuberl.jobVolumeSizes" -}}
+{{- toYaml (dict "the tmp volume" "1Gi" "the work volume" "10Gi") }}
+{{- end }}
+
+{{/*
+A container's resources with `ephemeral-storage` requested and limited to what its pod's
+disk-backed emptyDirs may hold (the sum of their sizeLimits) plus 1Gi for container logs, unless
+the resources set it: (dict "resources" .Values.x.resources "sizes" (dict "value path" "64Gi")).
+Given to one container per pod, it is the pod's whole budget: the scheduler places the pod where
+that much disk is free, and the kubelet evicts on disk pressure pods above their requests first.
+An empty size (no limit) adds nothing.
+*/}}
+{{- define "kuberl.withEphemeralStorage" -}}
+{{- $resources := deepCopy (default dict .resources) }}
+{{- $bytes := int64 1073741824 }}
+{{- range $name, $size := .sizes }}
+{{- if $size }}
+{{- $bytes = add $bytes (include "kuberl.quantityBytes" (dict "value" $size "name" $name) | int64) }}
+{{- end }}
+{{- end }}
+{{- $quantity := printf "%dMi" (div (add $bytes 1048575) 1048576) }}
+{{- if eq (mod $bytes 1073741824) 0 }}{{ $quantity = printf "%dGi" (div $bytes 1073741824) }}{{ end }}
+{{- range $kind := list "requests" "limits" }}
+{{- $section := default dict (get $resources $kind) }}
+{{- if not (hasKey $section "ephemeral-storage") }}
+{{- $_ := set $section "ephemeral-storage" $quantity }}
+{{- end }}
+{{- $_ := set $resources $kind $section }}
+{{- end }}
+{{- toYaml $resources }}
 {{- end }}
 
 {{/* Environment of every kuberl container. */}}
@@ -485,8 +539,9 @@ spec:
 A stateless kuberl gRPC service (buffer, reward, weight-sync): Deployment, Service and PDB.
 (dict "root" $ "component" "weight-sync" "service" "weight_sync" "values" .Values.weightSync
       "replicas" 1 "recreate" true "redis" false "data" false "model" false "volumes" list "mounts" list)
-Optional: "image" (default images.kuberl) and "gpu" (schedule with the component's own
-nodeSelector and tolerations only, as GPU pods are).
+Optional: "image" (default images.kuberl), "gpu" (schedule with the component's own
+nodeSelector and tolerations only, as GPU pods are) and "volumeSizes" (sizeLimits of the disk
+emptyDirs among "volumes", by value path, for the pod's ephemeral-storage).
 */}}
 {{- define "kuberl.serviceDeployment" -}}
 {{- $root := .root }}
@@ -552,7 +607,7 @@ spec:
             {{- end }}
           {{- include "kuberl.grpcProbes" (dict "root" $root "port" $values.port) | nindent 10 }}
           resources:
-            {{- toYaml $values.resources | nindent 12 }}
+            {{- include "kuberl.withEphemeralStorage" (dict "resources" $values.resources "sizes" (merge (include "kuberl.jobVolumeSizes" $root | fromYaml) (default dict .volumeSizes))) | nindent 12 }}
           securityContext:
             {{- toYaml $root.Values.securityContext | nindent 12 }}
           volumeMounts:
