@@ -325,6 +325,19 @@ An empty size (no limit) adds nothing.
 {{- toYaml $resources }}
 {{- end }}
 
+{{/*
+A container's securityContext: the global `securityContext` with the container's own keys set over
+it, a key at a time (a key it names replaces the global one's value; `false` counts, unlike Helm's
+merge): (dict "root" $ "override" .Values.rollout.sglang.securityContext).
+*/}}
+{{- define "kuberl.securityContext" -}}
+{{- $context := deepCopy (default dict .root.Values.securityContext) }}
+{{- range $key, $value := default dict .override }}
+{{- $_ := set $context $key $value }}
+{{- end }}
+{{- toYaml $context }}
+{{- end }}
+
 {{/* Environment of every kuberl container. */}}
 {{/*
 gRPC TLS: the job file's `tls` section when .Values.tls.enabled, the files from the Secret mounted
@@ -609,7 +622,7 @@ spec:
           resources:
             {{- include "kuberl.withEphemeralStorage" (dict "resources" $values.resources "sizes" (merge (include "kuberl.jobVolumeSizes" $root | fromYaml) (default dict .volumeSizes))) | nindent 12 }}
           securityContext:
-            {{- toYaml $root.Values.securityContext | nindent 12 }}
+            {{- include "kuberl.securityContext" (dict "root" $root "override" $values.securityContext) | nindent 12 }}
           volumeMounts:
             {{- include "kuberl.jobVolumeMount" $root | nindent 12 }}
             {{- if and .redis (not $root.Values.redis.enabled) $root.Values.externalRedis.tls.caSecret }}
