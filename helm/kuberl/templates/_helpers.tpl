@@ -338,6 +338,24 @@ merge): (dict "root" $ "override" .Values.rollout.sglang.securityContext).
 {{- toYaml $context }}
 {{- end }}
 
+{{/*
+A volume its pods only read (the model, the datasets): (dict "name" "model" "source" .Values.model.volume).
+A source type with a `readOnly` field gets `readOnly: true`: the volume is then attached and
+mounted read-only, and the kubelet skips changing its group to the pod's fsGroup, a walk over
+every file that can take hours on a large model volume at its first mount.
+*/}}
+{{- define "kuberl.readOnlyVolume" -}}
+{{- $source := deepCopy .source }}
+{{- $withReadOnly := list "persistentVolumeClaim" "nfs" "csi" "cephfs" "rbd" "iscsi" "fc" "glusterfs" "azureDisk" "azureFile" "gcePersistentDisk" "awsElasticBlockStore" "cinder" "flexVolume" "portworxVolume" "quobyte" "scaleIO" "storageos" }}
+{{- range $type, $settings := $source }}
+{{- if and (has $type $withReadOnly) (kindIs "map" $settings) }}
+{{- $_ := set $settings "readOnly" true }}
+{{- end }}
+{{- end -}}
+- name: {{ .name }}
+  {{- toYaml $source | nindent 2 }}
+{{- end }}
+
 {{/* Environment of every kuberl container. */}}
 {{/*
 gRPC TLS: the job file's `tls` section when .Values.tls.enabled, the files from the Secret mounted
@@ -651,12 +669,10 @@ spec:
             secretName: {{ $root.Values.externalRedis.tls.caSecret }}
         {{- end }}
         {{- if and .data $root.Values.data.volume }}
-        - name: data
-          {{- toYaml $root.Values.data.volume | nindent 10 }}
+        {{- include "kuberl.readOnlyVolume" (dict "name" "data" "source" $root.Values.data.volume) | nindent 8 }}
         {{- end }}
         {{- if and .model $root.Values.model.volume }}
-        - name: model
-          {{- toYaml $root.Values.model.volume | nindent 10 }}
+        {{- include "kuberl.readOnlyVolume" (dict "name" "model" "source" $root.Values.model.volume) | nindent 8 }}
         {{- end }}
         {{- with .volumes }}
         {{- toYaml . | nindent 8 }}
