@@ -285,7 +285,7 @@ def test_multi_node_trainer_runs_torchrun_across_statefulset_pods() -> None:
         "None",
         True,
     )
-    assert rendered.get("PersistentVolumeClaim", "checkpoints")["spec"]["accessModes"] == [
+    assert rendered.get("PersistentVolumeClaim", "checkpoints-rwx-nfs")["spec"]["accessModes"] == [
         "ReadWriteMany"
     ]
     assert "NCCL_SOCKET_IFNAME" in _env(worker_c)

@@ -108,6 +108,41 @@ redis://{{ include "kuberl.redisHost" . }}:{{ .Values.redis.port }}/0
 {{ include "kuberl.fullname" . }}-trainer-headless
 {{- end }}
 
+{{/*
+The checkpoint claim the chart creates. A claim's access modes and StorageClass can never change,
+so its name carries them: `<fullname>-checkpoints` for ReadWriteOnce on the cluster's default
+class, else `-<modes>` (rwx, rox, rwop) and `-<class>` appended. An upgrade that changes either
+(e.g. to ReadWriteMany for trainer.nodes > 1) then creates a new claim instead of changing the old
+one, which the API server refuses (the upgrade would fail half-applied).
+*/}}
+{{- define "kuberl.checkpointClaim" -}}
+{{- $checkpoints := .Values.trainer.checkpoints }}
+{{- $short := dict "ReadWriteOnce" "rwo" "ReadWriteMany" "rwx" "ReadOnlyMany" "rox" "ReadWriteOncePod" "rwop" }}
+{{- $modes := list }}
+{{- range $checkpoints.accessModes }}{{ $modes = append $modes (get $short .) }}{{ end }}
+{{- $name := printf "%s-checkpoints" (include "kuberl.fullname" .) }}
+{{- if ne ($modes | join "-") "rwo" }}{{ $name = printf "%s-%s" $name ($modes | join "-") }}{{ end }}
+{{- with $checkpoints.storageClass }}{{ $name = printf "%s-%s" $name . }}{{ end }}
+{{- $name }}
+{{- end }}
+
+{{/*
+The rollout Deployment's `replicas`: rollout.replicas without autoscaling. With autoscaling, the
+live Deployment's count ((dict "root" $ "live" <lookup result>)): an upgrade that dropped the field
+would reset the Deployment to 1 pod until the autoscaler reacts (Helm's patch removes what the new
+manifest no longer has), and keeping the live count leaves the autoscaler's choice alone. Nothing
+when there is no live Deployment (a fresh install, or `helm template`, whose lookup sees no
+cluster): the autoscaler sets it.
+*/}}
+{{- define "kuberl.rolloutReplicas" -}}
+{{- $rollout := .root.Values.rollout }}
+{{- if not $rollout.autoscaling.enabled }}
+{{- $rollout.replicas }}
+{{- else if and .live (hasKey (default dict .live.spec) "replicas") }}
+{{- int64 .live.spec.replicas }}
+{{- end }}
+{{- end }}
+
 {{/* The PriorityClass the chart creates for the trainer (trainer.priorityClass.create), or nothing. */}}
 {{- define "kuberl.trainerPriorityClass" -}}
 {{- if .Values.trainer.priorityClass.create }}
