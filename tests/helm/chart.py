@@ -295,5 +295,14 @@ def validate_custom(doc: dict[str, Any]) -> list[str]:
     return unknown_fields(model, doc, doc["kind"])
 
 
+def sglang_package() -> Path | None:
+    """SGLang's installed source folder (make setup installs sglang==0.5.23 for its source), found
+    without importing it: importing needs its CUDA dependencies."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang")
+    return Path(spec.origin).parent if spec is not None and spec.origin else None
+
+
 def files_under(folder: Path, pattern: str) -> list[Path]:
     return sorted(folder.glob(pattern))

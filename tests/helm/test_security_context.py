@@ -6,22 +6,18 @@ against SGLang's own source (sglang/srt/environ.py and its fixed /tmp and /dev/s
 from __future__ import annotations
 
 import ast
-import importlib.util
 import posixpath
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helm.chart import pod_spec, render
+from tests.helm.chart import pod_spec, render, sglang_package
 
-# Found, not imported: importing sglang needs its CUDA dependencies (make setup installs it
-# --no-deps for its source).
-_SPEC = importlib.util.find_spec("sglang")
-if _SPEC is None or _SPEC.origin is None:
+_SGLANG = sglang_package()
+if _SGLANG is None:
     pytest.skip("sglang not installed (make setup adds it)", allow_module_level=True)
-SGLANG_SRT = Path(_SPEC.origin).parent / "srt"
+SGLANG_SRT = _SGLANG / "srt"
 
 ROOT = {"runAsUser": 0, "runAsNonRoot": False, "readOnlyRootFilesystem": False}
 

@@ -155,6 +155,11 @@ cluster): the autoscaler sets it.
 {{ include "kuberl.fullname" . }}-trainer-0.{{ include "kuberl.trainerHeadless" . }}.{{ .Release.Namespace }}.svc
 {{- end }}
 
+{{/* "true" when rollout pods run SGLang with its Prometheus metrics on (`--enable-metrics`). */}}
+{{- define "kuberl.sglangMetrics" -}}
+{{- if and .Values.rollout.sglang.enabled .Values.rollout.sglang.metrics }}true{{ end }}
+{{- end }}
+
 {{/* The model SGLang serves. */}}
 {{- define "kuberl.sglangModel" -}}
 {{- $model := default .Values.model.path .Values.rollout.sglang.model }}
@@ -557,7 +562,7 @@ livenessProbe:
   protocol: TCP
 {{- end }}
 
-{{/* A ClusterIP Service with the grpc and metrics ports: (dict "root" $ "component" "buffer" "name" "buffer" "values" .Values.buffer). */}}
+{{/* A ClusterIP Service with the grpc and metrics ports: (dict "root" $ "component" "buffer" "name" "buffer" "values" .Values.buffer), optionally "extraPorts" (ServicePort list). */}}
 {{- define "kuberl.service" -}}
 apiVersion: v1
 kind: Service
@@ -581,6 +586,9 @@ spec:
       targetPort: metrics
       protocol: TCP
       appProtocol: http
+    {{- with .extraPorts }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
 {{- end }}
 
 {{/* A PodDisruptionBudget: (dict "root" $ "component" "buffer" "name" "buffer" "pdb" .Values.buffer.pdb). */}}
