@@ -113,6 +113,16 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             ]
         },
     },
+    # A model by Hugging Face id: downloaded once by a Job into the models claim, with a token.
+    "hub-model": {
+        "model": {
+            "path": "Qwen/Qwen2.5-7B-Instruct",
+            "volume": _MODELS,
+            "download": {"tokenSecret": {"name": "hf-token"}, "allowEgress": True},
+        },
+        "data": {"volume": _DATA},
+        "job": {"data": {"train": _TRAIN}},
+    },
     "cpu-only": {
         "rollout": {"sglang": {"enabled": False}},
         "model": {"path": ""},
@@ -199,7 +209,7 @@ def pod_spec(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def workloads(rendered: Rendered) -> list[dict[str, Any]]:
-    return [d for d in rendered.docs if d["kind"] in ("Deployment", "StatefulSet", "Pod")]
+    return [d for d in rendered.docs if d["kind"] in ("Deployment", "StatefulSet", "Job", "Pod")]
 
 
 def kubernetes_validate() -> Any:

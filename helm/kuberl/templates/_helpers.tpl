@@ -155,6 +155,68 @@ cluster): the autoscaler sets it.
 {{ include "kuberl.fullname" . }}-trainer-0.{{ include "kuberl.trainerHeadless" . }}.{{ .Release.Namespace }}.svc
 {{- end }}
 
+{{/*
+model.path as a Hugging Face id (`<owner>/<name>`, no leading `/`), or nothing when it is a path.
+The chart downloads such a model into model.volume once (model-download.yaml) and hands every
+service the local folder instead (kuberl.modelPath).
+*/}}
+{{- define "kuberl.modelHubId" -}}
+{{- if regexMatch "^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$" (default "" .Values.model.path) }}
+{{- .Values.model.path }}
+{{- end }}
+{{- end }}
+
+{{/* The policy's folder in the pods: model.path, or for a Hugging Face id its download folder `<model.mountPath>/<id>` on the models volume. */}}
+{{- define "kuberl.modelPath" -}}
+{{- with include "kuberl.modelHubId" . }}
+{{- if not $.Values.model.volume }}
+{{- fail (printf "model.path %q is a Hugging Face id: the chart downloads it once into model.volume, which is empty. Set model.volume to a claim the download Job can write and every model-reading pod can mount (ReadWriteMany when they run on several nodes), or set model.path to a folder already on a volume" $.Values.model.path) }}
+{{- end }}
+{{- printf "%s/%s" (trimSuffix "/" $.Values.model.mountPath) . }}
+{{- else }}
+{{- .Values.model.path }}
+{{- end }}
+{{- end }}
+
+{{/* What the download writes to `<folder>/.kuberl-download-complete` once every file is in place: `<id>@<revision>`. */}}
+{{- define "kuberl.modelMarker" -}}
+{{ include "kuberl.modelHubId" . }}@{{ .Values.model.download.revision }}
+{{- end }}
+
+{{/*
+An init container that waits until the model download is complete (its marker names this id and
+revision), for every pod that mounts the models volume: (dict "root" $ "image" <image values>).
+Nothing when model.path is not a Hugging Face id.
+*/}}
+{{- define "kuberl.waitForModel" -}}
+{{- if include "kuberl.modelHubId" .root }}
+{{- $marker := printf "%s/.kuberl-download-complete" (include "kuberl.modelPath" .root) }}
+- name: wait-for-model
+  image: {{ include "kuberl.image" (dict "root" .root "image" .image) }}
+  imagePullPolicy: {{ .root.Values.images.pullPolicy }}
+  command:
+    - /bin/sh
+    - -c
+    - |
+      until grep -qxF '{{ include "kuberl.modelMarker" .root }}' {{ $marker }} 2>/dev/null; do
+        echo "waiting for the model-download Job to complete {{ $marker }}"
+        sleep 10
+      done
+  resources:
+    requests:
+      cpu: 10m
+      memory: 16Mi
+    limits:
+      memory: 64Mi
+  securityContext:
+    {{- include "kuberl.securityContext" (dict "root" .root "override" dict) | nindent 4 }}
+  volumeMounts:
+    - name: model
+      mountPath: {{ .root.Values.model.mountPath }}
+      readOnly: true
+{{- end }}
+{{- end }}
+
 {{/* "true" when rollout pods run SGLang with its Prometheus metrics on (`--enable-metrics`). */}}
 {{- define "kuberl.sglangMetrics" -}}
 {{- if and .Values.rollout.sglang.enabled .Values.rollout.sglang.metrics }}true{{ end }}
@@ -162,7 +224,7 @@ cluster): the autoscaler sets it.
 
 {{/* The model SGLang serves. */}}
 {{- define "kuberl.sglangModel" -}}
-{{- $model := default .Values.model.path .Values.rollout.sglang.model }}
+{{- $model := default (include "kuberl.modelPath" .) .Values.rollout.sglang.model }}
 {{- required "rollout.sglang.model or model.path is required when rollout.sglang.enabled (SGLang needs a model path or Hugging Face id)" $model }}
 {{- end }}
 
@@ -188,7 +250,7 @@ and the pods' checksum annotation both use it.
   "rollout" (dict "server" (dict "host" "0.0.0.0" "port" .Values.rollout.port "metrics_port" .Values.rollout.metricsPort))
 }}
 {{- if .Values.model.path }}
-{{- $_ := set $wiring "model" (dict "path" .Values.model.path) }}
+{{- $_ := set $wiring "model" (dict "path" (include "kuberl.modelPath" .)) }}
 {{- end }}
 {{- if .Values.tls.enabled }}
 {{- $_ := set $wiring "tls" (include "kuberl.tlsSettings" . | fromYaml) }}
@@ -659,6 +721,10 @@ spec:
       {{- include "kuberl.podCommon" $root | nindent 6 }}
       {{- include "kuberl.scheduling" (dict "root" $root "values" $values "gpu" .gpu) | nindent 6 }}
       terminationGracePeriodSeconds: 30
+      {{- with and .model $root.Values.model.volume (include "kuberl.waitForModel" (dict "root" $root "image" (default $root.Values.images.kuberl .image))) }}
+      initContainers:
+        {{- . | nindent 8 }}
+      {{- end }}
       containers:
         - name: {{ .component }}
           image: {{ include "kuberl.image" (dict "root" $root "image" (default $root.Values.images.kuberl .image)) }}
