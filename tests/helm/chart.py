@@ -34,6 +34,27 @@ _MODELS = {"persistentVolumeClaim": {"claimName": "models"}}
 _DATA = {"persistentVolumeClaim": {"claimName": "datasets"}}
 _TRAIN = [{"path": "/data/gsm8k/train.jsonl", "columns": {"prompt": "question"}}]
 
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+_GSM8K_QWEN = yaml.safe_load((REPO / "examples" / "gsm8k-qwen.yaml").read_text())
+
+
+def _example_values(name: str) -> dict[str, Any]:
+    """helm/kuberl/examples/<name> over examples/gsm8k-qwen.yaml as `job`, as docs/kubernetes.md
+    installs it (`-f job-values.yaml -f helm/kuberl/examples/<name>`)."""
+    values: dict[str, Any] = yaml.safe_load((CHART / "examples" / name).read_text())
+    return _merge({"job": _GSM8K_QWEN}, values)
+
+
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "external-redis": {
@@ -83,7 +104,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     # examples/gsm8k-qwen.yaml as its header says to install it: the job file as `job`, and a
     # cluster's model and data volumes, SGLang engines and GPU trainer nodes.
     "gsm8k-qwen-example": {
-        "job": yaml.safe_load((REPO / "examples" / "gsm8k-qwen.yaml").read_text()),
+        "job": _GSM8K_QWEN,
         "model": {"path": "/models/Qwen2.5-1.5B-Instruct", "volume": _MODELS},
         "data": {"volume": _DATA},
         "rollout": {"replicas": 2, "sglang": {"enabled": True}},
@@ -123,6 +144,9 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "data": {"volume": _DATA},
         "job": {"data": {"train": _TRAIN}},
     },
+    # The two cluster values files docs/kubernetes.md installs from an empty cluster.
+    "one-node-example": _example_values("values-one-node.yaml"),
+    "two-trainer-nodes-example": _example_values("values-two-trainer-nodes.yaml"),
     "cpu-only": {
         "rollout": {"sglang": {"enabled": False}},
         "model": {"path": ""},
@@ -155,16 +179,6 @@ class Rendered:
     def has(self, kind: str, name: str) -> bool:
         full = f"{FULLNAME}-{name}" if name else FULLNAME
         return any(d["metadata"]["name"] == full for d in self.all(kind))
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 def render_values(values: dict[str, Any], release: str = RELEASE) -> Rendered:
