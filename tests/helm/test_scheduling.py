@@ -170,3 +170,8 @@ def test_the_trainer_and_redis_have_disruption_budgets_that_hold_off_drains() ->
     assert (trainer["spec"]["maxUnavailable"], redis["spec"]["maxUnavailable"]) == (0, 0)
     assert len(trainer_pods) == 2
     assert all(_matches(trainer["spec"]["selector"], labels) for labels in trainer_pods)
+
+
+def test_a_trainer_class_named_in_values_wins_over_the_one_the_chart_makes() -> None:
+    trainer = {"priorityClassName": "gpu-training", "priorityClass": {"create": True}}
+    assert _pods("defaults", trainer=trainer)["trainer"]["priorityClassName"] == "gpu-training"

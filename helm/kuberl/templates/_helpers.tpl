@@ -358,7 +358,8 @@ securityContext:
 {{/*
 Scheduling of one component: (dict "root" $ "values" .Values.buffer "gpu" false), optionally
 "priorityClassName" (a class the chart made for it). Priority class: the component's, else the
-global one. Runtime class, affinity and topology spread: the component's own.
+one the chart made, else the global one. Runtime class, affinity and topology spread: the
+component's own.
 */}}
 {{- define "kuberl.scheduling" -}}
 {{- $nodeSelector := .values.nodeSelector }}
@@ -383,7 +384,7 @@ affinity:
 topologySpreadConstraints:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with default .root.Values.priorityClassName (default .values.priorityClassName .priorityClassName) }}
+{{- with default .root.Values.priorityClassName (default .priorityClassName .values.priorityClassName) }}
 priorityClassName: {{ . }}
 {{- end }}
 {{- with .values.runtimeClassName }}
