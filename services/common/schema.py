@@ -49,7 +49,7 @@ def job_schema() -> tuple[dict[str, Any], dict[str, Any]]:
     definitions = {DEF_PREFIX + name: _to_draft7(d) for name, d in raw.pop("$defs", {}).items()}
     root = _to_draft7(raw)
     root["description"] = (
-        "The kuberl job file (services/common/config.py), rendered into the job ConfigMap. "
+        "The kuberl job file (services/common/config/), rendered into the job ConfigMap. "
         "Generated from kuberl.common.config.JobConfig by `kuberl chart schema`; do not edit."
     )
     return root, definitions
