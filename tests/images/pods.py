@@ -417,6 +417,8 @@ class Cluster:
             )
         argv = [expand(str(a), env) for a in argv]
         return {
+            "hostname": pod.hostname,
+            "pid_file": str(pod.workdir / "pid"),
             "root": str(pod.workdir / "root"),
             "image_root": str(image.path),
             "read_only_root": bool(security.get("readOnlyRootFilesystem")),
@@ -443,16 +445,7 @@ class Cluster:
         spec_path.write_text(json.dumps(pod.launch, indent=2))
         pod.log_path = pod.workdir / "log.txt"
         namespace = self.network.namespace_of(pod.address)
-        command = [
-            "ip",
-            "netns",
-            "exec",
-            namespace,
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-        ]
+        command = ["ip", "netns", "exec", namespace]
         command += [sys.executable, str(LAUNCHER), "start", str(spec_path)]
         pod.proc = subprocess.Popen(
             command,
@@ -510,6 +503,8 @@ class Cluster:
         if "exec" in spec:
             if pod.proc is None or pod.proc.poll() is not None:
                 return False, "exec: the container is not running"
+            if not (pod.workdir / "pid").exists():
+                return False, "exec: the container has not started yet"
             done = self.exec(pod, spec["exec"]["command"], timeout=timeout)
             return (
                 done.returncode == 0,
@@ -523,7 +518,8 @@ class Cluster:
         """Run a command inside the running container (its namespaces, root, user and env)."""
         assert pod.proc is not None
         spec_path = pod.workdir / "launch.json"
-        command = ["nsenter", "--target", str(pod.proc.pid), "--mount", "--net", "--"]
+        pid = (pod.workdir / "pid").read_text()
+        command = ["nsenter", "--target", pid, "--mount", "--net", "--uts", "--pid", "--"]
         command += [sys.executable, str(LAUNCHER), "exec", str(spec_path), *argv]
         try:
             return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
