@@ -229,8 +229,16 @@ def build(spec: ImageSpec, base_id: str, wheels: Path) -> str:
 
 
 def prune(keep: list[str]) -> None:
-    """Remove older tags of these images, then every image no tag names (vfs keeps a full copy
-    of each layer, so stale images cost gigabytes)."""
+    """Remove the image-test's working containers of other images, older tags of these images,
+    then every image no tag names (vfs keeps a full copy of each, so stale ones cost
+    gigabytes)."""
+    from tests.images.pods import CONTAINER_PREFIX
+
+    containers = json.loads(buildah("containers", "--json", capture=True) or "[]")
+    for container in containers:
+        name = container.get("containername", "")
+        if name.startswith(CONTAINER_PREFIX) and container.get("imagename") not in keep:
+            subprocess.run(["buildah", "--storage-driver", "vfs", "rm", name], check=False)
     listing = buildah("images", "--json", capture=True)
     for image in json.loads(listing or "[]"):
         for name in image.get("names") or []:

@@ -38,6 +38,8 @@ BRIDGE = "krl-br0"
 SUBNET = ipaddress.ip_network("10.213.0.0/24")
 GATEWAY = str(SUBNET.network_address + 1)
 CLUSTER_DOMAIN = "cluster.local"
+# The working containers whose root filesystems the pods run from (one per image).
+CONTAINER_PREFIX = "krl-pods-"
 
 
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -112,7 +114,13 @@ class ImageRoot:
 
     @classmethod
     def mount(cls, ref: str) -> ImageRoot:
-        container = _buildah("from", "--pull-never", "--name", _container_name(ref), ref)
+        """Mount the image's working container, made on first use and kept for the next run
+        (with vfs storage `buildah from` copies the whole image: a minute per image here);
+        tests/images/build.py removes it with its image."""
+        container = CONTAINER_PREFIX + re.sub(r"[^a-zA-Z0-9_.-]", "-", ref.split("/")[-1])
+        listed = _run("buildah", "--storage-driver", "vfs", "inspect", container, check=False)
+        if listed.returncode != 0:
+            _buildah("from", "--pull-never", "--name", container, ref)
         path = Path(_buildah("mount", container))
         inspected = json.loads(_buildah("inspect", "--type", "image", ref))
         config = inspected.get("OCIv1", {}).get("config", {})
@@ -125,11 +133,6 @@ class ImageRoot:
 
     def unmount(self) -> None:
         _run("buildah", "--storage-driver", "vfs", "umount", self.container, check=False)
-        _run("buildah", "--storage-driver", "vfs", "rm", self.container, check=False)
-
-
-def _container_name(ref: str) -> str:
-    return "krl-" + re.sub(r"[^a-zA-Z0-9_.-]", "-", ref.split("/")[-1])
 
 
 def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
