@@ -234,13 +234,14 @@ def prune(keep: list[str]) -> None:
     gigabytes)."""
     from tests.images.pods import CONTAINER_PREFIX
 
-    containers = json.loads(buildah("containers", "--json", capture=True) or "[]")
+    # buildah lists nothing as `null`.
+    containers = json.loads(buildah("containers", "--json", capture=True) or "null") or []
     for container in containers:
         name = container.get("containername", "")
         if name.startswith(CONTAINER_PREFIX) and container.get("imagename") not in keep:
             subprocess.run(["buildah", "--storage-driver", "vfs", "rm", name], check=False)
     listing = buildah("images", "--json", capture=True)
-    for image in json.loads(listing or "[]"):
+    for image in json.loads(listing or "null") or []:
         for name in image.get("names") or []:
             repository = name.rsplit(":", 1)[0]
             if name not in keep and any(k.rsplit(":", 1)[0] == repository for k in keep):

@@ -182,7 +182,6 @@ class Pod:
     spec: dict[str, Any]
     workdir: Path
     proc: subprocess.Popen[bytes] | None = None
-    launch: dict[str, Any] = field(default_factory=dict)
     probes: dict[str, Probe] = field(default_factory=dict)
     log_path: Path | None = None
 
@@ -332,11 +331,11 @@ class Cluster:
             empty = volume["emptyDir"] or {}
             if empty.get("medium") == "Memory":
                 return {"tmpfs": _quantity_bytes(str(empty.get("sizeLimit", "64Mi")))}
-            folder.mkdir(parents=True)
+            folder.mkdir(parents=True, exist_ok=True)
             folder.chmod(0o777)
             return {"source": str(folder)}
         if "configMap" in volume or "secret" in volume:
-            folder.mkdir(parents=True)
+            folder.mkdir(parents=True, exist_ok=True)
             if "configMap" in volume:
                 data = self._config_map(volume["configMap"]["name"])
             else:
@@ -401,7 +400,7 @@ class Cluster:
                 {**source, "target": mount["mountPath"], "read_only": bool(mount.get("readOnly"))}
             )
         hosts = pod.workdir / "etc"
-        hosts.mkdir()
+        hosts.mkdir(exist_ok=True)
         (hosts / "hosts").write_text(self._hosts(pod))
         (hosts / "hostname").write_text(pod.hostname + "\n")
         search = f"{self.namespace}.svc.{CLUSTER_DOMAIN} svc.{CLUSTER_DOMAIN} {CLUSTER_DOMAIN}"
@@ -421,7 +420,7 @@ class Cluster:
         argv = [expand(str(a), env) for a in argv]
         return {
             "hostname": pod.hostname,
-            "pid_file": str(pod.workdir / "pid"),
+            "pid_file": str(pod.workdir / f"{container['name']}.pid"),
             "root": str(pod.workdir / "root"),
             "image_root": str(image.path),
             "read_only_root": bool(security.get("readOnlyRootFilesystem")),
@@ -437,25 +436,38 @@ class Cluster:
 
     # -- running them ------------------------------------------------------------------------
 
-    def start(self, component: str) -> Pod:
-        pod = self.pods[component]
-        container = pod.container
+    def _launch(self, pod: Pod, container: dict[str, Any]) -> subprocess.Popen[bytes]:
+        """Start one container of the pod (in the pod's network namespace); its log file is
+        `<container>.log` in the pod's folder."""
         ref = container["image"]
         if ref not in self.images:
             self.images[ref] = ImageRoot.mount(ref)
-        pod.launch = self._launch_spec(pod, container, self.images[ref])
-        spec_path = pod.workdir / "launch.json"
-        spec_path.write_text(json.dumps(pod.launch, indent=2))
-        pod.log_path = pod.workdir / "log.txt"
+        launch = self._launch_spec(pod, container, self.images[ref])
+        spec_path = pod.workdir / f"{container['name']}.launch.json"
+        spec_path.write_text(json.dumps(launch, indent=2))
+        log_path = pod.workdir / f"{container['name']}.log"
         namespace = self.network.namespace_of(pod.address)
         command = ["ip", "netns", "exec", namespace]
         command += [sys.executable, str(LAUNCHER), "start", str(spec_path)]
-        pod.proc = subprocess.Popen(
-            command,
-            stdout=pod.log_path.open("wb"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+        return subprocess.Popen(
+            command, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
         )
+
+    def start(self, component: str) -> Pod:
+        """Run the pod's init containers to completion, in order, then start its main container
+        and its probes."""
+        pod = self.pods[component]
+        for init in pod.spec.get("initContainers", []):
+            proc = self._launch(pod, init)
+            code = proc.wait(timeout=600)
+            if code != 0:
+                log = (pod.workdir / f"{init['name']}.log").read_text(errors="replace")
+                raise RuntimeError(
+                    f"{pod.name}: init container {init['name']} exited {code}\n{log}"
+                )
+        container = pod.container
+        pod.proc = self._launch(pod, container)
+        pod.log_path = pod.workdir / f"{container['name']}.log"
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             if kind in container:
                 pod.probes[kind] = Probe(kind, container[kind])
@@ -506,7 +518,7 @@ class Cluster:
         if "exec" in spec:
             if pod.proc is None or pod.proc.poll() is not None:
                 return False, "exec: the container is not running"
-            if not (pod.workdir / "pid").exists():
+            if not (pod.workdir / f"{pod.container['name']}.pid").exists():
                 return False, "exec: the container has not started yet"
             done = self.exec(pod, spec["exec"]["command"], timeout=timeout)
             return (
@@ -520,8 +532,9 @@ class Cluster:
     ) -> subprocess.CompletedProcess[str]:
         """Run a command inside the running container (its namespaces, root, user and env)."""
         assert pod.proc is not None
-        spec_path = pod.workdir / "launch.json"
-        pid = (pod.workdir / "pid").read_text()
+        name = pod.container["name"]
+        spec_path = pod.workdir / f"{name}.launch.json"
+        pid = (pod.workdir / f"{name}.pid").read_text()
         command = ["nsenter", "--target", pid, "--mount", "--net", "--uts", "--pid", "--"]
         command += [sys.executable, str(LAUNCHER), "exec", str(spec_path), *argv]
         try:
