@@ -78,8 +78,10 @@ def test_the_release_pushes_the_three_images_the_chart_pulls() -> None:
     for doc in workloads(render("defaults")):
         spec = pod_spec(doc)
         for container in spec["containers"] + spec.get("initContainers", []):
-            pulled.add(container["image"].rsplit("/", 1)[-1])
-    assert {f"{name}:{app_version}" for name in built} <= pulled
+            pulled.add(container["image"])
+    # The chart's default registry is the GitHub organisation kuberl's: what this workflow
+    # pushes when it runs in that organisation's repository.
+    assert {f"ghcr.io/kuberl/{name}:{app_version}" for name in built} <= pulled, pulled
 
 
 def test_images_are_tagged_with_the_charts_app_version_on_ghcr() -> None:
