@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import shutil
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +63,7 @@ def _values(refs: dict[str, str]) -> dict[str, Any]:
         "trainer": {
             "nodes": 1,
             "gpusPerNode": 1,
+            "gpu": False,
             "extraEnv": [{"name": "KUBERL_TRAINED_JSONL", "value": TRAINED_JSONL}],
         },
         "networkPolicy": {"enabled": False},
@@ -118,9 +118,9 @@ def _claims(root: Path) -> dict[str, Path]:
     return {"models": models, "datasets": datasets, f"{RELEASE}-kuberl-checkpoints": checkpoints}
 
 
-def _report_what_a_cpu_cluster_would_refuse(rendered: Rendered) -> None:
-    """This harness schedules nothing, so it says what a CPU-only cluster's scheduler would
-    refuse in the rendered pods instead of silently running them."""
+def _assert_a_cpu_cluster_could_schedule(rendered: Rendered) -> None:
+    """This harness schedules nothing, so it checks what a CPU-only cluster's scheduler would
+    refuse: any container of this CPU job that requests a GPU."""
     from tests.helm.chart import pod_spec, workloads
 
     gpu = [
@@ -129,13 +129,7 @@ def _report_what_a_cpu_cluster_would_refuse(rendered: Rendered) -> None:
         for c in pod_spec(doc)["containers"]
         if "nvidia.com/gpu" in (c.get("resources") or {}).get("limits", {})
     ]
-    if gpu:
-        warnings.warn(
-            f"chart: this CPU job's pods still request nvidia.com/gpu ({', '.join(gpu)}; "
-            "trainer.gpusPerNode has a minimum of 1): no CPU-only cluster would schedule them. "
-            "The harness has no scheduler and runs them anyway.",
-            stacklevel=2,
-        )
+    assert not gpu, f"this CPU job's pods request nvidia.com/gpu: {', '.join(gpu)}"
 
 
 def test_the_charts_pods_run_a_job_to_completion_from_the_images(tmp_path: Path) -> None:
@@ -146,7 +140,7 @@ def test_the_charts_pods_run_a_job_to_completion_from_the_images(tmp_path: Path)
 
     refs = build.ensure_images()
     rendered = render_values(_values(refs), release=RELEASE)
-    _report_what_a_cpu_cluster_would_refuse(rendered)
+    _assert_a_cpu_cluster_could_schedule(rendered)
     claims = _claims(tmp_path / "claims")
     # /var/tmp: the pods' volumes need a real filesystem (bind mounts, ownership), not a tmpfs.
     workdir = Path(os.environ.get("KUBERL_IMAGE_TEST_DIR", "/var/tmp/kuberl-image-test"))
