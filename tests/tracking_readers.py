@@ -130,7 +130,8 @@ OFFLINE_ENV = {
     "HTTPS_PROXY": "http://127.0.0.1:9",
     "http_proxy": "http://127.0.0.1:9",
     "https_proxy": "http://127.0.0.1:9",
-    "NO_PROXY": "",
-    "no_proxy": "",
+    # Loopback only: the services' own gRPC (which honours the proxy variables) stays direct.
+    "NO_PROXY": "127.0.0.1,localhost",
+    "no_proxy": "127.0.0.1,localhost",
     "MLFLOW_ALLOW_FILE_STORE": "true",
 }
