@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
 from kuberl.common.config import JobConfig
@@ -360,7 +360,7 @@ class Trainer:
             seconds=round(time.perf_counter() - started, 2),
         )
 
-    def _decode(self, ids: Sequence[int]) -> str:
+    def _decode(self, ids: Iterable[int]) -> str:
         return str(self.models.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True))
 
     def _connect(self) -> None:

@@ -14,7 +14,7 @@ import os
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -237,7 +237,7 @@ class Tracking:
     def __init__(
         self,
         trackers: list[tuple[TrackerConfig, Tracker]],
-        decode: Callable[[Sequence[int]], str],
+        decode: Callable[[Iterable[int]], str],
     ) -> None:
         self.trackers = trackers
         self.decode = decode
@@ -249,7 +249,7 @@ class Tracking:
         base: Path,
         runs_dir: Path,
         resumed: bool,
-        decode: Callable[[Sequence[int]], str],
+        decode: Callable[[Iterable[int]], str],
         step: int,
     ) -> Tracking:
         """Start (or, `resumed`, continue the runs recorded in `runs_dir` of) every tracker."""
@@ -303,7 +303,7 @@ class Tracking:
     def close(self) -> None:
         self._each("close")
 
-    def _sample(self, prompt: Sequence[int], response: Sequence[int], reward: float) -> Sample:
+    def _sample(self, prompt: Iterable[int], response: Iterable[int], reward: float) -> Sample:
         return Sample(self.decode(prompt), self.decode(response), float(reward))
 
     def _each(self, method: str, *args: Any) -> None:
