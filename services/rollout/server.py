@@ -207,7 +207,7 @@ class RolloutService(Service):
         config = self.config
         port = config.rollout.server.port
         endpoint = f"{socket.gethostname()}:{port}" if port else ""
-        if self.engine.kind == "torch":
+        if self.engine.kind in ("torch", "simulated"):
             device = getattr(config.rollout.engine, "device", "cpu")
             # On a GPU the trainer's buckets can be copied device to device (same GPU) or
             # broadcast over NCCL; every engine can take shared memory, gloo and snapshots.
