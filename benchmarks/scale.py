@@ -1,0 +1,674 @@
+"""Scale: how each shared component's cost grows with the number of rollout replicas, on one machine.
+
+Every piece is the real one except the model: an embedded Redis, `kuberl serve buffer`,
+`kuberl serve reward` (the `length` verifier) and `kuberl serve weight_sync` as subprocesses, and
+N rollout replicas, each a real `RolloutService` (its own RolloutWorker, buffer and reward gRPC
+channels and weight-sync `EngineClient`) around a `simulated` engine (tokens at a set rate, no
+model), grouped into a few host processes to fit the machine. A trainer stand-in in this process
+consumes the trajectory stream as the trainer does (GetBatch acknowledging the previous batch) and
+publishes weights with the real `WeightPublisher` (snapshot upload: engines on other hosts).
+
+Per N (default 4, 16, 64, 256), over a steady window: LeasePrompts / PutTrajectories latency
+p50/p99 seen by the replicas, trajectories/s through the buffer, buffer and Redis CPU per 1,000
+trajectories (/proc/<pid>/stat), Redis memory per in-flight group, weight-sync CPU per engine
+per second (heartbeats and registry), errors other than backpressure; then the time from a
+version's publish to every engine holding it, with the bytes weight-sync itself sent and the
+bytes engines relayed to each other. At the largest N, the buffer's throughput when it is the
+bound (engines 50x faster) with one buffer replica and with two against the same Redis.
+Ratios are against the smallest N of the same run. Last line: one JSON object.
+
+    .venv/bin/python benchmarks/scale.py [--replicas 4 16 64 256] [--hosts 4] [--seconds 20]
+        [--payload-mb 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import queue
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+
+from buffer_throughput import _proc_cpu_seconds, machine  # noqa: E402
+
+from tests.support import ServiceProcess  # noqa: E402
+
+GROUP_SIZE = 4
+PROMPTS_PER_BATCH = 2
+BATCH_GROUPS = 32
+#: Goals of issue 29 (checked here, never by a timed test).
+GOAL_P99_MS = 50.0
+GOAL_CPU_RATIO = 1.5
+GOAL_FANOUT_RATIO = 3.0
+GOAL_TWO_BUFFERS = 1.7
+
+
+# ---------------------------------------------------------------- the job
+
+
+@dataclass
+class Workload:
+    tokens_per_second: float = 40.0
+    response_tokens: int = 128
+    length_sigma: float = 0.3
+    max_new_tokens: int = 512
+
+
+def job(
+    workdir: Path, name: str, redis_url: str, prompts: Path, model: Path, work: Workload
+) -> dict[str, Any]:
+    """The job file's contents, services on port 0 (each writes its port file)."""
+    server = {"host": "127.0.0.1", "port": 0, "metrics_port": 0}
+    return {
+        "job": {"name": name},
+        "redis": {"url": redis_url},
+        "model": {"path": str(model)},
+        "data": {"train": [{"path": str(prompts)}]},
+        "rollout": {
+            "server": {**server},
+            "group_size": GROUP_SIZE,
+            "prompts_per_batch": PROMPTS_PER_BATCH,
+            "batches_in_flight": 1,
+            "engine": {
+                "kind": "simulated",
+                "tokens_per_second": work.tokens_per_second,
+                "response_tokens": work.response_tokens,
+                "length_sigma": work.length_sigma,
+                "vocab_size": 12,  # token ids the tiny character tokenizer decodes
+            },
+            "sampling": {"max_new_tokens": work.max_new_tokens},
+            "catch_up_seconds": 600,
+        },
+        "reward": {"server": {**server}, "verifiers": {"length": 1.0}, "workers": 1},
+        "buffer": {
+            "server": {**server},
+            "max_inflight_groups": 4096,
+            "lease_timeout_seconds": 600,
+            "batch_ack_timeout_seconds": 600,
+        },
+        "weight_sync": {
+            "server": {**server},
+            # Engines on other hosts than the service: every version travels as a snapshot.
+            "transports": ["snapshot"],
+            "snapshot_dir": str(workdir / "snapshots"),
+            "shm_dir": str(workdir / "no-shm" / "x"),
+            "broadcast_timeout_seconds": 120,
+        },
+    }
+
+
+def write_job(path: Path, data: dict[str, Any]) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+# ---------------------------------------------------------------- replica hosts
+
+
+@dataclass
+class HostStats:
+    lease_ms: list[float] = field(default_factory=list)
+    put_ms: list[float] = field(default_factory=list)
+    errors: dict[str, float] = field(default_factory=dict)
+    relayed_bytes: int = 0
+
+
+class _TimedStub:
+    """The buffer stub of one replica, recording LeasePrompts and PutTrajectories latency (of
+    calls that succeeded: a refused lease is the designed backpressure, counted apart)."""
+
+    def __init__(self, stub: Any, stats: HostStats, recording: threading.Event) -> None:
+        self._stub, self._stats, self._recording = stub, stats, recording
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._stub, name)
+        samples = {"LeasePrompts": self._stats.lease_ms, "PutTrajectories": self._stats.put_ms}
+        if name not in samples:
+            return method
+
+        async def timed(*args: Any, **kw: Any) -> Any:
+            started = time.perf_counter()
+            answer = await method(*args, **kw)
+            if self._recording.is_set():
+                samples[name].append((time.perf_counter() - started) * 1e3)
+            return answer
+
+        return timed
+
+
+def _errors() -> dict[str, float]:
+    """This process' rollout error counters (backpressure counted apart: it is designed)."""
+    from prometheus_client import REGISTRY
+
+    wanted = {
+        "kuberl_rollout_failures_total": "failures",
+        "kuberl_rollout_rpc_retries_total": "rpc_retries",
+        "kuberl_rollout_backpressure_total": "backpressure",
+    }
+    out: dict[str, float] = dict.fromkeys(wanted.values(), 0.0)
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name in wanted:
+                out[wanted[sample.name]] += sample.value
+    return out
+
+
+def host_main(job_data: dict[str, Any], replica_ids: list[str], control: Any, out: Any) -> None:
+    """One host process: `replica_ids` rollout replicas on one event loop."""
+    os.environ.setdefault("KUBERL_LOG_LEVEL", "warning")
+    asyncio.run(_host(job_data, replica_ids, control, out))
+
+
+async def _host(job_data: dict[str, Any], replica_ids: list[str], control: Any, out: Any) -> None:
+    from kuberl.common.config import JobConfig
+    from kuberl.common.logs import setup_logging
+    from kuberl.rollout.server import RolloutService
+
+    setup_logging("rollout", "warning")
+    import transformers  # noqa: F401  (imported once here: lazy imports from threads race)
+
+    transformers.AutoTokenizer  # noqa: B018
+    stats, recording = HostStats(), threading.Event()
+    services: list[RolloutService] = []
+
+    async def start(replica_id: str) -> None:
+        data = json.loads(json.dumps(job_data))
+        data["rollout"]["replica_id"] = replica_id
+        data["rollout"]["server"]["port"] = 0
+        service = RolloutService(JobConfig.model_validate(data))
+        services.append(service)
+        await service.start()
+        assert service.worker is not None
+        service.worker.buffer = _TimedStub(service.worker.buffer, stats, recording)
+
+    for at in range(0, len(replica_ids), 16):  # a few at a time: each joins weight-sync
+        await asyncio.gather(*(start(r) for r in replica_ids[at : at + 16]))
+    out.put(("ready", len(services)))
+    await asyncio.to_thread(control["measure"].wait)
+    errors0 = _errors()
+    recording.set()
+    await asyncio.to_thread(control["measured"].wait)
+    recording.clear()
+    errors1 = _errors()
+    stats.errors = {k: errors1[k] - errors0[k] for k in errors1}
+    out.put(("stats", stats))
+    await asyncio.to_thread(control["stop"].wait)
+    for service in services:
+        if service.worker is not None:
+            service.worker._stopping = True  # no new leases while the others stop
+    await asyncio.gather(*(s.stop() for s in services), return_exceptions=True)
+    out.put(("stopped", len(services)))
+
+
+class Hosts:
+    """The replica host processes of one N, with their control events."""
+
+    def __init__(self, job_data: dict[str, Any], replicas: int, hosts: int, tag: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.control = {k: ctx.Event() for k in ("measure", "measured", "stop")}
+        self.out = ctx.Queue()
+        ids = [f"{tag}-r{i}" for i in range(replicas)]
+        shards = [ids[i::hosts] for i in range(min(hosts, replicas))]
+        self.procs = [
+            ctx.Process(target=host_main, args=(job_data, s, self.control, self.out))
+            for s in shards
+        ]
+        for p in self.procs:
+            p.start()
+
+    def collect(self, what: str, timeout: float) -> list[Any]:
+        got = []
+        deadline = time.monotonic() + timeout
+        while len(got) < len(self.procs):
+            try:
+                kind, value = self.out.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p.exitcode for p in self.procs if p.exitcode is not None]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"replica hosts: {len(got)} of {len(self.procs)} sent {what} "
+                        f"(exit codes of the dead: {dead})"
+                    ) from None
+                continue
+            if kind != what:
+                raise RuntimeError(f"a replica host sent {kind} while {what} was awaited")
+            got.append(value)
+        return got
+
+    def stop(self) -> None:
+        self.control["stop"].set()
+        try:
+            self.collect("stopped", 120)
+        finally:
+            for p in self.procs:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
+
+
+# ---------------------------------------------------------------- the trainer stand-in
+
+
+class Consumer(threading.Thread):
+    """GetBatch acknowledging the previous batch, as the trainer does; counts trajectories."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(daemon=True)
+        self.address = address
+        self.trajectories = 0
+        self.failures = 0
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        from kuberl.api.buffer.v1 import buffer_pb2 as bpb
+        from kuberl.api.buffer.v1 import buffer_pb2_grpc
+        from kuberl.common.channels import sync_channel
+
+        acked = ""
+        with sync_channel(self.address) as channel:
+            stub = buffer_pb2_grpc.BufferServiceStub(channel)
+            while not self._stop_event.is_set():
+                try:
+                    batch = stub.GetBatch(
+                        bpb.GetBatchRequest(
+                            num_groups=BATCH_GROUPS, max_staleness=-1, consumer="trainer",
+                            wait_seconds=0.5, ack_batch_id=acked,
+                        ),
+                        timeout=60,
+                    )  # fmt: skip
+                except Exception:
+                    self.failures += 1
+                    time.sleep(0.2)
+                    continue
+                acked = batch.batch_id
+                self.trajectories += sum(len(g.trajectories) for g in batch.groups)
+            if acked:
+                stub.Ack(bpb.AckRequest(batch_id=acked), timeout=30)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(60)
+
+
+# ---------------------------------------------------------------- measuring one N
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+#: The job's keys that hold in-flight groups (leases, waiting groups and their payloads, batches).
+INFLIGHT_KEYS = ("leases:train", "groups:train", "payloads:train", "batches:train")
+
+
+def _redis_job_bytes(url: str, job: str) -> dict[str, int]:
+    """MEMORY USAGE of the job's in-flight keys, and of its idempotency record (`accepted`,
+    one field per group ever accepted), exactly (SAMPLES 0)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    prefix = f"kuberl:{{{job}}}:"
+    inflight = sum(
+        int(client.memory_usage(prefix + k, samples=0) or 0) for k in INFLIGHT_KEYS
+    ) + sum(
+        int(client.memory_usage(k, samples=0) or 0) for k in client.scan_iter(prefix + "batch:*")
+    )
+    accepted = int(client.memory_usage(prefix + "accepted:train", samples=0) or 0)
+    return {
+        "inflight": inflight,
+        "accepted": accepted,
+        "accepted_groups": client.hlen(prefix + "accepted:train"),
+    }
+
+
+def _buffer_inflight(address: str) -> int:
+    """Groups the job holds in Redis now: leased prompts, groups waiting, unacked batches."""
+    from kuberl.api.buffer.v1 import buffer_pb2 as bpb
+    from kuberl.api.buffer.v1 import buffer_pb2_grpc
+    from kuberl.common.channels import sync_channel
+
+    with sync_channel(address) as channel:
+        s = buffer_pb2_grpc.BufferServiceStub(channel).GetStats(bpb.GetStatsRequest(), timeout=30)
+    return int(s.prompts_leased + s.groups_pending + s.batches_unacked * BATCH_GROUPS)
+
+
+def _engines_holding(address: str, version: int) -> int:
+    from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
+    from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
+    from kuberl.common.channels import sync_channel
+
+    with sync_channel(address) as channel:
+        status = pb_grpc.WeightSyncServiceStub(channel).GetStatus(pb.GetStatusRequest(), timeout=30)
+    return sum(1 for e in status.engines if e.loaded_version >= version)
+
+
+def _metric(metrics_port: int, name: str, **labels: str) -> float:
+    """A sample's value from a service's /metrics (0 when absent)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
+    total = 0.0
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def payload(mb: float) -> list[tuple[str, Any]]:
+    import torch
+
+    n = int(mb * 1e6) // 2
+    return [("w.weight", torch.ones(n // 2, dtype=torch.bfloat16)),
+            ("v.weight", torch.zeros(n - n // 2, dtype=torch.bfloat16))]  # fmt: skip
+
+
+@dataclass
+class Stack:
+    """Redis and the reward service, shared by every N; a tiny model folder for the tokenizer."""
+
+    workdir: Path
+    redis_url: str
+    redis_pid: int
+    model: Path
+    prompts: Path
+    reward: ServiceProcess | None = None
+
+
+def measure(
+    stack: Stack, replicas: int, hosts: int, seconds: float, payload_mb: float, work: Workload,
+    buffers: int = 1, fan_out: bool = True,
+) -> dict[str, Any]:  # fmt: skip
+    """One N: start buffer(s) and weight-sync for a fresh job, the replicas, measure, stop."""
+    tag = f"n{replicas}-b{buffers}-{int(time.time() * 1000) % 10**8}"
+    workdir = stack.workdir / tag
+    workdir.mkdir()
+    data = job(workdir, tag, stack.redis_url, stack.prompts, stack.model, work)
+    config = write_job(workdir / "job.yaml", data)
+    env = {"KUBERL_LOG_LEVEL": "warning"}
+    procs = [
+        ServiceProcess.kuberl("buffer", config, workdir, f"buffer{i}", env) for i in range(buffers)
+    ]
+    sync = ServiceProcess.kuberl("weight_sync", config, workdir, "weight_sync", env)
+    procs.append(sync)
+    started: Hosts | None = None
+    try:
+        for p in procs:
+            p.wait_serving(120)
+        assert stack.reward is not None
+        endpoints = {
+            "buffer": procs[0].address, "reward": stack.reward.address, "weight_sync": sync.address,
+        }  # fmt: skip
+        consumer = Consumer(procs[0].address)
+        consumer.start()
+        pids = {"buffer": [p.proc.pid for p in procs[:buffers]], "redis": [stack.redis_pid]}
+        pids["weight_sync"] = [sync.proc.pid]
+        idle0 = {k: sum(_proc_cpu_seconds(p) for p in v) for k, v in pids.items()}
+        time.sleep(3.0)  # what the services cost with no replica: subtracted below
+        idle = {k: (sum(_proc_cpu_seconds(p) for p in v) - idle0[k]) / 3.0 for k, v in pids.items()}
+        # With two buffer replicas, half the replicas talk to each (a Service would spread them).
+        shards = []
+        for i in range(buffers):
+            d = json.loads(json.dumps(data))
+            d["endpoints"] = {**endpoints, "buffer": procs[i].address}
+            shards.append(d)
+        per = [replicas // buffers + (1 if i < replicas % buffers else 0) for i in range(buffers)]
+        host_sets = [
+            Hosts(shards[i], per[i], max(1, hosts // buffers), f"{tag}-{i}") for i in range(buffers)
+        ]
+        started = host_sets[0]
+        t_start = time.perf_counter()
+        for h in host_sets:
+            h.collect("ready", 600)
+        startup_s = time.perf_counter() - t_start
+        time.sleep(min(5.0, seconds / 3))  # warm up: leases, first batches
+        cpu0 = {k: sum(_proc_cpu_seconds(p) for p in v) for k, v in pids.items()}
+        traj0 = consumer.trajectories
+        for h in host_sets:
+            h.control["measure"].set()
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        inflight = _buffer_inflight(procs[0].address)
+        memory = _redis_job_bytes(stack.redis_url, tag)
+        elapsed = time.perf_counter() - t0
+        traj = consumer.trajectories - traj0
+        cpu = {k: sum(_proc_cpu_seconds(p) for p in v) - cpu0[k] for k, v in pids.items()}
+        for h in host_sets:
+            h.control["measured"].set()
+        host_stats: list[HostStats] = [s for h in host_sets for s in h.collect("stats", 120)]
+        lease = [x for s in host_stats for x in s.lease_ms]
+        put = [x for s in host_stats for x in s.put_ms]
+        errors: dict[str, float] = {}
+        for s in host_stats:
+            for k, v in s.errors.items():
+                errors[k] = errors.get(k, 0) + v
+        per_1k = 1e6 / max(traj, 1)
+        result: dict[str, Any] = {
+            "replicas": replicas,
+            "buffers": buffers,
+            "startup_seconds": round(startup_s, 1),
+            "window_seconds": round(elapsed, 1),
+            "trajectories": traj,
+            "traj_per_s": round(traj / elapsed, 1),
+            "lease_ms": {"p50": round(percentile(lease, 50), 2),
+                         "p99": round(percentile(lease, 99), 2), "calls": len(lease)},
+            "put_ms": {"p50": round(percentile(put, 50), 2),
+                       "p99": round(percentile(put, 99), 2), "calls": len(put)},
+            "cpu_ms_per_1k_traj": {
+                "buffer": round(cpu["buffer"] * per_1k, 1),
+                "redis": round(cpu["redis"] * per_1k, 1),
+                "buffer_plus_redis": round((cpu["buffer"] + cpu["redis"]) * per_1k, 1),
+            },
+            "cpu_share": {k: round(v / elapsed, 3) for k, v in cpu.items()},
+            "weight_sync_cpu_ms_per_engine_per_s": round(
+                cpu["weight_sync"] * 1e3 / elapsed / replicas, 3
+            ),
+            "cpu_ms_per_1k_traj_above_idle": {
+                k: round((cpu[k] - idle[k] * elapsed) * per_1k, 1) for k in ("buffer", "redis")
+            },
+            "idle_cpu_share": {k: round(v, 4) for k, v in idle.items()},
+            "redis_bytes_per_inflight_group": round(memory["inflight"] / max(inflight, 1)),
+            "inflight_groups": inflight,
+            "redis_bytes_per_accepted_group": round(
+                memory["accepted"] / max(memory["accepted_groups"], 1)
+            ),
+            "errors": {k: int(v) for k, v in errors.items() if k != "backpressure"},
+            "backpressure": int(errors.get("backpressure", 0)),
+            "consumer_failures": consumer.failures,
+        }  # fmt: skip
+        if fan_out:
+            result["fan_out"] = fan_out_once(sync, replicas, payload_mb)
+        for h in host_sets:
+            h.stop()
+        started = None
+        consumer.stop()
+        return result
+    finally:
+        if started is not None:
+            started.stop()
+        for p in procs:
+            p.stop()
+
+
+def fan_out_once(sync: ServiceProcess, engines: int, payload_mb: float) -> dict[str, Any]:
+    """Publish one version and time it until every engine holds it."""
+    from kuberl.common.weights import WeightPublisher
+
+    sent0 = _metric(sync.metrics_port, "kuberl_weight_sync_bytes_total", direction="out")
+    publisher = WeightPublisher(sync.address, transports=("snapshot",), host="trainer-host")
+    tensors = payload(payload_mb)
+    published = publisher.publish(1, tensors)
+    t0 = time.perf_counter()
+    deadline = t0 + 300
+    holding = 0
+    while time.perf_counter() < deadline:
+        holding = _engines_holding(sync.address, 1)
+        if holding >= engines:
+            break
+        time.sleep(0.05)
+    seconds = time.perf_counter() - t0
+    sent = _metric(sync.metrics_port, "kuberl_weight_sync_bytes_total", direction="out") - sent0
+    relayed = _metric(sync.metrics_port, "kuberl_weight_sync_relayed_bytes_total")
+    return {
+        "payload_bytes": published.total_bytes,
+        "seconds": round(seconds, 2),
+        "engines_holding": holding,
+        "weight_sync_bytes_sent": int(sent),
+        "weight_sync_bytes_per_engine": int(sent / max(engines, 1)),
+        "relayed_bytes": int(relayed),
+    }
+
+
+def start_stack(workdir: Path, redis_url: str, redis_pid: int, work: Workload) -> Stack:
+    from kuberl.rollout.testing import save_tiny_model
+
+    model = save_tiny_model(workdir / "model", hidden_size=16, layers=1, heads=2, kv_heads=1)
+    prompts = workdir / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{i}"}) + "\n" for i in range(50_000)))
+    stack = Stack(workdir, redis_url, redis_pid, model, prompts)
+    data = job(workdir, "reward", redis_url, prompts, model, work)
+    config = write_job(workdir / "reward.yaml", data)
+    stack.reward = ServiceProcess.kuberl("reward", config, workdir, "reward")
+    stack.reward.wait_serving(120)
+    return stack
+
+
+def summarize(runs: list[dict[str, Any]], two: dict[str, Any] | None) -> dict[str, Any]:
+    base, top = runs[0], runs[-1]
+    cpu_ratio = (
+        top["cpu_ms_per_1k_traj"]["buffer_plus_redis"]
+        / base["cpu_ms_per_1k_traj"]["buffer_plus_redis"]
+    )
+    p99 = max(top["lease_ms"]["p99"], top["put_ms"]["p99"])
+    by_n = {r["replicas"]: r for r in runs}
+    fan = {n: r["fan_out"]["seconds"] for n, r in by_n.items() if "fan_out" in r}
+    fan_ratio = fan[64] / fan[4] if 64 in fan and 4 in fan else None
+    registry = {n: r["weight_sync_cpu_ms_per_engine_per_s"] for n, r in by_n.items()}
+    reg_ratio = registry[256] / registry[16] if 256 in registry and 16 in registry else None
+    errors = sum(sum(r["errors"].values()) + r["consumer_failures"] for r in runs)
+    out: dict[str, Any] = {
+        "largest_replicas": top["replicas"],
+        "p99_ms_at_largest": p99,
+        "cpu_per_1k_ratio_largest_to_smallest": round(cpu_ratio, 3),
+        "fan_out_ratio_64_to_4": None if fan_ratio is None else round(fan_ratio, 2),
+        "registry_cost_ratio_256_to_16": None if reg_ratio is None else round(reg_ratio, 2),
+        "errors_besides_backpressure": int(errors),
+    }
+    goals = {
+        "p99_ms": p99 <= GOAL_P99_MS,
+        "cpu_ratio": cpu_ratio <= GOAL_CPU_RATIO,
+        "no_errors": errors == 0,
+    }
+    if fan_ratio is not None:
+        goals["fan_out_ratio"] = fan_ratio <= GOAL_FANOUT_RATIO
+    if reg_ratio is not None:
+        goals["registry_flat"] = reg_ratio <= 1.5
+    if two is not None:
+        ratio = two["two"]["traj_per_s"] / max(two["one"]["traj_per_s"], 1e-9)
+        out["two_buffers_ratio"] = round(ratio, 2)
+        goals["two_buffers"] = ratio >= GOAL_TWO_BUFFERS
+    out["goals_met"] = goals
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", type=int, nargs="+", default=[4, 16, 64, 256])
+    parser.add_argument("--hosts", type=int, default=4, help="replica host processes")
+    parser.add_argument("--seconds", type=float, default=20.0, help="steady window per N")
+    parser.add_argument("--payload-mb", type=float, default=8.0, help="weights of one version")
+    parser.add_argument("--tokens-per-second", type=float, default=40.0, help="per sequence")
+    parser.add_argument("--response-tokens", type=int, default=128, help="median length")
+    parser.add_argument(
+        "--saturate-seconds", type=float, default=15.0, help="window of the 1 vs 2 buffers phase"
+    )
+    parser.add_argument("--no-saturate", action="store_true", help="skip the 1 vs 2 buffers phase")
+    args = parser.parse_args(argv)
+
+    from kuberl.common.redis_server import EmbeddedRedis
+
+    info = machine()
+    work = Workload(tokens_per_second=args.tokens_per_second, response_tokens=args.response_tokens)
+    runs: list[dict[str, Any]] = []
+    two: dict[str, Any] | None = None
+    started = time.perf_counter()
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        EmbeddedRedis(Path(tmp) / "redis", die_with_parent=True) as redis_server,
+    ):
+        assert redis_server.proc is not None
+        stack = start_stack(Path(tmp), redis_server.url, redis_server.proc.pid, work)
+        try:
+            for n in args.replicas:
+                run = measure(stack, n, args.hosts, args.seconds, args.payload_mb, work)
+                runs.append(run)
+                print(
+                    f"N={n}: {run['traj_per_s']} traj/s, lease p99 {run['lease_ms']['p99']} ms, "
+                    f"put p99 {run['put_ms']['p99']} ms, fan-out {run['fan_out']['seconds']} s "
+                    f"(load {os.getloadavg()[0]:.1f})",
+                    file=sys.stderr,
+                )
+            if not args.no_saturate:
+                # The buffer as the bound: engines 50x faster than above.
+                fast = Workload(
+                    tokens_per_second=args.tokens_per_second * 50,
+                    response_tokens=args.response_tokens,
+                )
+                n = args.replicas[-1]
+                two = {
+                    f"{name}": measure(
+                        stack, n, args.hosts, args.saturate_seconds, 0, fast,
+                        buffers=b, fan_out=False,
+                    )
+                    for name, b in (("one", 1), ("two", 2))
+                }  # fmt: skip
+                print(
+                    f"buffers at N={n}: one {two['one']['traj_per_s']} traj/s, "
+                    f"two {two['two']['traj_per_s']} traj/s",
+                    file=sys.stderr,
+                )
+        finally:
+            assert stack.reward is not None
+            stack.reward.stop()
+    result = {
+        "benchmark": "scale",
+        "workload": {
+            "group_size": GROUP_SIZE,
+            "prompts_per_batch": PROMPTS_PER_BATCH,
+            "tokens_per_second_per_sequence": work.tokens_per_second,
+            "response_tokens_median": work.response_tokens,
+            "length_sigma": work.length_sigma,
+            "payload_mb": args.payload_mb,
+            "hosts": args.hosts,
+            "window_seconds": args.seconds,
+        },
+        "runs": runs,
+        "buffers_at_largest": two,
+        "summary": summarize(runs, two),
+        "seconds": round(time.perf_counter() - started, 1),
+        "machine": {**info, "loadavg_1m_at_end": round(os.getloadavg()[0], 2)},
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
