@@ -1,4 +1,4 @@
-"""Scale: how each shared component's cost grows with the number of rollout replicas, on one machine.
+"""Scale: how each shared component's cost grows with the number of rollout replicas (one box).
 
 Every piece is the real one except the model: an embedded Redis, `kuberl serve buffer`,
 `kuberl serve reward` (the `length` verifier) and `kuberl serve weight_sync` as subprocesses, and
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -63,6 +64,7 @@ class Workload:
     response_tokens: int = 128
     length_sigma: float = 0.3
     max_new_tokens: int = 512
+    relay_fanout: int = 2
 
 
 def job(
@@ -89,6 +91,9 @@ def job(
             },
             "sampling": {"max_new_tokens": work.max_new_tokens},
             "catch_up_seconds": 600,
+            # A version loads at once (running samples are regenerated on it): the fan-out
+            # time is weight-sync's, not the length of the generations it would wait for.
+            "on_weight_update": "abort",
         },
         "reward": {"server": {**server}, "verifiers": {"length": 1.0}, "workers": 1},
         "buffer": {
@@ -104,6 +109,7 @@ def job(
             "snapshot_dir": str(workdir / "snapshots"),
             "shm_dir": str(workdir / "no-shm" / "x"),
             "broadcast_timeout_seconds": 120,
+            "relay_fanout": work.relay_fanout,
         },
     }
 
@@ -178,9 +184,12 @@ async def _host(job_data: dict[str, Any], replica_ids: list[str], control: Any, 
     from kuberl.rollout.server import RolloutService
 
     setup_logging("rollout", "warning")
-    import transformers  # noqa: F401  (imported once here: lazy imports from threads race)
+    from kuberl.common import modelbuild
 
-    transformers.AutoTokenizer  # noqa: B018
+    # One tokenizer object for the host's replicas (each would load the same files): loading
+    # hundreds at once was most of the start-up, and transformers' lazy imports race in threads.
+    modelbuild.load_tokenizer = functools.lru_cache(modelbuild.load_tokenizer)  # type: ignore[assignment]
+    modelbuild.load_tokenizer(Path(job_data["model"]["path"]))
     stats, recording = HostStats(), threading.Event()
     services: list[RolloutService] = []
 
@@ -194,8 +203,7 @@ async def _host(job_data: dict[str, Any], replica_ids: list[str], control: Any, 
         assert service.worker is not None
         service.worker.buffer = _TimedStub(service.worker.buffer, stats, recording)
 
-    for at in range(0, len(replica_ids), 16):  # a few at a time: each joins weight-sync
-        await asyncio.gather(*(start(r) for r in replica_ids[at : at + 16]))
+    await asyncio.gather(*(start(r) for r in replica_ids))
     out.put(("ready", len(services)))
     await asyncio.to_thread(control["measure"].wait)
     errors0 = _errors()
@@ -216,15 +224,17 @@ async def _host(job_data: dict[str, Any], replica_ids: list[str], control: Any, 
 class Hosts:
     """The replica host processes of one N, with their control events."""
 
-    def __init__(self, job_data: dict[str, Any], replicas: int, hosts: int, tag: str) -> None:
+    def __init__(
+        self, first: Any, replicas: int, hosts: int, tag: str, target: Any = host_main
+    ) -> None:
+        """`target(first, ids, control, out)` in each host process, `ids` its replicas."""
         ctx = mp.get_context("spawn")
         self.control = {k: ctx.Event() for k in ("measure", "measured", "stop")}
         self.out = ctx.Queue()
         ids = [f"{tag}-r{i}" for i in range(replicas)]
         shards = [ids[i::hosts] for i in range(min(hosts, replicas))]
         self.procs = [
-            ctx.Process(target=host_main, args=(job_data, s, self.control, self.out))
-            for s in shards
+            ctx.Process(target=target, args=(first, s, self.control, self.out)) for s in shards
         ]
         for p in self.procs:
             p.start()
@@ -257,6 +267,26 @@ class Hosts:
                 p.join(30)
                 if p.is_alive():
                     p.kill()
+
+
+def engines_main(spec: dict[str, Any], engine_ids: list[str], control: Any, out: Any) -> None:
+    """A host of bare weight-sync engines (EngineClient, nothing else), for the fan-out phase."""
+    from kuberl.common.weights import EngineClient
+
+    clients = [
+        EngineClient(
+            spec["address"], load=lambda tensors, version: None, engine_id=engine_id,
+            transports=["snapshot"], peer_host="127.0.0.1" if spec["relay"] else "",
+        )
+        for engine_id in engine_ids
+    ]  # fmt: skip
+    for client in clients:
+        client.start()
+    out.put(("ready", len(clients)))
+    control["stop"].wait()
+    for client in clients:
+        client.stop()
+    out.put(("stopped", len(clients)))
 
 
 # ---------------------------------------------------------------- the trainer stand-in
@@ -537,6 +567,30 @@ def fan_out_once(sync: ServiceProcess, engines: int, payload_mb: float) -> dict[
     }
 
 
+def fan_out_phase(
+    stack: Stack, engines: int, hosts: int, payload_mb: float, relay_fanout: int, work: Workload
+) -> dict[str, Any]:
+    """Weight-sync alone with `engines` bare engines: one version's fan-out, star or relay."""
+    tag = f"fan{engines}-k{relay_fanout}-{int(time.time() * 1000) % 10**8}"
+    workdir = stack.workdir / tag
+    workdir.mkdir()
+    data = job(workdir, tag, stack.redis_url, stack.prompts, stack.model, work)
+    data["weight_sync"]["relay_fanout"] = relay_fanout
+    config = write_job(workdir / "job.yaml", data)
+    with ServiceProcess.kuberl("weight_sync", config, workdir, "weight_sync") as sync:
+        sync.wait_serving(120)
+        spec = {"address": sync.address, "relay": relay_fanout > 0}
+        fleet = Hosts(spec, engines, hosts, tag, target=engines_main)
+        try:
+            fleet.collect("ready", 300)
+            cpu0 = _proc_cpu_seconds(sync.proc.pid)
+            result = fan_out_once(sync, engines, payload_mb)
+            result["weight_sync_cpu_seconds"] = round(_proc_cpu_seconds(sync.proc.pid) - cpu0, 2)
+        finally:
+            fleet.stop()
+    return {"engines": engines, "relay_fanout": relay_fanout, **result}
+
+
 def start_stack(workdir: Path, redis_url: str, redis_pid: int, work: Workload) -> Stack:
     from kuberl.rollout.testing import save_tiny_model
 
@@ -551,7 +605,9 @@ def start_stack(workdir: Path, redis_url: str, redis_pid: int, work: Workload) -
     return stack
 
 
-def summarize(runs: list[dict[str, Any]], two: dict[str, Any] | None) -> dict[str, Any]:
+def summarize(
+    runs: list[dict[str, Any]], fan: dict[str, dict[str, Any]], two: dict[str, Any] | None
+) -> dict[str, Any]:
     base, top = runs[0], runs[-1]
     cpu_ratio = (
         top["cpu_ms_per_1k_traj"]["buffer_plus_redis"]
@@ -559,8 +615,10 @@ def summarize(runs: list[dict[str, Any]], two: dict[str, Any] | None) -> dict[st
     )
     p99 = max(top["lease_ms"]["p99"], top["put_ms"]["p99"])
     by_n = {r["replicas"]: r for r in runs}
-    fan = {n: r["fan_out"]["seconds"] for n, r in by_n.items() if "fan_out" in r}
-    fan_ratio = fan[64] / fan[4] if 64 in fan and 4 in fan else None
+    relay = {int(n): x["seconds"] for n, x in fan.get("relay", {}).items()}
+    star = {int(n): x["seconds"] for n, x in fan.get("star", {}).items()}
+    fan_ratio = relay[64] / relay[4] if 64 in relay and 4 in relay else None
+    star_ratio = star[64] / star[4] if 64 in star and 4 in star else None
     registry = {n: r["weight_sync_cpu_ms_per_engine_per_s"] for n, r in by_n.items()}
     reg_ratio = registry[256] / registry[16] if 256 in registry and 16 in registry else None
     errors = sum(sum(r["errors"].values()) + r["consumer_failures"] for r in runs)
@@ -569,6 +627,7 @@ def summarize(runs: list[dict[str, Any]], two: dict[str, Any] | None) -> dict[st
         "p99_ms_at_largest": p99,
         "cpu_per_1k_ratio_largest_to_smallest": round(cpu_ratio, 3),
         "fan_out_ratio_64_to_4": None if fan_ratio is None else round(fan_ratio, 2),
+        "star_fan_out_ratio_64_to_4": None if star_ratio is None else round(star_ratio, 2),
         "registry_cost_ratio_256_to_16": None if reg_ratio is None else round(reg_ratio, 2),
         "errors_besides_backpressure": int(errors),
     }
@@ -601,12 +660,19 @@ def main(argv: list[str] | None = None) -> int:
         "--saturate-seconds", type=float, default=15.0, help="window of the 1 vs 2 buffers phase"
     )
     parser.add_argument("--no-saturate", action="store_true", help="skip the 1 vs 2 buffers phase")
+    parser.add_argument(
+        "--relay-fanout", type=int, default=2, help="weight_sync.relay_fanout (0: the star)"
+    )
     args = parser.parse_args(argv)
 
     from kuberl.common.redis_server import EmbeddedRedis
 
     info = machine()
-    work = Workload(tokens_per_second=args.tokens_per_second, response_tokens=args.response_tokens)
+    work = Workload(
+        tokens_per_second=args.tokens_per_second,
+        response_tokens=args.response_tokens,
+        relay_fanout=args.relay_fanout,
+    )
     runs: list[dict[str, Any]] = []
     two: dict[str, Any] | None = None
     started = time.perf_counter()
@@ -626,6 +692,18 @@ def main(argv: list[str] | None = None) -> int:
                     f"(load {os.getloadavg()[0]:.1f})",
                     file=sys.stderr,
                 )
+            fan: dict[str, dict[str, Any]] = {}
+            for name, k in (("star", 0), ("relay", args.relay_fanout)):
+                fan[name] = {}
+                for n in args.replicas:
+                    x = fan_out_phase(stack, n, args.hosts, args.payload_mb, k, work)
+                    fan[name][str(n)] = x
+                    print(
+                        f"fan-out {name} to {n}: {x['seconds']} s, weight-sync sent "
+                        f"{x['weight_sync_bytes_sent'] / 1e6:.0f} MB "
+                        f"(load {os.getloadavg()[0]:.1f})",
+                        file=sys.stderr,
+                    )
             if not args.no_saturate:
                 # The buffer as the bound: engines 50x faster than above.
                 fast = Workload(
@@ -661,8 +739,9 @@ def main(argv: list[str] | None = None) -> int:
             "window_seconds": args.seconds,
         },
         "runs": runs,
+        "fan_out": fan,
         "buffers_at_largest": two,
-        "summary": summarize(runs, two),
+        "summary": summarize(runs, fan, two),
         "seconds": round(time.perf_counter() - started, 1),
         "machine": {**info, "loadavg_1m_at_end": round(os.getloadavg()[0], 2)},
     }

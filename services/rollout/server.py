@@ -223,6 +223,8 @@ class RolloutService(Service):
                 transports=(*gpu, "shm", "gloo", "snapshot"),
                 device=device,
                 shm_in_place=True,
+                # Versions it holds pass on to other engines (weight-sync's relay tree).
+                peer_host=_pod_address() if config.weight_sync.relay_fanout else "",
             )
         else:
             tp_size = getattr(config.rollout.engine, "tp_size", 1)
@@ -309,6 +311,14 @@ class RolloutService(Service):
             self._in_loop(got, lambda: engine.apply_snapshot(Path(f.name), got, folder))
         finally:  # moved into place when applied; a model-sized file never stays behind
             Path(f.name).unlink(missing_ok=True)
+
+
+def _pod_address() -> str:
+    """The address other pods reach this one at (its hostname's, the pod IP on Kubernetes)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def create_service(config: JobConfig) -> RolloutService:

@@ -60,6 +60,7 @@ from kuberl.common.weights.transports import (
     transport_value,
 )
 from kuberl.weight_sync.registry import Assignment, Engine, Registry
+from kuberl.weight_sync.relay import SERVICE, Relay
 from kuberl.weight_sync.store import DigestMismatch, StoredVersion, VersionStore
 
 log = get_logger(__name__)
@@ -120,6 +121,9 @@ class _Metrics:
         self.notify_failures = metrics.counter(
             f"{p}_notify_failures_total", "Best-effort NotifyWeightsUpdate pushes that failed"
         )
+        self.relayed = metrics.counter(
+            f"{p}_relayed_bytes_total", "Snapshot bytes engines streamed to each other (relay)"
+        )
 
 
 #: Values of the `engines_behind` gauge's `behind` label: "ahead" is an engine holding a version
@@ -168,6 +172,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         #: The relay's GPU for NCCL broadcasts ("" without one: no engine gets nccl).
         self.relay_gpu = ""
         self.registry = Registry(config.heartbeat_seconds, config.missed_heartbeats)
+        self.relay = Relay(config.relay_fanout)
         self.store: VersionStore | None = None
         self.metrics = _Metrics()
         self.current = 0
@@ -231,6 +236,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def stop(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
+        self.relay = Relay(0)  # nobody is admitted while the assignments end
         for engine in self.registry.engines.values():
             self._end_assignment(engine)
         if self.store is not None:
@@ -252,6 +258,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                 raise InvalidArgument(f"engine transports: unknown transport value {t}")
         engine, new = self.registry.register(request.engine)
         engine.wake = engine.wake or asyncio.Event()
+        self.relay.join(engine.engine_id, request.engine.peer_endpoint)
         # A version whose fan-out already began reaches this engine by snapshot.
         engine.catch_up_below = self.current + 1
         if new:
@@ -312,6 +319,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         engine = self.registry.remove(request.engine_id)
         if engine is not None:
             self._end_assignment(engine)
+            self.relay.leave(engine.engine_id)
             self._unpin(engine)
             engine.wake.set()
             self.metrics.leaves.labels("leave").inc()
@@ -334,11 +342,15 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         transport = transport_name(source.transport) if source else "unknown"
         if overdue is not None and request.version >= overdue.version:
             engine.overdue = None
+        source = self.relay.source_of(engine.engine_id)
         if request.ok:
             self._note_loaded(engine, request.version)
+            self.relay.holds(engine.engine_id, request.version)
             engine.last_error = ""
             if assignment is not None and assignment.version == request.version:
                 seconds = time.monotonic() - assignment.started
+                if source not in (None, SERVICE):
+                    self.metrics.relayed.inc(self._version_bytes(request.version))
                 self.metrics.update_seconds.labels(transport).observe(seconds)
                 # Broadcasts are counted by the relay's sender and snapshots by StreamSnapshot
                 # (which serves other downloads too); shm and CUDA IPC move no bytes through
@@ -350,6 +362,8 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                 transport=transport, seconds=round(request.load_seconds, 4),
             )  # fmt: skip
         else:
+            if source is not None:
+                self.relay.failed_source(source)
             engine.last_error = request.error
             engine.failures += 1
             pause = min(RETRY_FIRST_SECONDS * 2 ** (engine.failures - 1), RETRY_MAX_SECONDS)
@@ -713,6 +727,12 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             self._assign(engine, stored, pb.TRANSPORT_SNAPSHOT)
 
     def _assign(self, engine: Engine, stored: StoredVersion, transport: int) -> None:
+        source = SERVICE
+        if transport == pb.TRANSPORT_SNAPSHOT:
+            relay = self.relay.source(engine.engine_id, stored.version)
+            if relay is None:
+                return  # every source is busy: assigned when one frees (`_admit_waiting`)
+            source = relay
         now = time.monotonic()
         timeout = self.config.broadcast_timeout_seconds
         instruction = pb.UpdateInstruction(
@@ -733,7 +753,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             instruction.handles_json = stored.cuda_ipc_sets.pop(0).to_json()
         elif transport == pb.TRANSPORT_SNAPSHOT:
             # Empty: the address the engine already talks to (right behind a Kubernetes Service).
-            instruction.snapshot_endpoint = self.address
+            instruction.snapshot_endpoint = source or self.address
         elif transport in (pb.TRANSPORT_GLOO, pb.TRANSPORT_NCCL):
             nccl = transport == pb.TRANSPORT_NCCL
             sender = BroadcastSender(
@@ -830,6 +850,18 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         assignment, engine.assignment = engine.assignment, None
         if assignment is not None and assignment.sender is not None:
             assignment.sender.close()
+        if self.relay.finished(engine.engine_id) is not None:
+            self._admit_waiting()
+
+    def _admit_waiting(self) -> None:
+        """Engines waiting for a relay slot take the ones free now (each refused one waits on)."""
+        for _ in range(self.relay.waiting_count()):
+            engine_id = self.relay.next_waiting()
+            engine = self.registry.get(engine_id) if engine_id is not None else None
+            if engine is not None:
+                self._catch_up(engine)
+                if engine.assignment is None and self.relay.is_waiting(engine_id):
+                    return  # no slot left
 
     def _unpin(self, engine: Engine, reported: int | None = None) -> None:
         """Release the shared-memory versions the engine is done with: all (it left), else those
@@ -890,6 +922,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         for engine in self.registry.expired():
             self.registry.remove(engine.engine_id)
             self._end_assignment(engine)
+            self.relay.leave(engine.engine_id)
             self._retire_held(engine)
             self._unpin(engine)
             self.metrics.timeouts.labels("heartbeat").inc()
