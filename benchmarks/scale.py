@@ -25,15 +25,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import multiprocessing as mp
 import os
 import queue
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -347,6 +351,13 @@ def percentile(values: list[float], q: float) -> float:
 INFLIGHT_KEYS = ("leases:train", "groups:train", "payloads:train", "batches:train")
 
 
+def _machine_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of every core since boot (/proc/stat)."""
+    fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
 def _redis_job_bytes(url: str, job: str) -> dict[str, int]:
     """MEMORY USAGE of the job's in-flight keys, and of its idempotency record (`accepted`,
     one field per group ever accepted), exactly (SAMPLES 0)."""
@@ -367,14 +378,20 @@ def _redis_job_bytes(url: str, job: str) -> dict[str, int]:
     }
 
 
-def _buffer_inflight(address: str) -> int:
-    """Groups the job holds in Redis now: leased prompts, groups waiting, unacked batches."""
+def _buffer_stats(address: str) -> Any:
     from kuberl.api.buffer.v1 import buffer_pb2 as bpb
     from kuberl.api.buffer.v1 import buffer_pb2_grpc
     from kuberl.common.channels import sync_channel
 
     with sync_channel(address) as channel:
-        s = buffer_pb2_grpc.BufferServiceStub(channel).GetStats(bpb.GetStatsRequest(), timeout=30)
+        return buffer_pb2_grpc.BufferServiceStub(channel).GetStats(
+            bpb.GetStatsRequest(), timeout=30
+        )
+
+
+def _buffer_inflight(address: str) -> int:
+    """Groups the job holds in Redis now: leased prompts, groups waiting, unacked batches."""
+    s = _buffer_stats(address)
     return int(s.prompts_leased + s.groups_pending + s.batches_unacked * BATCH_GROUPS)
 
 
@@ -421,6 +438,27 @@ class Stack:
     model: Path
     prompts: Path
     reward: ServiceProcess | None = None
+    #: Where py-spy writes collapsed stacks of the services (None: no profiling).
+    profile_dir: Path | None = None
+
+
+@contextlib.contextmanager
+def profiled(stack: Stack, pid: int, name: str) -> Iterator[None]:
+    """py-spy samples process `pid` meanwhile (with --profile): collapsed stacks in <name>.txt."""
+    if stack.profile_dir is None:
+        yield
+        return
+    stack.profile_dir.mkdir(parents=True, exist_ok=True)
+    spy = subprocess.Popen(
+        [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid), "--format",
+         "raw", "--rate", "50", "--nonblocking", "-o", str(stack.profile_dir / f"{name}.txt")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes what it sampled and exits
+        spy.wait(30)
 
 
 def measure(
@@ -439,7 +477,7 @@ def measure(
     ]
     sync = ServiceProcess.kuberl("weight_sync", config, workdir, "weight_sync", env)
     procs.append(sync)
-    started: Hosts | None = None
+    started: list[Hosts] = []
     try:
         for p in procs:
             p.wait_serving(120)
@@ -464,23 +502,33 @@ def measure(
         host_sets = [
             Hosts(shards[i], per[i], max(1, hosts // buffers), f"{tag}-{i}") for i in range(buffers)
         ]
-        started = host_sets[0]
+        started = host_sets
         t_start = time.perf_counter()
         for h in host_sets:
             h.collect("ready", 600)
         startup_s = time.perf_counter() - t_start
-        time.sleep(min(5.0, seconds / 3))  # warm up: leases, first batches
+        # Warm up: the first lease queues the epoch (one Redis script over every prompt, which
+        # holds Redis meanwhile), then the first batches.
+        deadline = time.monotonic() + 120
+        while _buffer_stats(procs[0].address).cursor == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(min(5.0, seconds / 3))
+        pids["replica_hosts"] = [p.pid for h in host_sets for p in h.procs if p.pid]
+        pids["reward"] = [stack.reward.proc.pid]
         cpu0 = {k: sum(_proc_cpu_seconds(p) for p in v) for k, v in pids.items()}
+        box0 = _machine_busy()
         traj0 = consumer.trajectories
         for h in host_sets:
             h.control["measure"].set()
         t0 = time.perf_counter()
-        time.sleep(seconds)
+        with profiled(stack, procs[0].proc.pid, f"buffer-n{replicas}-b{buffers}"):
+            time.sleep(seconds)
         inflight = _buffer_inflight(procs[0].address)
         memory = _redis_job_bytes(stack.redis_url, tag)
         elapsed = time.perf_counter() - t0
         traj = consumer.trajectories - traj0
         cpu = {k: sum(_proc_cpu_seconds(p) for p in v) - cpu0[k] for k, v in pids.items()}
+        box1 = _machine_busy()
         for h in host_sets:
             h.control["measured"].set()
         host_stats: list[HostStats] = [s for h in host_sets for s in h.collect("stats", 120)]
@@ -507,7 +555,11 @@ def measure(
                 "redis": round(cpu["redis"] * per_1k, 1),
                 "buffer_plus_redis": round((cpu["buffer"] + cpu["redis"]) * per_1k, 1),
             },
+            # Cores busy per role over the window, and the whole machine's (other users too).
             "cpu_share": {k: round(v / elapsed, 3) for k, v in cpu.items()},
+            "machine_busy_cores": round(
+                (box1[0] - box0[0]) / max(box1[1] - box0[1], 1e-9) * (os.cpu_count() or 1), 2
+            ),
             "weight_sync_cpu_ms_per_engine_per_s": round(
                 cpu["weight_sync"] * 1e3 / elapsed / replicas, 3
             ),
@@ -526,14 +578,14 @@ def measure(
         }  # fmt: skip
         if fan_out:
             result["fan_out"] = fan_out_once(sync, replicas, payload_mb)
+        started = []
         for h in host_sets:
             h.stop()
-        started = None
         consumer.stop()
         return result
     finally:
-        if started is not None:
-            started.stop()
+        for h in started:
+            h.stop()
         for p in procs:
             p.stop()
 
@@ -584,7 +636,8 @@ def fan_out_phase(
         try:
             fleet.collect("ready", 300)
             cpu0 = _proc_cpu_seconds(sync.proc.pid)
-            result = fan_out_once(sync, engines, payload_mb)
+            with profiled(stack, sync.proc.pid, f"weight_sync-fan{engines}-k{relay_fanout}"):
+                result = fan_out_once(sync, engines, payload_mb)
             result["weight_sync_cpu_seconds"] = round(_proc_cpu_seconds(sync.proc.pid) - cpu0, 2)
         finally:
             fleet.stop()
@@ -596,7 +649,7 @@ def start_stack(workdir: Path, redis_url: str, redis_pid: int, work: Workload) -
 
     model = save_tiny_model(workdir / "model", hidden_size=16, layers=1, heads=2, kv_heads=1)
     prompts = workdir / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"{i}"}) + "\n" for i in range(50_000)))
+    prompts.write_text("".join(json.dumps({"prompt": f"{i}"}) + "\n" for i in range(30_000)))
     stack = Stack(workdir, redis_url, redis_pid, model, prompts)
     data = job(workdir, "reward", redis_url, prompts, model, work)
     config = write_job(workdir / "reward.yaml", data)
@@ -660,6 +713,7 @@ def main(argv: list[str] | None = None) -> int:
         "--saturate-seconds", type=float, default=15.0, help="window of the 1 vs 2 buffers phase"
     )
     parser.add_argument("--no-saturate", action="store_true", help="skip the 1 vs 2 buffers phase")
+    parser.add_argument("--profile", type=Path, help="py-spy the services into this folder")
     parser.add_argument(
         "--relay-fanout", type=int, default=2, help="weight_sync.relay_fanout (0: the star)"
     )
@@ -682,6 +736,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         assert redis_server.proc is not None
         stack = start_stack(Path(tmp), redis_server.url, redis_server.proc.pid, work)
+        stack.profile_dir = args.profile
         try:
             for n in args.replicas:
                 run = measure(stack, n, args.hosts, args.seconds, args.payload_mb, work)
