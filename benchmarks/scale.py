@@ -50,6 +50,7 @@ from buffer_throughput import _proc_cpu_seconds, machine  # noqa: E402
 from tests.support import ServiceProcess  # noqa: E402
 
 GROUP_SIZE = 4
+BUFFER_CALLS = ("LeasePrompts", "PutTrajectories")
 PROMPTS_PER_BATCH = 2
 BATCH_GROUPS = 32
 #: Goals of issue 29 (checked here, never by a timed test).
@@ -281,6 +282,7 @@ def engines_main(spec: dict[str, Any], engine_ids: list[str], control: Any, out:
         EngineClient(
             spec["address"], load=lambda tensors, version: None, engine_id=engine_id,
             transports=["snapshot"], peer_host="127.0.0.1" if spec["relay"] else "",
+            peer_bytes_per_second=spec["pod_bytes_per_second"],
         )
         for engine_id in engine_ids
     ]  # fmt: skip
@@ -371,7 +373,9 @@ def _redis_job_bytes(url: str, job: str) -> dict[str, int]:
         int(client.memory_usage(k, samples=0) or 0) for k in client.scan_iter(prefix + "batch:*")
     )
     accepted = int(client.memory_usage(prefix + "accepted:train", samples=0) or 0)
+    payloads = int(client.memory_usage(prefix + "payloads:train", samples=0) or 0)
     return {
+        "payload_per_group": payloads // max(1, int(client.hlen(prefix + "payloads:train"))),
         "inflight": inflight,
         "accepted": accepted,
         "accepted_groups": client.hlen(prefix + "accepted:train"),
@@ -418,6 +422,36 @@ def _metric(metrics_port: int, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
+
+
+def _buckets(metrics_port: int, name: str, **labels: str) -> dict[float, float]:
+    """A histogram's cumulative bucket counts (upper bound -> count) from /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
+    out: dict[float, float] = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            if sample.name == f"{name}_bucket" and all(
+                sample.labels.get(k) == v for k, v in labels.items()
+            ):
+                le = float(sample.labels["le"])
+                out[le] = out.get(le, 0.0) + sample.value
+    return out
+
+
+def bucket_quantiles(before: dict[float, float], after: dict[float, float]) -> dict[str, float]:
+    """Upper bounds (ms) of the buckets holding the p50 and p99 of what was observed between
+    two readings of a histogram: the buffer's own time per call, without the callers' side."""
+    delta = sorted((le, after[le] - before.get(le, 0.0)) for le in after)
+    total = delta[-1][1] if delta else 0.0
+    out = {}
+    for q in (50, 99):
+        le = next((le for le, count in delta if count >= total * q / 100), float("inf"))
+        out[f"p{q}_le"] = round(le * 1e3, 1)
+    return out
 
 
 def payload(mb: float) -> list[tuple[str, Any]]:
@@ -490,8 +524,8 @@ def measure(
         pids = {"buffer": [p.proc.pid for p in procs[:buffers]], "redis": [stack.redis_pid]}
         pids["weight_sync"] = [sync.proc.pid]
         idle0 = {k: sum(_proc_cpu_seconds(p) for p in v) for k, v in pids.items()}
-        time.sleep(3.0)  # what the services cost with no replica: subtracted below
-        idle = {k: (sum(_proc_cpu_seconds(p) for p in v) - idle0[k]) / 3.0 for k, v in pids.items()}
+        time.sleep(5.0)  # what the services cost with no replica: subtracted below
+        idle = {k: (sum(_proc_cpu_seconds(p) for p in v) - idle0[k]) / 5.0 for k, v in pids.items()}
         # With two buffer replicas, half the replicas talk to each (a Service would spread them).
         shards = []
         for i in range(buffers):
@@ -521,8 +555,11 @@ def measure(
         for h in host_sets:
             h.control["measure"].set()
         t0 = time.perf_counter()
+        rpc = "kuberl_buffer_rpc_seconds"
+        served0 = {m: _buckets(procs[0].metrics_port, rpc, method=m) for m in BUFFER_CALLS}
         with profiled(stack, procs[0].proc.pid, f"buffer-n{replicas}-b{buffers}"):
             time.sleep(seconds)
+        served1 = {m: _buckets(procs[0].metrics_port, rpc, method=m) for m in BUFFER_CALLS}
         inflight = _buffer_inflight(procs[0].address)
         memory = _redis_job_bytes(stack.redis_url, tag)
         elapsed = time.perf_counter() - t0
@@ -548,6 +585,11 @@ def measure(
             "traj_per_s": round(traj / elapsed, 1),
             "lease_ms": {"p50": round(percentile(lease, 50), 2),
                          "p99": round(percentile(lease, 99), 2), "calls": len(lease)},
+            # The same calls timed inside the buffer (its rpc histogram's buckets): what the
+            # buffer itself takes, apart from the callers' and the machine's queueing.
+            "buffer_side_ms": {
+                m: bucket_quantiles(served0[m], served1[m]) for m in BUFFER_CALLS
+            },
             "put_ms": {"p50": round(percentile(put, 50), 2),
                        "p99": round(percentile(put, 99), 2), "calls": len(put)},
             "cpu_ms_per_1k_traj": {
@@ -568,6 +610,7 @@ def measure(
             },
             "idle_cpu_share": {k: round(v, 4) for k, v in idle.items()},
             "redis_bytes_per_inflight_group": round(memory["inflight"] / max(inflight, 1)),
+            "redis_payload_bytes_per_group": memory["payload_per_group"],
             "inflight_groups": inflight,
             "redis_bytes_per_accepted_group": round(
                 memory["accepted"] / max(memory["accepted_groups"], 1)
@@ -605,7 +648,7 @@ def fan_out_once(sync: ServiceProcess, engines: int, payload_mb: float) -> dict[
         holding = _engines_holding(sync.address, 1)
         if holding >= engines:
             break
-        time.sleep(0.05)
+        time.sleep(0.1)
     seconds = time.perf_counter() - t0
     sent = _metric(sync.metrics_port, "kuberl_weight_sync_bytes_total", direction="out") - sent0
     relayed = _metric(sync.metrics_port, "kuberl_weight_sync_relayed_bytes_total")
@@ -620,18 +663,25 @@ def fan_out_once(sync: ServiceProcess, engines: int, payload_mb: float) -> dict[
 
 
 def fan_out_phase(
-    stack: Stack, engines: int, hosts: int, payload_mb: float, relay_fanout: int, work: Workload
-) -> dict[str, Any]:
-    """Weight-sync alone with `engines` bare engines: one version's fan-out, star or relay."""
+    stack: Stack, engines: int, hosts: int, payload_mb: float, relay_fanout: int, work: Workload,
+    pod_bytes_per_second: float,
+) -> dict[str, Any]:  # fmt: skip
+    """Weight-sync alone with `engines` bare engines: one version's fan-out, star or relay,
+    every pod's snapshot streams capped at `pod_bytes_per_second` (its NIC, in this model)."""
     tag = f"fan{engines}-k{relay_fanout}-{int(time.time() * 1000) % 10**8}"
     workdir = stack.workdir / tag
     workdir.mkdir()
     data = job(workdir, tag, stack.redis_url, stack.prompts, stack.model, work)
     data["weight_sync"]["relay_fanout"] = relay_fanout
+    data["weight_sync"]["snapshot_bytes_per_second"] = pod_bytes_per_second
     config = write_job(workdir / "job.yaml", data)
     with ServiceProcess.kuberl("weight_sync", config, workdir, "weight_sync") as sync:
         sync.wait_serving(120)
-        spec = {"address": sync.address, "relay": relay_fanout > 0}
+        spec = {
+            "address": sync.address,
+            "relay": relay_fanout > 0,
+            "pod_bytes_per_second": pod_bytes_per_second,
+        }
         fleet = Hosts(spec, engines, hosts, tag, target=engines_main)
         try:
             fleet.collect("ready", 300)
@@ -679,6 +729,13 @@ def summarize(
         "largest_replicas": top["replicas"],
         "p99_ms_at_largest": p99,
         "cpu_per_1k_ratio_largest_to_smallest": round(cpu_ratio, 3),
+        # The same without what the services cost idle (a fixed cost the few trajectories of a
+        # small N carry alone): the cost that grows with the replicas.
+        "cpu_per_1k_above_idle_ratio": round(
+            sum(top["cpu_ms_per_1k_traj_above_idle"].values())
+            / max(sum(base["cpu_ms_per_1k_traj_above_idle"].values()), 1e-9),
+            3,
+        ),
         "fan_out_ratio_64_to_4": None if fan_ratio is None else round(fan_ratio, 2),
         "star_fan_out_ratio_64_to_4": None if star_ratio is None else round(star_ratio, 2),
         "registry_cost_ratio_256_to_16": None if reg_ratio is None else round(reg_ratio, 2),
@@ -701,6 +758,58 @@ def summarize(
     return out
 
 
+def plot(result: dict[str, Any], path: Path) -> None:
+    """The curves of docs/scale.md: latency, CPU per trajectory, fan-out, registry cost vs N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    n = [r["replicas"] for r in runs]
+    fig, ax = plt.subplots(2, 2, figsize=(11, 8))
+    a = ax[0][0]
+    for call, style in (("lease_ms", "o-"), ("put_ms", "s-")):
+        for q in ("p50", "p99"):
+            a.plot(n, [r[call][q] for r in runs], style, label=f"{call[:-3]} {q}",
+                   alpha=1.0 if q == "p99" else 0.5)  # fmt: skip
+    a.axhline(GOAL_P99_MS, color="grey", ls=":", label="goal p99")
+    a.set(title="buffer calls seen by the replicas", ylabel="ms")
+    a = ax[0][1]
+    a.plot(n, [r["cpu_ms_per_1k_traj"]["buffer"] for r in runs], "o-", label="buffer")
+    a.plot(n, [r["cpu_ms_per_1k_traj"]["redis"] for r in runs], "s-", label="Redis")
+    a.set(title="CPU per 1,000 trajectories", ylabel="CPU ms")
+    b = a.twinx()
+    b.plot(n, [r["traj_per_s"] for r in runs], "k--", label="trajectories/s")
+    b.set_ylabel("trajectories/s")
+    b.legend(loc="center right")
+    a = ax[1][0]
+    for name, style in (("star", "o-"), ("relay", "s-")):
+        by_n = result.get("fan_out", {}).get(name, {})
+        ns = sorted(int(k) for k in by_n)
+        a.plot(ns, [by_n[str(k)]["seconds"] for k in ns], style, label=f"{name}: time")
+    phase = result["workload"].get("fan_out_phase", {})
+    a.set(
+        title=f"one version ({phase.get('payload_mb', 0)} MB) to N engines, each pod's egress "
+        f"capped at {phase.get('pod_mb_per_s', 0)} MB/s",
+        ylabel="seconds",
+    )
+    a = ax[1][1]
+    a.plot(n, [r["weight_sync_cpu_ms_per_engine_per_s"] for r in runs], "o-", label="per engine")
+    a.set(title="weight-sync CPU per engine (heartbeats, registry)", ylabel="CPU ms / s")
+    for a in (ax[0][0], ax[0][1], ax[1][0], ax[1][1]):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("rollout replicas / engines (N)")
+        a.legend(loc="upper left", fontsize=8)
+    load = result["machine"]
+    fig.suptitle(
+        f"kuberl scale, simulated replicas ({load['cores']}-core {load['cpu']}, shared: "
+        f"load {load['loadavg_1m_at_start']}-{load['loadavg_1m_at_end']})"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, nargs="+", default=[4, 16, 64, 256])
@@ -713,11 +822,31 @@ def main(argv: list[str] | None = None) -> int:
         "--saturate-seconds", type=float, default=15.0, help="window of the 1 vs 2 buffers phase"
     )
     parser.add_argument("--no-saturate", action="store_true", help="skip the 1 vs 2 buffers phase")
+    parser.add_argument(
+        "--fan-out-mb", type=float, default=0.5, help="weights of one version, fan-out phase"
+    )
+    parser.add_argument(
+        "--pod-mb-per-s",
+        type=float,
+        default=1.0,
+        help="fan-out phase: each pod's snapshot egress cap (weight_sync.snapshot_bytes_per_second)"
+        ", low enough that all pods together stay under what this machine can copy",
+    )
+    parser.add_argument(
+        "--star-up-to", type=int, default=64, help="fan-out phase: largest N timed as a star"
+    )
     parser.add_argument("--profile", type=Path, help="py-spy the services into this folder")
+    parser.add_argument("--plot", type=Path, help="write the curves to this PNG")
+    parser.add_argument(
+        "--plot-from", type=Path, help="only plot (to --plot) the last JSON line of this file"
+    )
     parser.add_argument(
         "--relay-fanout", type=int, default=2, help="weight_sync.relay_fanout (0: the star)"
     )
     args = parser.parse_args(argv)
+    if args.plot_from:
+        plot(json.loads(args.plot_from.read_text().strip().splitlines()[-1]), args.plot)
+        return 0
 
     from kuberl.common.redis_server import EmbeddedRedis
 
@@ -747,11 +876,18 @@ def main(argv: list[str] | None = None) -> int:
                     f"(load {os.getloadavg()[0]:.1f})",
                     file=sys.stderr,
                 )
-            fan: dict[str, dict[str, Any]] = {}
+            fan: dict[str, Any] = {}
+            # One engine, no cap: what one snapshot stream moves on this machine.
+            one = fan_out_phase(stack, 1, 1, 64.0, 0, work, 0.0)
+            fan["single_stream_mb_per_s"] = round(one["payload_bytes"] / one["seconds"] / 1e6, 1)
             for name, k in (("star", 0), ("relay", args.relay_fanout)):
                 fan[name] = {}
                 for n in args.replicas:
-                    x = fan_out_phase(stack, n, args.hosts, args.payload_mb, k, work)
+                    if k == 0 and n > args.star_up_to:
+                        continue  # N x size / the cap: predictable, and long
+                    x = fan_out_phase(
+                        stack, n, args.hosts, args.fan_out_mb, k, work, args.pod_mb_per_s * 1e6
+                    )
                     fan[name][str(n)] = x
                     print(
                         f"fan-out {name} to {n}: {x['seconds']} s, weight-sync sent "
@@ -790,6 +926,11 @@ def main(argv: list[str] | None = None) -> int:
             "response_tokens_median": work.response_tokens,
             "length_sigma": work.length_sigma,
             "payload_mb": args.payload_mb,
+            "fan_out_phase": {
+                "payload_mb": args.fan_out_mb,
+                "pod_mb_per_s": args.pod_mb_per_s,
+                "relay_fanout": args.relay_fanout,
+            },
             "hosts": args.hosts,
             "window_seconds": args.seconds,
         },
@@ -800,6 +941,8 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.perf_counter() - started, 1),
         "machine": {**info, "loadavg_1m_at_end": round(os.getloadavg()[0], 2)},
     }
+    if args.plot:
+        plot(result, args.plot)
     print(json.dumps(result))
     return 0
 

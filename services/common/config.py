@@ -1033,6 +1033,13 @@ class WeightSyncConfig(Section):
         "for heartbeat_seconds x missed_heartbeats is dropped from the pool.",
     )
     missed_heartbeats: int = Field(3, ge=1, description="Drop an engine after this many.")
+    snapshot_bytes_per_second: float = Field(
+        0.0,
+        ge=0,
+        description="Most snapshot bytes per second one pod streams, all its streams together "
+        "(the service, and each engine passing versions on): keeps weight-sync from filling a "
+        "NIC the buffer and trainer share. 0: no limit.",
+    )
     relay_fanout: int = Field(
         0,
         ge=0,

@@ -225,6 +225,7 @@ class RolloutService(Service):
                 shm_in_place=True,
                 # Versions it holds pass on to other engines (weight-sync's relay tree).
                 peer_host=_pod_address() if config.weight_sync.relay_fanout else "",
+                peer_bytes_per_second=config.weight_sync.snapshot_bytes_per_second,
             )
         else:
             tp_size = getattr(config.rollout.engine, "tp_size", 1)

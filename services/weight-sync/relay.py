@@ -97,10 +97,11 @@ class Relay:
     def holds(self, engine_id: str, version: int) -> None:
         """`engine_id` loaded `version`: it becomes a source of it, if it serves peers."""
         now = self._now
-        if now is not None and version == now.version and engine_id in self._endpoints:
-            if engine_id not in now.load:
-                now.load[engine_id] = set()
-                now.open[engine_id] = None
+        if now is None or version != now.version or engine_id not in self._endpoints:
+            return
+        if engine_id not in now.load:
+            now.load[engine_id] = set()
+            now.open[engine_id] = None
 
     def failed_source(self, source: str) -> None:
         """A download from peer `source` failed: it gets no more downloaders of this version

@@ -50,7 +50,7 @@ from kuberl.common.config import JobConfig, WeightSyncConfig
 from kuberl.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from kuberl.common.logs import get_logger
 from kuberl.common.server import Service
-from kuberl.common.weights.chunks import ChunkReceiver, CorruptSnapshot, iter_chunks
+from kuberl.common.weights.chunks import ChunkReceiver, CorruptSnapshot, Pacer, iter_chunks
 from kuberl.common.weights.manifest import Manifest
 from kuberl.common.weights.transports import (
     BroadcastSender,
@@ -173,6 +173,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         self.relay_gpu = ""
         self.registry = Registry(config.heartbeat_seconds, config.missed_heartbeats)
         self.relay = Relay(config.relay_fanout)
+        self.pacer = Pacer(config.snapshot_bytes_per_second)
         self.store: VersionStore | None = None
         self.metrics = _Metrics()
         self.current = 0
@@ -993,6 +994,8 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             for chunk in iter_chunks(
                 stored.version, pieces(), chunk_bytes=chunk_bytes, manifest_first=stored.manifest
             ):
+                if wait := self.pacer.delay(len(chunk.data)):
+                    await asyncio.sleep(wait)
                 yield chunk
         finally:
             self.store.unpin(stored)

@@ -71,6 +71,7 @@ class EngineClient:
         shm_in_place: bool = False,
         ranks: int = 1,
         peer_host: str = "",
+        peer_bytes_per_second: float = 0.0,
     ) -> None:
         """`gpu`: the UUID of the engine's GPU, which decides CUDA IPC eligibility (None: looked
         up from `device`; "" on the CPU). `shm_in_place`: over `shm`, `load` gets views of the
@@ -80,7 +81,8 @@ class EngineClient:
         joins a broadcast group with, from the instruction's `rank` up (an SGLang server joins
         with each tensor-parallel rank: its tp size); the relay sizes the group by it.
         `peer_host`: serve the held version to other engines on this address (a free port;
-        weight-sync's relay tree, `weight_sync.relay_fanout`); "" serves nobody."""
+        weight-sync's relay tree, `weight_sync.relay_fanout`); "" serves nobody; at most
+        `peer_bytes_per_second` (0: no cap)."""
         if ranks < 1:
             raise ValueError(f"ranks must be at least 1, got {ranks}")
         if (load is None) == (apply is None):
@@ -117,7 +119,9 @@ class EngineClient:
         self.history: deque[tuple[int, str]] = deque(maxlen=HISTORY_KEPT)
         #: Transport of the update being delivered to `load` right now.
         self.current_transport = ""
-        self.peer = PeerServer(peer_host, max_message_bytes) if peer_host else None
+        self.peer = (
+            PeerServer(peer_host, max_message_bytes, peer_bytes_per_second) if peer_host else None
+        )
 
     # ------------------------------------------------------------------ public API
 

@@ -12,6 +12,7 @@ stream never mixes two versions.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -22,9 +23,10 @@ import torch
 
 from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
 from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
+from kuberl.common import tls as transport
 from kuberl.common.channels import DEFAULT_MAX_MESSAGE_BYTES
 from kuberl.common.server import server_grpc_options
-from kuberl.common.weights.chunks import DEFAULT_CHUNK_BYTES, iter_chunks
+from kuberl.common.weights.chunks import DEFAULT_CHUNK_BYTES, Pacer, iter_chunks
 from kuberl.common.weights.manifest import Manifest
 
 #: Streams a peer serves at once: the relay sends at most `relay_fanout`; a few more are refused.
@@ -41,8 +43,15 @@ class Held:
 class PeerServer(pb_grpc.WeightSyncServiceServicer):
     """Serves the held version's snapshot on `host`:<a free port> (`endpoint` once started)."""
 
-    def __init__(self, host: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    def __init__(
+        self,
+        host: str,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        bytes_per_second: float = 0.0,
+    ) -> None:
+        """`bytes_per_second`: cap on what this engine streams (`snapshot_bytes_per_second`)."""
         self.host = host
+        self.pacer = Pacer(bytes_per_second)
         self._held: Held | None = None
         self._lock = threading.Lock()
         self.bytes_sent = 0
@@ -52,7 +61,12 @@ class PeerServer(pb_grpc.WeightSyncServiceServicer):
             maximum_concurrent_rpcs=MAX_STREAMS,
         )
         pb_grpc.add_WeightSyncServiceServicer_to_server(self, self._server)
-        self.port = self._server.add_insecure_port(f"{host}:0")
+        settings = transport.current()  # the job's TLS: downloaders' channels use it too
+        if settings.enabled:
+            credentials = transport.server_credentials(settings)
+            self.port = self._server.add_secure_port(f"{host}:0", credentials)
+        else:
+            self.port = self._server.add_insecure_port(f"{host}:0")
         self.endpoint = f"{host}:{self.port}"
 
     def start(self) -> PeerServer:
@@ -93,5 +107,7 @@ class PeerServer(pb_grpc.WeightSyncServiceServicer):
         for chunk in iter_chunks(
             held.version, pieces(), chunk_bytes=chunk_bytes, manifest_first=held.manifest
         ):
+            if wait := self.pacer.delay(len(chunk.data)):
+                time.sleep(wait)
             self.bytes_sent += len(chunk.data)
             yield chunk
