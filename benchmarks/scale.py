@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -177,122 +178,135 @@ def _errors() -> dict[str, float]:
     return out
 
 
-def host_main(job_data: dict[str, Any], replica_ids: list[str], control: Any, out: Any) -> None:
-    """One host process: `replica_ids` rollout replicas on one event loop."""
+def host_main(inbox: Any, out: Any) -> None:
+    """One host process: runs the commands of its inbox (`Pool`) on one event loop."""
     os.environ.setdefault("KUBERL_LOG_LEVEL", "warning")
-    asyncio.run(_host(job_data, replica_ids, control, out))
+    asyncio.run(_host(inbox, out))
 
 
-async def _host(job_data: dict[str, Any], replica_ids: list[str], control: Any, out: Any) -> None:
+async def _host(inbox: Any, out: Any) -> None:
+    from kuberl.common import modelbuild
     from kuberl.common.config import JobConfig
     from kuberl.common.logs import setup_logging
+    from kuberl.common.weights import EngineClient
     from kuberl.rollout.server import RolloutService
 
     setup_logging("rollout", "warning")
-    from kuberl.common import modelbuild
-
     # One tokenizer object for the host's replicas (each would load the same files): loading
     # hundreds at once was most of the start-up, and transformers' lazy imports race in threads.
-    modelbuild.load_tokenizer = functools.lru_cache(modelbuild.load_tokenizer)  # type: ignore[assignment]
-    modelbuild.load_tokenizer(Path(job_data["model"]["path"]))
+    modelbuild.load_tokenizer = functools.lru_cache(modelbuild.load_tokenizer)
     stats, recording = HostStats(), threading.Event()
     services: list[RolloutService] = []
+    clients: list[EngineClient] = []
+    errors0: dict[str, float] = {}
 
-    async def start(replica_id: str) -> None:
+    async def start(job_data: dict[str, Any], replica_id: str) -> None:
         data = json.loads(json.dumps(job_data))
         data["rollout"]["replica_id"] = replica_id
-        data["rollout"]["server"]["port"] = 0
         service = RolloutService(JobConfig.model_validate(data))
         services.append(service)
         await service.start()
         assert service.worker is not None
         service.worker.buffer = _TimedStub(service.worker.buffer, stats, recording)
 
-    await asyncio.gather(*(start(r) for r in replica_ids))
-    out.put(("ready", len(services)))
-    await asyncio.to_thread(control["measure"].wait)
-    errors0 = _errors()
-    recording.set()
-    await asyncio.to_thread(control["measured"].wait)
-    recording.clear()
-    errors1 = _errors()
-    stats.errors = {k: errors1[k] - errors0[k] for k in errors1}
-    out.put(("stats", stats))
-    await asyncio.to_thread(control["stop"].wait)
-    for service in services:
-        if service.worker is not None:
-            service.worker._stopping = True  # no new leases while the others stop
-    await asyncio.gather(*(s.stop() for s in services), return_exceptions=True)
-    out.put(("stopped", len(services)))
+    def engine(spec: dict[str, Any], engine_id: str) -> EngineClient:
+        return EngineClient(
+            spec["address"], load=lambda tensors, version: None, engine_id=engine_id,
+            transports=["snapshot"], peer_host="127.0.0.1" if spec["relay"] else "",
+            peer_bytes_per_second=spec["pod_bytes_per_second"],
+        )  # fmt: skip
+
+    while True:
+        command, arg, ids = await asyncio.to_thread(inbox.get)
+        if command == "replicas":  # arg: the job file's contents
+            modelbuild.load_tokenizer(Path(arg["model"]["path"]))
+            await asyncio.gather(*(start(arg, r) for r in ids))
+            out.put(("ready", len(ids)))
+        elif command == "engines":  # bare weight-sync engines; arg: where and how
+            clients = [engine(arg, e) for e in ids]
+            await asyncio.gather(*(asyncio.to_thread(c.start) for c in clients))
+            out.put(("ready", len(ids)))
+        elif command == "measure":
+            stats.lease_ms.clear()  # the replicas' stubs hold this object
+            stats.put_ms.clear()
+            errors0 = _errors()
+            recording.set()
+            out.put(("measuring", 0))
+        elif command == "measured":
+            recording.clear()
+            errors1 = _errors()
+            stats.errors = {k: errors1[k] - errors0[k] for k in errors1}
+            out.put(("stats", stats))
+        elif command == "stop":
+            for service in services:
+                if service.worker is not None:
+                    service.worker._stopping = True  # no new leases while the others stop
+            await asyncio.gather(*(s.stop() for s in services), return_exceptions=True)
+            await asyncio.gather(*(asyncio.to_thread(c.stop) for c in clients))
+            out.put(("stopped", len(services) + len(clients)))
+            services, clients = [], []
+        else:
+            return
 
 
-class Hosts:
-    """The replica host processes of one N, with their control events."""
+class Pool:
+    """Host processes started once (importing torch and kuberl takes each many seconds on a
+    busy machine) that host the replicas or engines of one phase after another."""
 
-    def __init__(
-        self, first: Any, replicas: int, hosts: int, tag: str, target: Any = host_main
-    ) -> None:
-        """`target(first, ids, control, out)` in each host process, `ids` its replicas."""
+    def __init__(self, hosts: int) -> None:
         ctx = mp.get_context("spawn")
-        self.control = {k: ctx.Event() for k in ("measure", "measured", "stop")}
         self.out = ctx.Queue()
-        ids = [f"{tag}-r{i}" for i in range(replicas)]
-        shards = [ids[i::hosts] for i in range(min(hosts, replicas))]
-        self.procs = [
-            ctx.Process(target=target, args=(first, s, self.control, self.out)) for s in shards
-        ]
+        self.inboxes = [ctx.Queue() for _ in range(hosts)]
+        self.procs = [ctx.Process(target=host_main, args=(q, self.out)) for q in self.inboxes]
         for p in self.procs:
             p.start()
+        self.busy = 0  # hosts given the current phase
+
+    def start(self, command: str, args: list[Any], ids: list[str], timeout: float = 600) -> None:
+        """Spread `ids` over the hosts; host i gets `args[i % len(args)]`."""
+        shards = [ids[i :: len(self.procs)] for i in range(len(self.procs))]
+        self.busy = sum(1 for s in shards if s)
+        for i, shard in enumerate(shards[: self.busy]):
+            self.inboxes[i].put((command, args[i % len(args)], shard))
+        self.collect("ready", timeout)
+
+    def send(self, command: str, reply: str, timeout: float = 120) -> list[Any]:
+        for inbox in self.inboxes[: self.busy]:
+            inbox.put((command, None, []))
+        return self.collect(reply, timeout)
 
     def collect(self, what: str, timeout: float) -> list[Any]:
-        got = []
+        got: list[Any] = []
         deadline = time.monotonic() + timeout
-        while len(got) < len(self.procs):
+        while len(got) < self.busy:
             try:
                 kind, value = self.out.get(timeout=1.0)
             except queue.Empty:
                 dead = [p.exitcode for p in self.procs if p.exitcode is not None]
                 if dead or time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"replica hosts: {len(got)} of {len(self.procs)} sent {what} "
+                        f"hosts: {len(got)} of {self.busy} sent {what} "
                         f"(exit codes of the dead: {dead})"
                     ) from None
                 continue
             if kind != what:
-                raise RuntimeError(f"a replica host sent {kind} while {what} was awaited")
+                raise RuntimeError(f"a host sent {kind} while {what} was awaited")
             got.append(value)
         return got
 
     def stop(self) -> None:
-        self.control["stop"].set()
-        try:
-            self.collect("stopped", 120)
-        finally:
-            for p in self.procs:
-                p.join(30)
-                if p.is_alive():
-                    p.kill()
+        """End the phase: every replica and engine stops (and leaves)."""
+        if self.busy:
+            self.send("stop", "stopped")
+            self.busy = 0
 
-
-def engines_main(spec: dict[str, Any], engine_ids: list[str], control: Any, out: Any) -> None:
-    """A host of bare weight-sync engines (EngineClient, nothing else), for the fan-out phase."""
-    from kuberl.common.weights import EngineClient
-
-    clients = [
-        EngineClient(
-            spec["address"], load=lambda tensors, version: None, engine_id=engine_id,
-            transports=["snapshot"], peer_host="127.0.0.1" if spec["relay"] else "",
-            peer_bytes_per_second=spec["pod_bytes_per_second"],
-        )
-        for engine_id in engine_ids
-    ]  # fmt: skip
-    for client in clients:
-        client.start()
-    out.put(("ready", len(clients)))
-    control["stop"].wait()
-    for client in clients:
-        client.stop()
-    out.put(("stopped", len(clients)))
+    def close(self) -> None:
+        for inbox in self.inboxes:
+            inbox.put(("exit", None, []))
+        for p in self.procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
 
 
 # ---------------------------------------------------------------- the trainer stand-in
@@ -365,20 +379,19 @@ def _redis_job_bytes(url: str, job: str) -> dict[str, int]:
     one field per group ever accepted), exactly (SAMPLES 0)."""
     import redis
 
-    client = redis.Redis.from_url(url)
+    client: Any = redis.Redis.from_url(url)
     prefix = f"kuberl:{{{job}}}:"
-    inflight = sum(
-        int(client.memory_usage(prefix + k, samples=0) or 0) for k in INFLIGHT_KEYS
-    ) + sum(
-        int(client.memory_usage(k, samples=0) or 0) for k in client.scan_iter(prefix + "batch:*")
-    )
-    accepted = int(client.memory_usage(prefix + "accepted:train", samples=0) or 0)
-    payloads = int(client.memory_usage(prefix + "payloads:train", samples=0) or 0)
+
+    def usage(key: str) -> int:
+        return int(client.memory_usage(key, samples=0) or 0)
+
+    batches = [k.decode() for k in client.scan_iter(prefix + "batch:*")]
     return {
-        "payload_per_group": payloads // max(1, int(client.hlen(prefix + "payloads:train"))),
-        "inflight": inflight,
-        "accepted": accepted,
-        "accepted_groups": client.hlen(prefix + "accepted:train"),
+        "inflight": sum(usage(prefix + k) for k in INFLIGHT_KEYS) + sum(map(usage, batches)),
+        "accepted": usage(prefix + "accepted:train"),
+        "accepted_groups": int(client.hlen(prefix + "accepted:train")),
+        "payload_per_group": usage(prefix + "payloads:train")
+        // max(1, int(client.hlen(prefix + "payloads:train"))),
     }
 
 
@@ -472,6 +485,10 @@ class Stack:
     model: Path
     prompts: Path
     reward: ServiceProcess | None = None
+    #: How long the services' idle CPU is measured before each N.
+    idle_seconds: float = 5.0
+    #: The host processes of the replicas and engines.
+    pool: Pool | None = None
     #: Where py-spy writes collapsed stacks of the services (None: no profiling).
     profile_dir: Path | None = None
 
@@ -496,7 +513,7 @@ def profiled(stack: Stack, pid: int, name: str) -> Iterator[None]:
 
 
 def measure(
-    stack: Stack, replicas: int, hosts: int, seconds: float, payload_mb: float, work: Workload,
+    stack: Stack, replicas: int, seconds: float, payload_mb: float, work: Workload,
     buffers: int = 1, fan_out: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     """One N: start buffer(s) and weight-sync for a fresh job, the replicas, measure, stop."""
@@ -511,7 +528,8 @@ def measure(
     ]
     sync = ServiceProcess.kuberl("weight_sync", config, workdir, "weight_sync", env)
     procs.append(sync)
-    started: list[Hosts] = []
+    pool = stack.pool
+    assert pool is not None
     try:
         for p in procs:
             p.wait_serving(120)
@@ -524,22 +542,20 @@ def measure(
         pids = {"buffer": [p.proc.pid for p in procs[:buffers]], "redis": [stack.redis_pid]}
         pids["weight_sync"] = [sync.proc.pid]
         idle0 = {k: sum(_proc_cpu_seconds(p) for p in v) for k, v in pids.items()}
-        time.sleep(5.0)  # what the services cost with no replica: subtracted below
-        idle = {k: (sum(_proc_cpu_seconds(p) for p in v) - idle0[k]) / 5.0 for k, v in pids.items()}
-        # With two buffer replicas, half the replicas talk to each (a Service would spread them).
+        time.sleep(stack.idle_seconds)  # what the services cost with no replica: subtracted below
+        idle = {
+            k: (sum(_proc_cpu_seconds(p) for p in v) - idle0[k]) / stack.idle_seconds
+            for k, v in pids.items()
+        }
+        # With two buffer replicas, half the hosts' replicas talk to each (as a Service would
+        # spread them).
         shards = []
         for i in range(buffers):
             d = json.loads(json.dumps(data))
             d["endpoints"] = {**endpoints, "buffer": procs[i].address}
             shards.append(d)
-        per = [replicas // buffers + (1 if i < replicas % buffers else 0) for i in range(buffers)]
-        host_sets = [
-            Hosts(shards[i], per[i], max(1, hosts // buffers), f"{tag}-{i}") for i in range(buffers)
-        ]
-        started = host_sets
         t_start = time.perf_counter()
-        for h in host_sets:
-            h.collect("ready", 600)
+        pool.start("replicas", shards, [f"{tag}-r{i}" for i in range(replicas)])
         startup_s = time.perf_counter() - t_start
         # Warm up: the first lease queues the epoch (one Redis script over every prompt, which
         # holds Redis meanwhile), then the first batches.
@@ -547,13 +563,12 @@ def measure(
         while _buffer_stats(procs[0].address).cursor == 0 and time.monotonic() < deadline:
             time.sleep(0.2)
         time.sleep(min(5.0, seconds / 3))
-        pids["replica_hosts"] = [p.pid for h in host_sets for p in h.procs if p.pid]
+        pids["replica_hosts"] = [p.pid for p in pool.procs[: pool.busy] if p.pid]
         pids["reward"] = [stack.reward.proc.pid]
         cpu0 = {k: sum(_proc_cpu_seconds(p) for p in v) for k, v in pids.items()}
         box0 = _machine_busy()
         traj0 = consumer.trajectories
-        for h in host_sets:
-            h.control["measure"].set()
+        pool.send("measure", "measuring")
         t0 = time.perf_counter()
         rpc = "kuberl_buffer_rpc_seconds"
         served0 = {m: _buckets(procs[0].metrics_port, rpc, method=m) for m in BUFFER_CALLS}
@@ -566,9 +581,7 @@ def measure(
         traj = consumer.trajectories - traj0
         cpu = {k: sum(_proc_cpu_seconds(p) for p in v) - cpu0[k] for k, v in pids.items()}
         box1 = _machine_busy()
-        for h in host_sets:
-            h.control["measured"].set()
-        host_stats: list[HostStats] = [s for h in host_sets for s in h.collect("stats", 120)]
+        host_stats: list[HostStats] = pool.send("measured", "stats")
         lease = [x for s in host_stats for x in s.lease_ms]
         put = [x for s in host_stats for x in s.put_ms]
         errors: dict[str, float] = {}
@@ -621,14 +634,11 @@ def measure(
         }  # fmt: skip
         if fan_out:
             result["fan_out"] = fan_out_once(sync, replicas, payload_mb)
-        started = []
-        for h in host_sets:
-            h.stop()
+        pool.stop()
         consumer.stop()
         return result
     finally:
-        for h in started:
-            h.stop()
+        pool.stop()
         for p in procs:
             p.stop()
 
@@ -663,7 +673,7 @@ def fan_out_once(sync: ServiceProcess, engines: int, payload_mb: float) -> dict[
 
 
 def fan_out_phase(
-    stack: Stack, engines: int, hosts: int, payload_mb: float, relay_fanout: int, work: Workload,
+    stack: Stack, engines: int, payload_mb: float, relay_fanout: int, work: Workload,
     pod_bytes_per_second: float,
 ) -> dict[str, Any]:  # fmt: skip
     """Weight-sync alone with `engines` bare engines: one version's fan-out, star or relay,
@@ -682,15 +692,15 @@ def fan_out_phase(
             "relay": relay_fanout > 0,
             "pod_bytes_per_second": pod_bytes_per_second,
         }
-        fleet = Hosts(spec, engines, hosts, tag, target=engines_main)
+        assert stack.pool is not None
         try:
-            fleet.collect("ready", 300)
+            stack.pool.start("engines", [spec], [f"{tag}-e{i}" for i in range(engines)])
             cpu0 = _proc_cpu_seconds(sync.proc.pid)
             with profiled(stack, sync.proc.pid, f"weight_sync-fan{engines}-k{relay_fanout}"):
                 result = fan_out_once(sync, engines, payload_mb)
             result["weight_sync_cpu_seconds"] = round(_proc_cpu_seconds(sync.proc.pid) - cpu0, 2)
         finally:
-            fleet.stop()
+            stack.pool.stop()
     return {"engines": engines, "relay_fanout": relay_fanout, **result}
 
 
@@ -756,6 +766,118 @@ def summarize(
         goals["two_buffers"] = ratio >= GOAL_TWO_BUFFERS
     out["goals_met"] = goals
     return out
+
+
+# -- the projection of docs/scale.md: a 7B job on 512 GPUs, from this run's constants ------------
+
+#: Measured elsewhere on this machine: benchmarks/buffer_throughput.py of 2026-11-27 03:57 UTC
+#: (idle box, docs/benchmarks.jsonl): CPU per 1,000 trajectories of 2,048 response tokens,
+#: 19,047 bytes each on the wire, put 64 at a time (8 groups of 8).
+BUFFER_THROUGHPUT = {"buffer_ms": 56.3, "redis_ms": 33.6, "bytes": 19_047, "per_call": 64}
+#: Published: slime moves GLM-4.5-355B (bf16, 710 GB) to its engines in 48 s; checkpoint-engine a
+#: 1T-parameter model (2 TB) in about 20 s. Effective bytes per second of one version's update.
+PUBLISHED_UPDATE_BYTES_PER_S = {"slime": 710e9 / 48, "checkpoint_engine": 2e12 / 20}
+#: Assumed, not measured here (no GPU): the job's inputs. Decode rate of a 7B model per H100 at
+#: 8k-token responses and large batch; the trainer's MFU; its batch.
+JOB = {
+    "params": 7e9,
+    "bytes_per_param": 2,
+    "trainer_gpus": 64,
+    "rollout_gpus": 448,
+    "tp8_replicas": 56,
+    "response_tokens": 8192,
+    "prompt_tokens": 512,
+    "decode_tokens_per_s_per_gpu": 5000.0,
+    "group_size": 8,
+    "prompts_per_put": 8,
+    "groups_per_step": 512,
+    "max_staleness": 1,
+    "trainer_mfu": 0.4,
+    "gpu_peak_flops": 989e12,
+    "relay_fanout": 2,
+}
+
+
+def project(result: dict[str, Any]) -> dict[str, Any]:
+    """docs/scale.md's projection: every figure from a named constant of this run, of
+    `BUFFER_THROUGHPUT`, `PUBLISHED_UPDATE_BYTES_PER_S` or the assumed `JOB`."""
+    j, bt = JOB, BUFFER_THROUGHPUT
+    top = result["runs"][-1]
+    # Bytes per trajectory on the wire: int32 ids + fp32 logprobs + uint8 mask per response
+    # token, int32 per prompt token, and buffer_throughput's measured per-trajectory rest.
+    rest = bt["bytes"] - 2048 * 9 - 128 * 4
+    traj_bytes = j["response_tokens"] * 9 + j["prompt_tokens"] * 4 + rest
+    # CPU per trajectory = per call / trajectories per call + per byte x bytes, solved from two
+    # measurements: this run's largest N (small trajectories, few per call) and buffer_throughput.
+    per_call_here = GROUP_SIZE * PROMPTS_PER_BATCH
+    here_bytes = top["redis_payload_bytes_per_group"] / GROUP_SIZE
+    cpu: dict[str, dict[str, float]] = {}
+    for role, key in (("buffer", "buffer_ms"), ("redis", "redis_ms")):
+        here = top["cpu_ms_per_1k_traj_above_idle"][role] / 1e3  # ms per trajectory
+        there = bt[key] / 1e3
+        # here = c / per_call_here + b * here_bytes; there = c / bt_per_call + b * bt_bytes
+        a11, a12, a21, a22 = 1 / per_call_here, here_bytes, 1 / bt["per_call"], bt["bytes"]
+        det = a11 * a22 - a12 * a21
+        c = (here * a22 - a12 * there) / det
+        b = (a11 * there - a21 * here) / det
+        per_traj = c / (j["group_size"] * j["prompts_per_put"]) + b * traj_bytes
+        cpu[role] = {"ms_per_call": round(c, 3), "us_per_kb": round(b * 1e6, 3),
+                     "ms_per_traj": round(per_traj, 4)}  # fmt: skip
+    traj_s = j["rollout_gpus"] * j["decode_tokens_per_s_per_gpu"] / j["response_tokens"]
+    group_bytes = traj_bytes * j["group_size"]
+    overhead = top["redis_bytes_per_inflight_group"] / max(top["redis_payload_bytes_per_group"], 1)
+    waiting_groups = (1 + j["max_staleness"]) * j["groups_per_step"]
+    model_bytes = j["params"] * j["bytes_per_param"]
+    step_tokens = (
+        j["groups_per_step"] * j["group_size"] * (j["response_tokens"] + j["prompt_tokens"])
+    )
+    step_s = (
+        6 * j["params"] * step_tokens / (j["trainer_gpus"] * j["gpu_peak_flops"] * j["trainer_mfu"])
+    )
+    ws_cpu = top["weight_sync_cpu_ms_per_engine_per_s"] / 1e3
+    stream = result["fan_out"].get("single_stream_mb_per_s", 0) * 1e6
+    k = j["relay_fanout"]
+    slime = PUBLISHED_UPDATE_BYTES_PER_S["slime"]
+    sync: dict[str, Any] = {}
+    for layout, engines in (("tp8", j["tp8_replicas"]), ("single_gpu", j["rollout_gpus"])):
+        rounds = math.ceil(math.log(engines + 1) / math.log(k + 1))
+        sync[layout] = {
+            "engines": engines,
+            "nccl_one_group_per_engine_s": round(engines * model_bytes / slime, 1),
+            "nccl_one_broadcast_s": round(model_bytes / slime, 2),
+            "snapshot_star_s": round(engines * model_bytes / stream, 0) if stream else None,
+            "snapshot_relay_rounds": rounds,
+            # Each round, a source streams to k at once at what one stream moves here in all.
+            "snapshot_relay_s": round(rounds * k * model_bytes / stream, 0) if stream else None,
+            "heartbeat_cores": round(engines * ws_cpu, 3),
+        }
+    # Each component's load against its budget (1.0 = saturated): Redis and weight-sync's event
+    # loop have one core each, a buffer replica one core; a version's update must fit in a step
+    # (SGLang engines take NCCL from a relay with a GPU, one group per engine).
+    loads = {
+        "redis_core": traj_s * cpu["redis"]["ms_per_traj"] / 1e3,
+        "buffer_core_one_replica": traj_s * cpu["buffer"]["ms_per_traj"] / 1e3,
+        "weight_sync_heartbeat_core": sync["single_gpu"]["heartbeat_cores"],
+        "nccl_update_vs_step_tp8": sync["tp8"]["nccl_one_group_per_engine_s"] / step_s,
+        "nccl_update_vs_step_single_gpu": sync["single_gpu"]["nccl_one_group_per_engine_s"]
+        / step_s,
+    }
+    return {
+        "inputs": {"job": j, "buffer_throughput": bt, "published": PUBLISHED_UPDATE_BYTES_PER_S},
+        "trajectory_bytes": traj_bytes,
+        "trajectories_per_s": round(traj_s, 1),
+        "buffer_mb_per_s_in_and_out": round(traj_s * traj_bytes / 1e6, 1),
+        "cpu_model": cpu,
+        "buffer_cores": round(loads["buffer_core_one_replica"], 3),
+        "redis_core_share": round(loads["redis_core"], 3),
+        "redis_overhead_per_payload_byte": round(overhead, 2),
+        "redis_waiting_groups": waiting_groups,
+        "redis_gb_at_staleness": round(waiting_groups * group_bytes * overhead / 1e9, 2),
+        "trainer_step_s": round(step_s, 1),
+        "weight_sync": sync,
+        "load_vs_budget": {key: round(v, 3) for key, v in loads.items()},
+        "first_to_saturate": max(loads, key=lambda key: loads[key]),
+    }
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -835,6 +957,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--star-up-to", type=int, default=64, help="fan-out phase: largest N timed as a star"
     )
+    parser.add_argument(
+        "--idle-seconds", type=float, default=5.0, help="services' idle CPU, measured per N"
+    )
     parser.add_argument("--profile", type=Path, help="py-spy the services into this folder")
     parser.add_argument("--plot", type=Path, help="write the curves to this PNG")
     parser.add_argument(
@@ -864,11 +989,12 @@ def main(argv: list[str] | None = None) -> int:
         EmbeddedRedis(Path(tmp) / "redis", die_with_parent=True) as redis_server,
     ):
         assert redis_server.proc is not None
+        pool = Pool(args.hosts)  # its imports overlap the services' start
         stack = start_stack(Path(tmp), redis_server.url, redis_server.proc.pid, work)
-        stack.profile_dir = args.profile
+        stack.profile_dir, stack.pool, stack.idle_seconds = args.profile, pool, args.idle_seconds
         try:
             for n in args.replicas:
-                run = measure(stack, n, args.hosts, args.seconds, args.payload_mb, work)
+                run = measure(stack, n, args.seconds, args.payload_mb, work)
                 runs.append(run)
                 print(
                     f"N={n}: {run['traj_per_s']} traj/s, lease p99 {run['lease_ms']['p99']} ms, "
@@ -878,16 +1004,14 @@ def main(argv: list[str] | None = None) -> int:
                 )
             fan: dict[str, Any] = {}
             # One engine, no cap: what one snapshot stream moves on this machine.
-            one = fan_out_phase(stack, 1, 1, 64.0, 0, work, 0.0)
+            one = fan_out_phase(stack, 1, 8 * args.payload_mb, 0, work, 0.0)
             fan["single_stream_mb_per_s"] = round(one["payload_bytes"] / one["seconds"] / 1e6, 1)
             for name, k in (("star", 0), ("relay", args.relay_fanout)):
                 fan[name] = {}
                 for n in args.replicas:
                     if k == 0 and n > args.star_up_to:
                         continue  # N x size / the cap: predictable, and long
-                    x = fan_out_phase(
-                        stack, n, args.hosts, args.fan_out_mb, k, work, args.pod_mb_per_s * 1e6
-                    )
+                    x = fan_out_phase(stack, n, args.fan_out_mb, k, work, args.pod_mb_per_s * 1e6)
                     fan[name][str(n)] = x
                     print(
                         f"fan-out {name} to {n}: {x['seconds']} s, weight-sync sent "
@@ -904,8 +1028,7 @@ def main(argv: list[str] | None = None) -> int:
                 n = args.replicas[-1]
                 two = {
                     f"{name}": measure(
-                        stack, n, args.hosts, args.saturate_seconds, 0, fast,
-                        buffers=b, fan_out=False,
+                        stack, n, args.saturate_seconds, 0, fast, buffers=b, fan_out=False
                     )
                     for name, b in (("one", 1), ("two", 2))
                 }  # fmt: skip
@@ -915,6 +1038,7 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
         finally:
+            pool.close()
             assert stack.reward is not None
             stack.reward.stop()
     result = {
@@ -938,6 +1062,9 @@ def main(argv: list[str] | None = None) -> int:
         "fan_out": fan,
         "buffers_at_largest": two,
         "summary": summarize(runs, fan, two),
+        "projection_7b_512_gpus": project(
+            {"runs": runs, "fan_out": fan, "buffers_at_largest": two}
+        ),
         "seconds": round(time.perf_counter() - started, 1),
         "machine": {**info, "loadavg_1m_at_end": round(os.getloadavg()[0], 2)},
     }

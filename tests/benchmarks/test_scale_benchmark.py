@@ -12,15 +12,20 @@ from tests.support import REPO
 
 
 def test_scale_runs_two_replicas_end_to_end_and_the_report_reads_its_line() -> None:
-    args = ["--replicas", "2", "--hosts", "1", "--seconds", "2", "--payload-mb", "1"]
+    args = [
+        "--replicas", "2", "--hosts", "1", "--seconds", "2", "--idle-seconds", "1",
+        "--tokens-per-second", "2000", "--payload-mb", "1", "--fan-out-mb", "0.2",
+        "--pod-mb-per-s", "2", "--no-saturate",
+    ]  # fmt: skip
     done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "scale.py"), *args, "--no-saturate"],
+        [sys.executable, str(REPO / "benchmarks" / "scale.py"), *args],
         capture_output=True, text=True, timeout=240, cwd=REPO,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     [run] = result["runs"]
     assert run["replicas"] == 2 and run["trajectories"] > 0 and run["errors"]["failures"] == 0
+    assert run["lease_ms"]["calls"] > 0 and run["put_ms"]["calls"] > 0
     assert run["fan_out"]["engines_holding"] == 2
     relay = result["fan_out"]["relay"]["2"]
     star = result["fan_out"]["star"]["2"]
