@@ -225,9 +225,7 @@ def test_result_lines_become_table_rows_with_goal_and_verdict() -> None:
     assert expected in text.splitlines()
 
 
-def test_the_scale_rows_give_the_largest_n_against_the_smallest_and_the_relay_against_the_star() -> (
-    None
-):
+def test_the_scale_rows_compare_the_largest_n_to_the_smallest_and_relay_to_star() -> None:
     rows = [
         line for line in report.render(_results(), {}, note="").splitlines() if "scale:" in line
     ]
