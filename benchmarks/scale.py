@@ -386,12 +386,20 @@ def _redis_job_bytes(url: str, job: str) -> dict[str, int]:
         return int(client.memory_usage(key, samples=0) or 0)
 
     batches = [k.decode() for k in client.scan_iter(prefix + "batch:*")]
+    payloads = prefix + "payloads:train"
+    waiting = int(client.hlen(payloads))
+    # The serialized groups themselves (a sample), against what Redis spends on them.
+    sample = [k for k, _ in zip(client.hscan_iter(payloads), range(50), strict=False)]
+    serialized = sum(int(client.hstrlen(payloads, k)) for k, _ in sample) / max(len(sample), 1)
     return {
         "inflight": sum(usage(prefix + k) for k in INFLIGHT_KEYS) + sum(map(usage, batches)),
         "accepted": usage(prefix + "accepted:train"),
         "accepted_groups": int(client.hlen(prefix + "accepted:train")),
-        "payload_per_group": usage(prefix + "payloads:train")
-        // max(1, int(client.hlen(prefix + "payloads:train"))),
+        "waiting_groups": waiting,
+        "waiting_bytes": usage(payloads) + usage(prefix + "groups:train"),
+        "serialized_group_bytes": round(serialized),
+        "leased": int(client.hlen(prefix + "leases:train")),
+        "lease_bytes": usage(prefix + "leases:train"),
     }
 
 
@@ -623,7 +631,17 @@ def measure(
             },
             "idle_cpu_share": {k: round(v, 4) for k, v in idle.items()},
             "redis_bytes_per_inflight_group": round(memory["inflight"] / max(inflight, 1)),
-            "redis_payload_bytes_per_group": memory["payload_per_group"],
+            # Groups put and not yet taken by the trainer: Redis bytes per serialized byte.
+            "redis_waiting_groups": memory["waiting_groups"],
+            "redis_serialized_group_bytes": memory["serialized_group_bytes"],
+            "redis_bytes_per_serialized_byte": round(
+                memory["waiting_bytes"]
+                / max(memory["waiting_groups"] * memory["serialized_group_bytes"], 1),
+                2,
+            )
+            if memory["waiting_groups"]
+            else None,
+            "redis_bytes_per_lease": round(memory["lease_bytes"] / max(memory["leased"], 1)),
             "inflight_groups": inflight,
             "redis_bytes_per_accepted_group": round(
                 memory["accepted"] / max(memory["accepted_groups"], 1)
@@ -810,7 +828,14 @@ def project(result: dict[str, Any]) -> dict[str, Any]:
     # CPU per trajectory = per call / trajectories per call + per byte x bytes, solved from two
     # measurements: this run's largest N (small trajectories, few per call) and buffer_throughput.
     per_call_here = GROUP_SIZE * PROMPTS_PER_BATCH
-    here_bytes = top["redis_payload_bytes_per_group"] / GROUP_SIZE
+    # Redis' cost of a stored group, from the runs in which groups waited for the trainer.
+    stored = [
+        r
+        for r in [*result["runs"], *(result.get("buffers_at_largest") or {}).values()]
+        if r.get("redis_bytes_per_serialized_byte")
+    ]
+    sized = max(stored, key=lambda r: r["redis_waiting_groups"]) if stored else None
+    here_bytes = (sized or top).get("redis_serialized_group_bytes", 0) / GROUP_SIZE
     cpu: dict[str, dict[str, float]] = {}
     for role, key in (("buffer", "buffer_ms"), ("redis", "redis_ms")):
         here = top["cpu_ms_per_1k_traj_above_idle"][role] / 1e3  # ms per trajectory
@@ -825,8 +850,11 @@ def project(result: dict[str, Any]) -> dict[str, Any]:
                      "ms_per_traj": round(per_traj, 4)}  # fmt: skip
     traj_s = j["rollout_gpus"] * j["decode_tokens_per_s_per_gpu"] / j["response_tokens"]
     group_bytes = traj_bytes * j["group_size"]
-    overhead = top["redis_bytes_per_inflight_group"] / max(top["redis_payload_bytes_per_group"], 1)
+    overhead = sized["redis_bytes_per_serialized_byte"] if sized else float("nan")
+    lease_bytes = top["redis_bytes_per_lease"]
     waiting_groups = (1 + j["max_staleness"]) * j["groups_per_step"]
+    # Every single-GPU replica holds batches_in_flight (2) x prompts_per_batch leases.
+    leases = j["rollout_gpus"] * 2 * j["prompts_per_put"]
     model_bytes = j["params"] * j["bytes_per_param"]
     step_tokens = (
         j["groups_per_step"] * j["group_size"] * (j["response_tokens"] + j["prompt_tokens"])
@@ -870,9 +898,12 @@ def project(result: dict[str, Any]) -> dict[str, Any]:
         "cpu_model": cpu,
         "buffer_cores": round(loads["buffer_core_one_replica"], 3),
         "redis_core_share": round(loads["redis_core"], 3),
-        "redis_overhead_per_payload_byte": round(overhead, 2),
+        "redis_bytes_per_serialized_byte": overhead,
         "redis_waiting_groups": waiting_groups,
-        "redis_gb_at_staleness": round(waiting_groups * group_bytes * overhead / 1e9, 2),
+        "redis_leases": leases,
+        "redis_gb_at_staleness": round(
+            (waiting_groups * group_bytes * overhead + leases * lease_bytes) / 1e9, 2
+        ),
         "trainer_step_s": round(step_s, 1),
         "weight_sync": sync,
         "load_vs_budget": {key: round(v, 3) for key, v in loads.items()},
