@@ -52,13 +52,9 @@ from kuberl.common.logs import get_logger
 from kuberl.common.server import Service
 from kuberl.common.weights.chunks import ChunkReceiver, CorruptSnapshot, Pacer, iter_chunks
 from kuberl.common.weights.manifest import Manifest
-from kuberl.common.weights.transports import (
-    BroadcastSender,
-    gpu_uuid,
-    split_cuda_ipc,
-    transport_name,
-    transport_value,
-)
+from kuberl.common.weights.transports import transport_name, transport_value
+from kuberl.common.weights.transports.broadcast import BroadcastSender
+from kuberl.common.weights.transports.cuda_ipc import gpu_uuid, split_cuda_ipc
 from kuberl.weight_sync.registry import Assignment, Engine, Registry
 from kuberl.weight_sync.relay import SERVICE, Relay
 from kuberl.weight_sync.store import DigestMismatch, StoredVersion, VersionStore
@@ -343,14 +339,14 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         transport = transport_name(source.transport) if source else "unknown"
         if overdue is not None and request.version >= overdue.version:
             engine.overdue = None
-        source = self.relay.source_of(engine.engine_id)
+        relayed_from = self.relay.source_of(engine.engine_id)
         if request.ok:
             self._note_loaded(engine, request.version)
             self.relay.holds(engine.engine_id, request.version)
             engine.last_error = ""
             if assignment is not None and assignment.version == request.version:
                 seconds = time.monotonic() - assignment.started
-                if source not in (None, SERVICE):
+                if relayed_from not in (None, SERVICE):
                     self.metrics.relayed.inc(self._version_bytes(request.version))
                 self.metrics.update_seconds.labels(transport).observe(seconds)
                 # Broadcasts are counted by the relay's sender and snapshots by StreamSnapshot
@@ -363,8 +359,8 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                 transport=transport, seconds=round(request.load_seconds, 4),
             )  # fmt: skip
         else:
-            if source is not None:
-                self.relay.failed_source(source)
+            if relayed_from is not None:
+                self.relay.failed_source(relayed_from)
             engine.last_error = request.error
             engine.failures += 1
             pause = min(RETRY_FIRST_SECONDS * 2 ** (engine.failures - 1), RETRY_MAX_SECONDS)
@@ -861,7 +857,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             engine = self.registry.get(engine_id) if engine_id is not None else None
             if engine is not None:
                 self._catch_up(engine)
-                if engine.assignment is None and self.relay.is_waiting(engine_id):
+                if engine.assignment is None and self.relay.is_waiting(engine.engine_id):
                     return  # no slot left
 
     def _unpin(self, engine: Engine, reported: int | None = None) -> None:

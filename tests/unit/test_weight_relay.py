@@ -62,7 +62,7 @@ def test_a_new_version_starts_a_new_tree_and_the_old_one_is_served_by_the_servic
     assert relay.source("e2", 1) == SERVICE  # 1 is no longer relayed
 
 
-def test_the_tree_reaches_n_engines_in_log_rounds_with_the_service_streaming_fanout_at_once() -> None:
+def test_the_tree_reaches_n_engines_in_log_rounds_the_service_streaming_fanout_at_once() -> None:
     # Rounds of equal transfers: every download started in a round ends before the next.
     n, fanout = 64, 2
     relay = _relay(fanout, n)
