@@ -723,7 +723,7 @@ def fan_out_phase(
 
 
 def start_stack(workdir: Path, redis_url: str, redis_pid: int, work: Workload) -> Stack:
-    from kuberl.rollout.testing import save_tiny_model
+    from tests.tiny_models import save_tiny_model
 
     model = save_tiny_model(workdir / "model", hidden_size=16, layers=1, heads=2, kv_heads=1)
     prompts = workdir / "prompts.jsonl"
