@@ -926,6 +926,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
         for q in ("p50", "p99"):
             a.plot(n, [r[call][q] for r in runs], style, label=f"{call[:-3]} {q}",
                    alpha=1.0 if q == "p99" else 0.5)  # fmt: skip
+    for call, style in (("LeasePrompts", "o:"), ("PutTrajectories", "s:")):
+        inside = [r.get("buffer_side_ms", {}).get(call, {}).get("p99_le") for r in runs]
+        a.plot(n, inside, style, label=f"{call} p99, inside the buffer (bucket)")
     a.axhline(GOAL_P99_MS, color="grey", ls=":", label="goal p99")
     a.set(title="buffer calls seen by the replicas", ylabel="ms")
     a = ax[0][1]
@@ -943,13 +946,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
         a.plot(ns, [by_n[str(k)]["seconds"] for k in ns], style, label=f"{name}: time")
     phase = result["workload"].get("fan_out_phase", {})
     a.set(
-        title=f"one version ({phase.get('payload_mb', 0)} MB) to N engines, each pod's egress "
-        f"capped at {phase.get('pod_mb_per_s', 0)} MB/s",
+        title=f"one version ({phase.get('payload_mb', 0)} MB) to N engines\n(each pod's egress "
+        f"capped at {phase.get('pod_mb_per_s', 0)} MB/s)",
         ylabel="seconds",
     )
     a = ax[1][1]
     a.plot(n, [r["weight_sync_cpu_ms_per_engine_per_s"] for r in runs], "o-", label="per engine")
     a.set(title="weight-sync CPU per engine (heartbeats, registry)", ylabel="CPU ms / s")
+    a.set_ylim(bottom=0)
     for a in (ax[0][0], ax[0][1], ax[1][0], ax[1][1]):
         a.set_xscale("log", base=2)
         a.set_xlabel("rollout replicas / engines (N)")
