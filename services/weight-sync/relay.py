@@ -39,7 +39,8 @@ class Relay:
         self.fanout = fanout
         self._endpoints: dict[str, str] = {}  # engine id -> its peer endpoint
         self._now: _Version | None = None
-        self._source_of: dict[str, str] = {}  # downloading engine -> its source
+        #: Downloading engine -> (the version, its source).
+        self._source_of: dict[str, tuple[int, str]] = {}
 
     def join(self, engine_id: str, peer_endpoint: str) -> None:
         """An engine (re)registered; it may serve peers at `peer_endpoint` ("" = it does not)."""
@@ -80,15 +81,18 @@ class Relay:
         if chosen != SERVICE and len(now.load[chosen]) >= self.fanout:
             now.open.pop(chosen, None)
         now.waiting.pop(engine_id, None)
-        self._source_of[engine_id] = chosen
+        self._source_of[engine_id] = (version, chosen)
         return SERVICE if chosen == SERVICE else self._endpoints[chosen]
 
     def finished(self, engine_id: str) -> str | None:
         """`engine_id`'s download ended (loaded, failed, timed out): its source's slot frees.
         Returns that source (SERVICE, a peer's engine id) or None if it had none."""
-        source = self._source_of.pop(engine_id, None)
+        version, source = self._source_of.pop(engine_id, (0, None))
         now = self._now
-        if source is not None and now is not None and source in now.load:
+        # A slot of an older version's tree is gone with it (the same engine may be a source
+        # of the newest one, with slots of its own).
+        current = now is not None and version == now.version
+        if now is not None and current and source is not None and source in now.load:
             now.load[source].discard(engine_id)
             if source != SERVICE:
                 now.open[source] = None
@@ -112,7 +116,8 @@ class Relay:
 
     def source_of(self, engine_id: str) -> str | None:
         """The source `engine_id` is downloading from now (SERVICE, a peer's id) or None."""
-        return self._source_of.get(engine_id)
+        got = self._source_of.get(engine_id)
+        return None if got is None else got[1]
 
     def waiting_count(self) -> int:
         return len(self._now.waiting) if self._now is not None else 0

@@ -79,3 +79,17 @@ def test_the_tree_reaches_n_engines_in_log_rounds_the_service_streaming_fanout_a
     # Sources triple per round (each serves 2 and keeps serving): 2, 8, 26, 80 engines; the
     # service streams 2 at a time, fewer once peers have the free slots.
     assert rounds == 4 and from_service <= fanout * rounds
+
+
+def test_a_download_of_an_older_version_ending_frees_no_slot_of_the_newer_tree() -> None:
+    relay = _relay(1, 4)
+    relay.source("e0", 1)
+    relay.holds("e0", 1)
+    relay.finished("e0")
+    assert relay.source("e1", 1) == "host:9000"  # e1 downloads version 1 from e0
+    relay.source("e0", 2)  # version 2: e0 takes it from the service ...
+    relay.holds("e0", 2)
+    relay.finished("e0")
+    assert relay.source("e2", 2) == "host:9000"  # ... and serves it, its one slot now full
+    relay.finished("e1")  # e1's download of version 1 ends
+    assert relay.source("e3", 2) == SERVICE  # e0's slot in version 2's tree is still taken
