@@ -626,8 +626,10 @@ def measure(
             "weight_sync_cpu_ms_per_engine_per_s": round(
                 cpu["weight_sync"] * 1e3 / elapsed / replicas, 3
             ),
+            # (0 where the idle reading, a few clock ticks, was above the window's)
             "cpu_ms_per_1k_traj_above_idle": {
-                k: round((cpu[k] - idle[k] * elapsed) * per_1k, 1) for k in ("buffer", "redis")
+                k: round(max(0.0, cpu[k] - idle[k] * elapsed) * per_1k, 1)
+                for k in ("buffer", "redis")
             },
             "idle_cpu_share": {k: round(v, 4) for k, v in idle.items()},
             "redis_bytes_per_inflight_group": round(memory["inflight"] / max(inflight, 1)),
@@ -761,9 +763,11 @@ def summarize(
         # small N carry alone): the cost that grows with the replicas.
         "cpu_per_1k_above_idle_ratio": round(
             sum(top["cpu_ms_per_1k_traj_above_idle"].values())
-            / max(sum(base["cpu_ms_per_1k_traj_above_idle"].values()), 1e-9),
+            / sum(base["cpu_ms_per_1k_traj_above_idle"].values()),
             3,
-        ),
+        )
+        if sum(base["cpu_ms_per_1k_traj_above_idle"].values()) > 0
+        else None,
         "fan_out_ratio_64_to_4": None if fan_ratio is None else round(fan_ratio, 2),
         "star_fan_out_ratio_64_to_4": None if star_ratio is None else round(star_ratio, 2),
         "registry_cost_ratio_256_to_16": None if reg_ratio is None else round(reg_ratio, 2),
@@ -1078,6 +1082,7 @@ def main(argv: list[str] | None = None) -> int:
             stack.reward.stop()
     result = {
         "benchmark": "scale",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "workload": {
             "group_size": GROUP_SIZE,
             "prompts_per_batch": PROMPTS_PER_BATCH,
