@@ -289,6 +289,8 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             # It holds what it was sent: its ReportLoaded was lost. Kept open, the assignment
             # was handed out again at every heartbeat and left the engine out of the next
             # version's fan-out until it timed out.
+            self._count_relayed(engine, assignment.version)
+            self.relay.holds(engine.engine_id, request.loaded_version)
             self._end_assignment(engine)
             self._unpin(engine, request.loaded_version)
         self._catch_up(engine)
@@ -346,8 +348,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             engine.last_error = ""
             if assignment is not None and assignment.version == request.version:
                 seconds = time.monotonic() - assignment.started
-                if relayed_from not in (None, SERVICE):
-                    self.metrics.relayed.inc(self._version_bytes(request.version))
+                self._count_relayed(engine, request.version)
                 self.metrics.update_seconds.labels(transport).observe(seconds)
                 # Broadcasts are counted by the relay's sender and snapshots by StreamSnapshot
                 # (which serves other downloads too); shm and CUDA IPC move no bytes through
@@ -884,6 +885,12 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             serving = engine.shm_in_place and stored.version == engine.loaded_version
             if serving or stored.version > engine.loaded_version:
                 self.store.retire(stored.segment)
+
+    def _count_relayed(self, engine: Engine, version: int) -> None:
+        """`engine` got `version` from a peer (heard of by its report or, if that was lost, by its
+        heartbeat: the assignment ends at whichever comes first)."""
+        if self.relay.source_of(engine.engine_id) not in (None, SERVICE):
+            self.metrics.relayed.inc(self._version_bytes(version))
 
     def _count_out(self, transport: str, nbytes: int, seconds: float) -> None:
         self.metrics.bytes.labels(transport, "out").inc(nbytes)

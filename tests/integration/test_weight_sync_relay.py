@@ -94,3 +94,39 @@ def test_without_the_relay_the_service_streams_every_engine_its_copy(tmp_path: P
     size = sum(t.numel() * t.element_size() for t in make_tensors(1, total_mb=2).values())
     sent, relayed, _ = _fan_out(tmp_path, fanout=0)
     assert (sent, relayed) == (4 * size, 0)
+
+
+def test_an_engine_whose_report_was_lost_still_serves_the_version_it_holds(
+    tmp_path: Path,
+) -> None:
+    # Its heartbeat says it holds the version; its ReportLoaded never arrives. It becomes a
+    # source all the same: the next engine is sent to it (it was sent to the service).
+    from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
+    from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
+    from kuberl.common.channels import sync_channel
+
+    with (
+        ServiceProcess.kuberl("weight_sync", _job(tmp_path, 1), tmp_path) as service,
+        sync_channel(service.wait_serving().address) as channel,
+    ):
+        stub = pb_grpc.WeightSyncServiceStub(channel)
+        for name in ("first", "second"):
+            engine = pb.EngineInfo(
+                engine_id=name, transports=[pb.TRANSPORT_SNAPSHOT], peer_endpoint=f"{name}:1"
+            )
+            stub.RegisterEngine(pb.RegisterEngineRequest(engine=engine), timeout=10)
+        WeightPublisher(service.address, transports=("snapshot",)).publish(
+            1, make_tensors(1, total_mb=1).items()
+        )
+
+        def beat(name: str, loaded: int) -> pb.HeartbeatResponse:
+            request = pb.HeartbeatRequest(engine_id=name, loaded_version=loaded)
+            return stub.Heartbeat(request, timeout=10)
+
+        first = beat("first", 0).pending
+        waiting = beat("second", 0).HasField("pending")  # the service's one slot is taken
+        beat("first", 1)  # holds it; no ReportLoaded
+        second = beat("second", 0).pending
+    # "": the service itself (the address the engine talks to)
+    assert (first.version, first.snapshot_endpoint, waiting) == (1, "", False)
+    assert (second.version, second.snapshot_endpoint) == (1, "first:1")
