@@ -63,7 +63,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if args.action == "schema":
         print(json.dumps(JobConfig.model_json_schema(), indent=2))
         return 0
-    config = load_job_config(args.config)
+    config = load_job_config(args.config, overrides=args.overrides)
     if args.action == "show":
         print(dump_job_config(config), end="")
     else:
@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="validate, show or describe a job file")
     config.add_argument("action", choices=("check", "show", "schema"))
     config.add_argument("config", nargs="?", help="job YAML file")
+    config.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="overrides of the job file's fields (trainer.optimizer.lr=1e-6)",
+    )
     config.set_defaults(func=_cmd_config)
 
     version = sub.add_parser("version", help="print the version")
@@ -115,7 +121,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kuberl.common.config import ConfigError
     from kuberl.common.plugins import PluginError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # KEY=VALUE overrides may come after options too (`kuberl run job.yaml --plain a=1`), where
+    # argparse has already closed the positional list.
+    if extra and (
+        not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra)
+    ):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     try:
         return int(args.func(args) or 0)
     except (ConfigError, PluginError) as exc:

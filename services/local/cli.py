@@ -22,6 +22,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return run(
         RunOptions(
             job_file=Path(args.config),
+            overrides=args.overrides,
             rollout_replicas=args.rollout_replicas,
             trainer_processes=args.trainer_processes,
             device=args.device,
@@ -44,6 +45,13 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "Flags override the job file's `job.local` section.",
     )
     run.add_argument("config", help="job YAML file")
+    run.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="overrides of the job file's fields, after its KUBERL_* variables "
+        "(trainer.optimizer.lr=1e-6 trainer.total_steps=20)",
+    )
     run.add_argument(
         "--rollout-replicas", type=_positive, help="rollout processes (job.local.rollout_replicas)"
     )

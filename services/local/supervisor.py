@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
@@ -71,6 +71,7 @@ class RunOptions:
     """What `kuberl run` was asked; None keeps the job file's `job.local` value."""
 
     job_file: Path
+    overrides: list[str] = field(default_factory=list)  # `section.field=value` from the CLI
     rollout_replicas: int | None = None
     trainer_processes: int | None = None
     device: str | None = None
@@ -188,7 +189,7 @@ class Supervisor:
         from kuberl.common.modelbuild import resolve_model
 
         opts = self.options
-        config = load_job_config(opts.job_file)
+        config = load_job_config(opts.job_file, overrides=opts.overrides)
         local = config.job.local.model_dump()
         for key in ("rollout_replicas", "trainer_processes", "device", "max_restarts"):
             value = getattr(opts, key)
