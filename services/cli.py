@@ -66,8 +66,17 @@ def _cmd_config(args: argparse.Namespace) -> int:
     config = load_job_config(args.config, overrides=args.overrides)
     if args.action == "show":
         print(dump_job_config(config), end="")
-    else:
-        print(f"{args.config or '<defaults>'}: ok")
+        return 0
+    if args.files:
+        from pathlib import Path
+
+        from kuberl.common.preflight import check_job
+
+        check_job(config, Path.cwd())
+    print(
+        f"{args.config or '<defaults>'}: ok"
+        + (" (files, models, datasets, plugins)" if args.files else "")
+    )
     return 0
 
 
@@ -100,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="overrides of the job file's fields (trainer.optimizer.lr=1e-6)",
     )
+    config.add_argument(
+        "--files",
+        action="store_true",
+        help="check: also every file, model, dataset and plugin the job names (fetching hub "
+        "ids into the Hugging Face cache), as `kuberl run` does before it starts",
+    )
     config.set_defaults(func=_cmd_config)
 
     version = sub.add_parser("version", help="print the version")
@@ -123,8 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    # KEY=VALUE overrides may come after options too (`kuberl run job.yaml --plain a=1`), where
-    # argparse has already closed the positional list.
+    # The job file and KEY=VALUE overrides may come after options too (`kuberl config check
+    # --files job.yaml a=1`), where argparse has already closed the positional list.
+    if extra and getattr(args, "config", "") is None and "=" not in extra[0]:
+        args.config = extra.pop(0)
     if extra and (
         not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra)
     ):

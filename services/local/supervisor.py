@@ -25,7 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from kuberl.common import tls
+from kuberl.common import preflight, tls
 from kuberl.common.config import (
     ConfigError,
     JobConfig,
@@ -139,6 +139,8 @@ class Supervisor:
         self.chaos_report: dict[str, Any] | None = None
         self.rl_rows_seen = 0  # RL steps completed as the trainer's rows tell (restarts included)
         self.last_step = 0
+        self.made_run_dir = False  # this run created its folder (removed if it never started)
+        self.prepared = False
 
     # ------------------------------------------------------------------ entry
 
@@ -149,6 +151,7 @@ class Supervisor:
         status = "failed"
         try:
             self._prepare()
+            self.prepared = True
             if self._warm_start_wanted():
                 self._warm_start()
             self._start_services()
@@ -190,6 +193,9 @@ class Supervisor:
 
         opts = self.options
         config = load_job_config(opts.job_file, overrides=opts.overrides)
+        # Every file, model, dataset and plugin, before anything starts or any folder is made;
+        # models and datasets named by hub id are fetched here, once for every service.
+        resolved = preflight.check_job(config, self.cwd)
         local = config.job.local.model_dump()
         for key in ("rollout_replicas", "trainer_processes", "device", "max_restarts"):
             value = getattr(opts, key)
@@ -231,10 +237,21 @@ class Supervisor:
                     break
                 except FileExistsError:
                     continue
+        self.made_run_dir = True
         (self.run_dir / "logs").mkdir(exist_ok=True)
         for section in ("train", "eval"):
-            for ds in doc["data"][section]:
-                ds["path"] = _abs(ds["path"], self.cwd)
+            for i, ds in enumerate(doc["data"][section]):
+                folder = resolved.datasets.get(f"data.{section}[{i}].path")
+                if folder is not None:  # a hub id: the services read the fetched snapshot
+                    ds["name"] = ds["name"] or Path(ds["path"]).stem
+                    ds["path"] = str(folder)
+                else:
+                    ds["path"] = _abs(ds["path"], self.cwd)
+        if resolved.model is not None:
+            doc["model"]["path"] = str(resolved.model.resolve())
+            doc["model"]["revision"] = None
+        if resolved.reward_model is not None:
+            doc["reward"]["reward_model"].update(path=str(resolved.reward_model), revision=None)
         if doc["trainer"]["sft_data"]:
             doc["trainer"]["sft_data"] = _abs(doc["trainer"]["sft_data"], self.cwd)
         for section in ("buffer", "reward", "rollout", "trainer", "weight_sync"):
@@ -716,6 +733,12 @@ class Supervisor:
                 self.redis.stop()
             if self.shm_dir is not None:
                 shutil.rmtree(self.shm_dir, ignore_errors=True)
+        if not self.prepared:
+            # Nothing ran: a folder of this run would hold only its failure, and the next run
+            # of the job is easier to find without it.
+            if self.made_run_dir:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            return
         if self.config is not None:
             self._write_report(status, final_buffer, final_replicas, sync)
 

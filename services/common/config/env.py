@@ -112,6 +112,8 @@ def _takes_a_string(path: list[str]) -> str:
         annotation = fields[0].annotation
         if i < len(path) - 1:
             models = models_in(annotation)
+    if get_origin(annotation) in (list, dict):  # YAML: [a, b] and {k: v}
+        return ""
     if get_origin(annotation) is Literal:
         return "text" if all(isinstance(v, str) for v in get_args(annotation)) else ""
     args = get_args(annotation) or (annotation,)
