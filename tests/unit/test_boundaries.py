@@ -119,7 +119,8 @@ def allowed(importer: str, imp: Import) -> bool:
         parts = imp.target.split(".")
         return imp.lazy and len(parts) >= 3 and parts[2] in ENTRYPOINTS
     if importer == "kuberl":
-        return imp.lazy and imp.target == "kuberl.local.api"
+        api = "kuberl.local.api"
+        return imp.lazy and (imp.target == api or imp.target.startswith(f"{api}."))
     return False
 
 
