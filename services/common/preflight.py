@@ -27,35 +27,43 @@ class Resolved:
     datasets: dict[str, Path] = field(default_factory=dict)  # "data.train[0].path" -> folder
 
 
-def _plugins(config: JobConfig) -> list[tuple[str, str]]:
-    """(field, spec) of every `module:function` the job names."""
-    found = [(f"buffer.filters[{i}]", s) for i, s in enumerate(config.buffer.filters)]
-    found += [(f"reward.custom.{n}.function", v.function) for n, v in config.reward.custom.items()]
+def _plugins(config: JobConfig) -> list[tuple[str, str, list[str] | None]]:
+    """(field, spec, the arguments the service passes) of every `module:function` the job names;
+    the trainer checks its algorithm plugins' calls itself, against its registries."""
+    found: list[tuple[str, str, list[str] | None]] = [
+        (f"buffer.filters[{i}]", s, ["group"]) for i, s in enumerate(config.buffer.filters)
+    ]
     found += [
-        (f"rollout.multi_turn.tools[{i}]", t)
+        (f"reward.custom.{n}.function", v.function, ["sample"])
+        for n, v in config.reward.custom.items()
+    ]
+    found += [
+        (f"rollout.multi_turn.tools[{i}]", t, ["arguments"])
         for i, t in enumerate(config.rollout.multi_turn.tools)
         if t not in BUILTIN_TOOLS
     ]
     if config.rollout.rollout_function:
-        found.append(("rollout.rollout_function", config.rollout.rollout_function))
+        spec = config.rollout.rollout_function
+        found.append(("rollout.rollout_function", spec, ["context", "prompt"]))
     algo = config.trainer.algorithm
     if algo.advantage not in BUILTIN_ADVANTAGES:
-        found.append(("trainer.algorithm.advantage", algo.advantage))
+        found.append(("trainer.algorithm.advantage", algo.advantage, None))
     if algo.policy_loss not in BUILTIN_POLICY_LOSSES:
-        found.append(("trainer.algorithm.policy_loss", algo.policy_loss))
+        found.append(("trainer.algorithm.policy_loss", algo.policy_loss, None))
     return found
 
 
 def _check_plugins(config: JobConfig, base: Path) -> list[str]:
-    """Import each plugin as the services will (from the working directory)."""
+    """Import each plugin and check its call as the services will (from the working
+    directory)."""
     from kuberl.common.plugins import PluginError, load_plugin
 
     problems = []
     sys.path.insert(0, str(base))  # services run with the job's directory as cwd
     try:
-        for name, spec in _plugins(config):
+        for name, spec, params in _plugins(config):
             try:
-                load_plugin(spec, kind=name)
+                load_plugin(spec, kind=name, params=params)
             except PluginError as exc:
                 problems.append(str(exc))
     finally:

@@ -89,3 +89,26 @@ def test_buffer_stats_with_nothing_listening_says_how_to_point_it_at_a_run(
     result = _kuberl(tmp_path, "buffer", "stats", "--address", "127.0.0.1:9", "--timeout", "2")
     assert result.returncode == 1
     assert "kuberl buffer stats --config runs/<run>/job.yaml" in result.stderr
+
+
+def test_a_plugin_of_the_wrong_call_is_refused_before_the_start(tmp_path: Path) -> None:
+    job = _job(tmp_path)
+    spec = "tests.unit.reward_plugins:exact_match"  # takes (sample); as a filter: (group)
+    result = _kuberl(tmp_path, "config", "check", "--files", str(job), f"buffer.filters=[{spec}]")
+    assert result.returncode == 2
+    assert f"buffer.filters[0] '{spec}'" in result.stderr
+
+
+@pytest.mark.parametrize("kind", ["dict", "JobConfig"])
+def test_kuberl_run_from_python_raises_one_config_error_and_makes_no_folder(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kuberl
+    from kuberl.common.config import ConfigError, parse_job_config
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    doc = yaml.safe_load(_job(tmp_path).read_text())
+    job = doc if kind == "dict" else parse_job_config(doc, env={})
+    with pytest.raises(ConfigError, match=r"data.eval\[0\].path: .*missing.jsonl does not exist"):
+        kuberl.run(job, overrides=["data.eval[0].path=missing.jsonl"])
+    assert not (tmp_path / "runs").exists()
