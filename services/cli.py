@@ -36,10 +36,12 @@ def _service_name(value: str) -> str:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from kuberl.common.config import load_job_config
     from kuberl.common.logs import setup_logging
+    from kuberl.common.preflight import with_local_models
     from kuberl.common.server import serve
 
     config = load_job_config(args.config)
     config.check_files(args.service)
+    config = with_local_models(config, args.service)
     setup_logging(args.service)
     try:
         module = importlib.import_module(f"kuberl.{args.service}.server")

@@ -126,3 +126,20 @@ def check_job(config: JobConfig, base: Path, fetch: bool = True) -> Resolved:
         unique = list(dict.fromkeys(problems))
         raise ConfigError("the job cannot start:\n  " + "\n  ".join(unique))
     return resolved
+
+
+def with_local_models(config: JobConfig, service: str) -> JobConfig:
+    """The job as `service` should read it: a model it loads that is named by hub id replaced by
+    its fetched folder. `kuberl serve` calls this before it binds a port, so a pod fetches once,
+    fails at once on a wrong id, and its service code only ever sees a local folder."""
+    model, reward = config.model, config.reward
+    if service in ("rollout", "trainer") and model.path and hub.is_hub_id(model.path):
+        folder = hub.resolve_model(model.path, model.revision, "model.path")
+        model = model.model_copy(update={"path": str(folder), "revision": None})
+    rm = reward.reward_model
+    wants_rm = service == "reward" and "rm" in reward.verifiers
+    if wants_rm and rm is not None and hub.is_hub_id(rm.path):
+        folder = hub.resolve_model(rm.path, rm.revision, "reward.reward_model.path")
+        rm = rm.model_copy(update={"path": str(folder), "revision": None})
+        reward = reward.model_copy(update={"reward_model": rm})
+    return config.model_copy(update={"model": model, "reward": reward})

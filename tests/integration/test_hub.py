@@ -135,3 +135,18 @@ def test_a_split_the_saved_dataset_lacks_lists_the_splits(tmp_path: Path) -> Non
     datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "saved"))
     with pytest.raises(InvalidArgument, match="no split 'validation'; it has train"):
         read_dataset(tmp_path / "saved", split="validation")
+
+
+def test_kuberl_serve_hands_its_service_a_fetched_folder(
+    standin: HubStandIn, tmp_path: Path
+) -> None:
+    code = (
+        "from kuberl.common.config import parse_job_config as p; "
+        "from kuberl.common.preflight import with_local_models as w; "
+        f"c = p({{'model': {{'path': {MODEL!r}}}}}, env={{}}); "
+        "print(w(c, 'trainer').model.path); print(w(c, 'buffer').model.path)"
+    )
+    result = _python(code, tmp_path, standin.url)
+    trainer, buffer = result.stdout.strip().splitlines()[-2:]
+    assert (Path(trainer) / "config.json").exists(), result.stderr
+    assert buffer == MODEL  # a service that loads no model fetches nothing
