@@ -1,7 +1,7 @@
 """A stand-in for the Hugging Face hub (it cannot be reached from here): a local HTTP server with
 the routes `huggingface_hub` 2.4's `snapshot_download` calls, serving repositories from local
-folders. Tests point `HF_ENDPOINT` at it; it records every request so a test can tell whether a
-second resolve downloaded anything.
+folders. Tests point `HF_ENDPOINT` at it; it records every request (with its Authorization header)
+so a test can tell whether a second resolve downloaded anything and which token was sent.
 
 Routes: `GET /api/{models,datasets}/<id>[/revision/<rev>]` (repo info: sha, siblings),
 `GET /api/{models,datasets}/<id>/tree/<rev>` (the recursive file listing), and
@@ -35,18 +35,19 @@ class Repo:
 
 
 class HubStandIn:
-    """Repositories by (kind, id), kind "model" or "dataset"; `requests` logs (method, path)."""
+    """Repositories by (kind, id), kind "model" or "dataset"; `requests` logs (method, path,
+    Authorization header or "")."""
 
     def __init__(self) -> None:
         self.repos: dict[tuple[str, str], Repo] = {}
-        self.requests: list[tuple[str, str]] = []
+        self.requests: list[tuple[str, str, str]] = []
         self.url = ""
 
     def add(self, kind: str, repo_id: str, folder: Path) -> None:
         self.repos[(kind, repo_id)] = Repo(folder)
 
     def downloads(self) -> list[str]:
-        return [p for m, p in self.requests if m == "GET" and "/resolve/" in p]
+        return [p for m, p, _ in self.requests if m == "GET" and "/resolve/" in p]
 
 
 def _handler(hub: HubStandIn) -> type[BaseHTTPRequestHandler]:
@@ -118,7 +119,7 @@ def _handler(hub: HubStandIn) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             path = unquote(urlsplit(self.path).path)
-            hub.requests.append((self.command, path))
+            hub.requests.append((self.command, path, self.headers.get("Authorization", "")))
             parts = [p for p in path.split("/") if p]
             if parts and parts[0] == "api":
                 self._api(parts[1:])
