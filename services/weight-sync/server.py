@@ -2,7 +2,8 @@
 
 `kuberl serve weight_sync` runs it. Control plane: engines register, heartbeat (a long poll that
 returns as soon as an update is pending) and leave; one silent for `missed_heartbeats` beats is
-dropped. The trainer announces a version (`Publish`, strictly increasing, else FAILED_PRECONDITION),
+dropped. The trainer announces a version (`Publish`, above the latest committed one, else
+FAILED_PRECONDITION; a new announcement replaces one never completed),
 hands over its bytes — written straight into this service's shared memory on the same host
 (`CommitPublish`), or streamed in checked chunks (`UploadSnapshot`) — and returns: the trainer never
 waits for engines. The service is then the relay: for every engine present and idle it starts an
@@ -172,7 +173,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         self.metrics = _Metrics()
         self.current = 0
         self.announced: dict[int, _Announced] = {}
-        self.highest_announced = 0
+        self.latest_announced = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
@@ -388,17 +389,10 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         if version <= 0:
             self.metrics.rejected.labels("bad_version").inc()
             raise InvalidArgument(f"version must be a positive integer, got {version}")
-        if version > self.current and version in self.announced:
-            # The trainer's retry of a publish that never committed (its shared-memory write
-            # failed, its CommitPublish never arrived): start it again. It was refused as not
-            # above the latest version, and after a few tries the trainer gave the version up.
-            log.warning("publish.retried", version=version)
-            self._forget(version)
-        latest = max(self.current, self.highest_announced)
-        if version <= latest:
+        if version <= self.current:
             self.metrics.rejected.labels("stale_version").inc()
             raise FailedPrecondition(
-                f"version {version} is not above the latest published version {latest}; "
+                f"version {version} is not above the latest published version {self.current}; "
                 "versions must increase"
             )
         offered = set(request.transports) or {pb.TRANSPORT_SNAPSHOT}
@@ -418,11 +412,15 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                 "the trainer must offer shm (on this service's host) or snapshot (a gRPC "
                 f"upload); it offered {sorted(transport_name(t) for t in offered)}"
             )
-        # A lower announced version can no longer win: forget it.
-        for old in [v for v in self.announced if v < version]:
+        # One announcement at a time, the latest: one that was never completed (a retry of the
+        # same version, or any client's Publish that sent no bytes) cannot block this one.
+        superseded = sorted(self.announced)
+        for old in superseded:
             self.announced.pop(old)
             self.store.discard(old)
-        self.highest_announced = version
+        if superseded and superseded != [version]:
+            log.warning("publish.superseded", version=version, announced=superseded)
+        self.latest_announced = version
         announced = _Announced(version, transport, time.monotonic())
         ipc_engines = 0
         if (
@@ -470,7 +468,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             self.metrics.rejected.labels("not_announced").inc()
             raise FailedPrecondition(
                 f"version {version} was not announced for {transport_name(transport)} by "
-                f"Publish, or a later version superseded it (latest {self.highest_announced})"
+                f"Publish, or another announcement superseded it (latest {self.latest_announced})"
             )
         return announced
 
@@ -480,7 +478,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         assert self.store is not None
         self.announced.pop(version, None)
         self.store.discard(version)
-        self.highest_announced = max([self.current, *self.announced])
+        self.latest_announced = max([self.current, *self.announced])
 
     async def UploadSnapshot(
         self, request_iterator: AsyncIterator[pb.SnapshotChunk], context: grpc.aio.ServicerContext
@@ -515,8 +513,8 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                     # (they went on into its deleted file to the last chunk).
                     self.metrics.rejected.labels("superseded").inc()
                     raise FailedPrecondition(
-                        f"version {version} was superseded by version {self.highest_announced} "
-                        "while it was sent"
+                        f"version {version} was superseded by the announcement of "
+                        f"{self.latest_announced} while it was sent"
                     )
                 if receiver.received + len(chunk.data) > limit:
                     self.metrics.rejected.labels("too_large").inc()
