@@ -33,6 +33,7 @@ from kuberl.buffer.allocator import keep_freed_memory
 from kuberl.buffer.datasets import read_dataset
 from kuberl.buffer.store import DATASET_NAME, BufferStore, Drop, PutItem, StoredGroup, lease_kind
 from kuberl.buffer.validation import RawPutRequest, check_group, group_payloads, job_limits
+from kuberl.common.channels import aio_channel
 from kuberl.common.config import DatasetConfig, JobConfig
 from kuberl.common.errors import (
     AlreadyExists,
@@ -73,6 +74,8 @@ STATS_REFRESH_SECONDS = 2.0
 # Redis' Lua scripts compute in doubles: larger versions and rounds would be stored rounded
 # (and unreadable as integers afterwards), so they are refused.
 MAX_EXACT_INT = 2**53 - 1
+#: How long SetPolicyVersion waits for weight-sync's version before it checks only "forward".
+VERSION_CHECK_SECONDS = 2.0
 
 GroupFilter = Callable[[Group], Any]
 
@@ -160,6 +163,10 @@ class BufferService(Service):
             if inspect.iscoroutinefunction(fn):  # its coroutine is truthy: it would keep all
                 raise PluginError(f"buffer filter {spec!r}: must be a plain function, not async")
         self.store: BufferStore | None = None
+        # Weight-sync bounds the policy version when the job publishes weights (see
+        # SetPolicyVersion); opened in start().
+        self._weight_sync: Any = None
+        self._ws_channel: grpc.aio.Channel | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._room = Pulse()  # this replica freed room in the in-flight window
 
@@ -180,6 +187,12 @@ class BufferService(Service):
             await self._load_config_dataset(ds, "train", self.config.data.num_epochs)
         for ds in self.config.data.eval:
             await self._load_config_dataset(ds, "eval", 1)
+        tc = self.config.trainer
+        if tc.publish_weights and tc.mode == "rl":
+            from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc
+
+            self._ws_channel = aio_channel(self.config.endpoints.weight_sync)
+            self._weight_sync = weight_sync_pb2_grpc.WeightSyncServiceStub(self._ws_channel)
         self._refresher = asyncio.create_task(self._refresh_gauges())
         log.info(
             "buffer.ready", job=self.config.job.name, group_size=self.group_size,
@@ -193,6 +206,8 @@ class BufferService(Service):
             self._refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresher
+        if self._ws_channel is not None:
+            await self._ws_channel.close()
         if self.store:
             await self.store.close()
 
@@ -740,6 +755,24 @@ class BufferService(Service):
 
     # -- job state ----------------------------------------------------------------------------
 
+    async def _version_bound(self) -> int | None:
+        """The highest policy version the trainer can have reached: weight-sync's latest plus
+        `publish_every` (the trainer sets a version before it publishes it). None when the job
+        publishes no weights or weight-sync does not answer (then only forward is checked)."""
+        if self._weight_sync is None:
+            return None
+        from kuberl.api.weight_sync.v1 import weight_sync_pb2
+
+        try:
+            answer = await self._weight_sync.GetVersion(
+                weight_sync_pb2.GetVersionRequest(), timeout=VERSION_CHECK_SECONDS
+            )
+        except grpc.RpcError as exc:
+            m.REJECTIONS_TOTAL.labels("SetPolicyVersion", "unchecked").inc()
+            log.warning("version.unchecked", error=str(exc)[:200])
+            return None
+        return int(answer.version) + self.config.trainer.publish_every
+
     async def SetPolicyVersion(
         self, request: bpb.SetPolicyVersionRequest, context: grpc.aio.ServicerContext
     ) -> bpb.SetPolicyVersionResponse:
@@ -748,6 +781,20 @@ class BufferService(Service):
                 "SetPolicyVersion",
                 "bad_request",
                 InvalidArgument(f"version must be in 0..{MAX_EXACT_INT}, got {request.version}"),
+            )
+        bound = await self._version_bound()
+        if bound is not None and request.version > bound:
+            # A version the trainer cannot have reached would hold every replica for
+            # version_wait_seconds before each batch, for good (versions never go down).
+            raise _reject(
+                "SetPolicyVersion",
+                "version_ahead",
+                FailedPrecondition(
+                    f"policy version {request.version} is ahead of the weights: weight-sync "
+                    f"holds {bound - self.config.trainer.publish_every}, so the trainer is at "
+                    f"most at {bound} (trainer.publish_every="
+                    f"{self.config.trainer.publish_every})"
+                ),
             )
         ok, version = await self.db.set_policy_version(request.version)
         if not ok:

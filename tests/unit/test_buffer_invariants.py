@@ -9,6 +9,7 @@ BufferService on a real (embedded) Redis, as in test_buffer_logic.py.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,11 @@ from kuberl.api.buffer.v1 import buffer_pb2 as bpb
 from kuberl.api.common.v1 import trajectory_pb2 as tpb
 from kuberl.buffer import metrics as m
 from kuberl.buffer.server import MAX_RELEASE_IDS
-from kuberl.common.errors import InvalidArgument
+from kuberl.common.errors import FailedPrecondition, InvalidArgument
 from kuberl.common.redis_server import EmbeddedRedis
 from kuberl.common.trajectory import encode_array
 from tests.integration.buffer_support import make_group
+from tests.support import ServiceProcess
 from tests.unit.test_buffer_logic import (
     SFT,
     TRAIN,
@@ -211,3 +213,38 @@ def test_a_release_of_more_ids_than_one_lease_hands_out_is_invalid_not_unavailab
             return err.value.message
 
     assert f"at most {MAX_RELEASE_IDS}" in run(scenario())
+
+
+def test_a_policy_version_ahead_of_the_published_weights_is_refused(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # SetPolicyVersion(2**53 - 1) was accepted for good: every replica then waited
+    # version_wait_seconds before each batch (3.4 -> 0.2 steps/s).
+    config = tmp_path / "ws.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "job": {"name": "wsbound"},
+                "weight_sync": {
+                    "server": {"host": "127.0.0.1", "port": 0, "metrics_port": 0},
+                    "snapshot_dir": str(tmp_path / "snapshots"),
+                    "shm_dir": str(tmp_path / "shm"),
+                },
+            }
+        )
+    )
+
+    async def scenario(address: str) -> tuple[str, int, int]:
+        trainer = {"publish_every": 2}
+        async with buffer(
+            redis_url, tmp_path, trainer=trainer, endpoints={"weight_sync": address}
+        ) as svc:
+            set_ = svc.SetPolicyVersion
+            ok = await set_(bpb.SetPolicyVersionRequest(version=2), None)  # type: ignore[arg-type]
+            with pytest.raises(FailedPrecondition) as err:
+                await set_(bpb.SetPolicyVersionRequest(version=2**53 - 1), None)  # type: ignore[arg-type]
+            return err.value.message, ok.version, (await stats(svc)).policy_version
+
+    with ServiceProcess.kuberl("weight_sync", config, tmp_path).wait_serving(60) as ws:
+        message, ok, version = run(scenario(ws.address))
+    assert ("weight-sync holds 0" in message, ok, version) == (True, 2, 2)

@@ -56,6 +56,7 @@ async def buffer(
     epochs: int = 1,
     job: str | None = None,
     trainer: dict[str, Any] | None = None,
+    endpoints: dict[str, str] | None = None,
     **buffer_cfg: Any,
 ) -> AsyncIterator[BufferService]:
     """A started BufferService of a fresh job (or `job`) on the shared Redis."""
@@ -83,6 +84,7 @@ async def buffer(
             "rollout": {"group_size": GROUP_SIZE},
             "buffer": buffer_cfg,
             "trainer": trainer or {},
+            "endpoints": endpoints or {},
         },
         env={},
     )
