@@ -13,8 +13,15 @@ Definitions used in summary.json:
   (a step trained again after a trainer resumed from its checkpoint counts once, its last run);
 - `generated_tokens`: tokens every replica generated, across replica restarts;
 - `prompts_leased`: leases of training prompts handed out by the buffer (`train:leased`);
-- `prompts_lost`: leases (train and eval) still outstanding once every replica has drained,
-  i.e. prompts handed out that came back neither in a group nor released;
+- `prompts_lost`: training prompts handed out that were neither trained (in the final weights'
+  lineage), nor dropped by a filter with its reason, nor still in flight (leased, re-queued, or a
+  group waiting to be trained), classified key by key from the buffer's Redis and trained.jsonl
+  (`kuberl.local.accounting.prompt_accounting`; `prompts_lost_why` says why, e.g.
+  `acknowledged_untrained` for groups a batch nobody trained acknowledged); only when Redis cannot
+  be read, the leases still outstanding once every replica has drained;
+- `groups_trained_over_max_staleness` / `staleness_trained_max`: groups of the lineage trained
+  more than `trainer.max_staleness` versions behind the trainer (or from a version it had not
+  reached), and the largest staleness trained;
 - `groups_duplicated`: groups the buffer refused as a second group for the same prompt and epoch
   (`train:duplicate` + `eval:duplicate`);
 - `groups_trained_twice` (added by the supervisor): group keys (prompt@epoch) that more than one
@@ -85,6 +92,14 @@ def rl_steps(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [by_step[k] for k in sorted(by_step)]
 
 
+def _lost(accounting: dict[str, Any] | None, outstanding: int | None) -> int | None:
+    """Prompts lost per the accounting (every key's fate); without it (Redis unreadable), at
+    least the leases still outstanding."""
+    if accounting and "prompts_lost" in accounting:
+        return int(accounting["prompts_lost"])
+    return outstanding
+
+
 def build_summary(
     *,
     job: str,
@@ -100,6 +115,7 @@ def build_summary(
     services: dict[str, dict[str, Any]],
     timeline: Sequence[dict[str, Any]],
     extra: dict[str, Any],
+    accounting: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """summary.json's content (see the module docstring for the definitions)."""
     steps = rl_steps(rl_rows)
@@ -135,7 +151,13 @@ def build_summary(
         * group_size,
         "prompts_leased": _counter(counters, "train:leased"),
         "eval_prompts_leased": _counter(counters, "eval:leased"),
-        "prompts_lost": outstanding,
+        "prompts_lost": _lost(accounting, outstanding),
+        "prompts_lost_why": (accounting or {}).get("prompts_lost_why"),
+        "prompts_pending": (accounting or {}).get("prompts_pending"),
+        "groups_trained_over_max_staleness": (accounting or {}).get(
+            "groups_trained_over_max_staleness"
+        ),
+        "staleness_trained_max": (accounting or {}).get("staleness_trained_max"),
         "groups_duplicated": _counter(counters, "train:duplicate", "eval:duplicate"),
         "groups_dropped": {
             k: v for k, v in counters.items() if ":dropped" in k or k.endswith("dropped")
