@@ -356,6 +356,7 @@ def test_every_refusal_is_counted_by_its_reason(job: RunningJob) -> None:
     assert REFUSALS - found == set()
 
 
+@pytest.mark.timeout(900)
 def test_the_job_trains_every_step_loses_nothing_and_stays_within_max_staleness(
     job: RunningJob,
 ) -> None:
