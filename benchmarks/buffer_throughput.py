@@ -104,7 +104,7 @@ def fill_group(g: Any, template: Any, prompt_id: str, epoch: int) -> Any:
 def service_producer(address: str, name: str, start: Any, cpu: Any) -> None:
     tune_client()
     from kuberl.api.buffer.v1 import buffer_pb2 as bpb
-    from kuberl.buffer.client import BufferStub, encode_put
+    from kuberl.common.buffer_client import BufferStub, encode_put
     from kuberl.common.channels import sync_channel
 
     template = template_group()

@@ -1,12 +1,12 @@
 """Encoding a rollout replica's PutTrajectoriesRequest: group by group against in one piece.
 
 A replica puts the groups of one engine batch in one request: 8 groups of 8 samples of 2,048
-response tokens by default, ~1.2 MB. It used to build the request message around the groups and
-serialize it in one `SerializeToString`; it now serializes each group on its own and frames them
-after the request's head (`kuberl.buffer.client.encode_put`, docs/buffer.md). Both give the same
-message. Measured in one long-lived process, as a replica is, in alternating rounds: CPU
-milliseconds and minor page faults per request, from the groups' protos (made once) to the bytes
-gRPC sends. The last line printed is one JSON object.
+response tokens by default, ~1.2 MB. Compared: building the request message around the groups
+and serializing it in one `SerializeToString`, against serializing each group on its own and
+framing them after the request's head (`kuberl.common.buffer_client.encode_put`, what replicas
+do; docs/buffer.md). Both give the same message. Measured in one long-lived process, as a
+replica is, in alternating rounds: CPU milliseconds and minor page faults per request, from the
+groups' protos (made once) to the bytes gRPC sends. The last line printed is one JSON object.
 
     .venv/bin/python benchmarks/put_encoding.py [--requests 200] [--rounds 3]
 """
@@ -56,7 +56,7 @@ def make_groups() -> list[Any]:
 
 def encoders(groups: list[Any]) -> dict[str, Callable[[], bytes]]:
     from kuberl.api.buffer.v1 import buffer_pb2 as bpb
-    from kuberl.buffer.client import encode_put
+    from kuberl.common.buffer_client import encode_put
 
     leases = [f"1700000000000-{i}" for i in range(len(groups))]
 

@@ -229,7 +229,8 @@ def _gpu_engine(gb: float, repeat: int) -> None:
     preallocated parameters the way the torch engine does (one copy_ per tensor)."""
     from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
     from kuberl.common.weights import plan
-    from kuberl.common.weights.transports import BufferPool, CudaIpcReceiver, split_cuda_ipc
+    from kuberl.common.weights.transports import BufferPool
+    from kuberl.common.weights.transports.cuda_ipc import CudaIpcReceiver, split_cuda_ipc
 
     shapes = qwen05b_shapes(gb)
     manifest = plan([(n, torch.bfloat16, s) for n, s in shapes], BUCKET_BYTES)
@@ -267,7 +268,7 @@ def gpu_part(gb: float, repeat: int) -> dict[str, object]:
         return {"skipped": "no CUDA device"}
     from kuberl.common.weights import ManifestBuilder
     from kuberl.common.weights.publisher import GpuBuckets
-    from kuberl.common.weights.transports import export_cuda_ipc
+    from kuberl.common.weights.transports.cuda_ipc import export_cuda_ipc
 
     tensors = {n: t.to("cuda") for n, t in make_tensors(gb, 1).items()}
     builder, buckets = ManifestBuilder(BUCKET_BYTES), GpuBuckets("cuda", BUCKET_BYTES)

@@ -3,7 +3,9 @@
 `kuberl serve <service>` is the entrypoint every container (and every local-mode process) runs.
 Services contribute their own subcommands (`kuberl buffer stats`, `kuberl reward score`, ...) by
 shipping a `cli.py` module with `add_commands(subparsers)`; those modules import heavy libraries
-only inside their handlers so `kuberl --help` stays fast.
+only inside their handlers so `kuberl --help` stays fast. This module reaches a service only
+through its `server` and `cli` modules, imported by name when needed (the rule:
+tests/unit/test_boundaries.py).
 """
 
 from __future__ import annotations

@@ -5,11 +5,10 @@ rollout (~600 KB for 4 groups), the Redis command that stores them, the Redis re
 them back, and the batch sent to the trainer (~5 MB for 32 groups). glibc serves blocks above its
 mmap threshold with fresh mmaps, and trims the heap top back to the kernel once more than twice
 that is free, so each such buffer is new memory whose pages fault in, are zeroed by the kernel
-and are handed back when freed. At ~3,000 trajectories/s that was ~45,000 page faults per second
-and about 40% of the buffer's CPU time in the kernel. Raising the mmap and trim thresholds keeps
-freed blocks in the heap for the next request: measured ~14,000 faults/s and ~20% less CPU per
-trajectory (docs/buffer.md, benchmarks/buffer_throughput.py). The cost is that up to
-TRIM_THRESHOLD of freed memory stays with the process.
+and are handed back when freed, which puts a large share of the buffer's CPU time in the kernel.
+Raising the mmap and trim thresholds keeps freed blocks in the heap for the next request (the
+measured effect is in docs/buffer.md). The cost is that up to TRIM_THRESHOLD of freed memory
+stays with the process.
 
 `kuberl serve buffer` calls `keep_freed_memory()` once at start (`create_service`). It does
 nothing on a libc without `mallopt` (musl, macOS) and leaves alone any setting chosen with glibc's

@@ -30,11 +30,11 @@ from kuberl.api.buffer.v1 import buffer_pb2 as bpb
 from kuberl.api.common.v1 import trajectory_pb2 as tpb
 from kuberl.buffer import metrics as m
 from kuberl.buffer.allocator import keep_freed_memory
-from kuberl.buffer.datasets import read_dataset
 from kuberl.buffer.store import DATASET_NAME, BufferStore, Drop, PutItem, StoredGroup, lease_kind
 from kuberl.buffer.validation import RawPutRequest, check_group, group_payloads, job_limits
 from kuberl.common.channels import aio_channel
 from kuberl.common.config import DatasetConfig, JobConfig
+from kuberl.common.datasets import read_dataset
 from kuberl.common.errors import (
     AlreadyExists,
     FailedPrecondition,

@@ -50,8 +50,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kuberl.buffer import scripts
 from kuberl.buffer.cache import Payload, PayloadCache
-from kuberl.buffer.datasets import PromptRow, epoch_order
 from kuberl.common.config import JobConfig
+from kuberl.common.datasets import PromptRow, epoch_order
 from kuberl.common.errors import (
     FailedPrecondition,
     InvalidArgument,

@@ -81,8 +81,8 @@ def wait_serving(
 async def wait_for_dependency(name: str, address: str, timeout: float) -> None:
     """Wait in a service's `start()` until `name`'s server at `address` reports SERVING;
     TimeoutError says what it last answered. It asks on the event loop, so the SIGTERM that
-    cancels the start ends it at once (a wait in a thread held a stopping process for up to its
-    whole `timeout`: 300 s for a rollout replica whose buffer never answered)."""
+    cancels the start ends it at once; a wait in a thread would hold a stopping process for up
+    to its whole `timeout`."""
     deadline = time.monotonic() + timeout
     last = "UNAVAILABLE"
     async with aio_channel(address) as channel:

@@ -1,11 +1,10 @@
 """Starting child processes that die with their parent, safely from a threaded process.
 
-`subprocess.Popen(preexec_fn=...)` runs Python between fork and exec; in a process with other
-threads (gRPC's, for one) a lock held by another thread at fork time can deadlock or abort the
-child before it execs (seen as a redis-server "exited with -6 at start"). Instead the child
-execs a tiny interpreter that sets the parent-death signal and then execs the real program:
-the setting survives execve (for programs without setuid bits or file capabilities), and the
-pid stays the same, so `Popen.pid` is the program's pid.
+The local supervisor's processes (`kuberl.local.procs`) and the embedded Redis wrap their commands
+with `die_with_parent`, so a parent that dies leaves no orphan. It avoids
+`subprocess.Popen(preexec_fn=...)`, which runs Python between fork and exec: in a process with other
+threads (gRPC's, for one) a lock another thread held at fork time can deadlock or abort the child
+before it execs.
 """
 
 from __future__ import annotations
@@ -28,7 +27,11 @@ _SET_PDEATHSIG_AND_EXEC = (
 
 def die_with_parent(argv: list[str], sig: int = signal.SIGKILL) -> list[str]:
     """`argv` wrapped so that Linux sends `sig` to the program when the thread that started it
-    exits (PR_SET_PDEATHSIG). Pass the result to `subprocess.Popen` without a `preexec_fn`."""
+    exits (PR_SET_PDEATHSIG). Pass the result to `subprocess.Popen` without a `preexec_fn`.
+
+    The child execs a tiny interpreter that sets the signal and then execs the program: the
+    setting survives execve (for programs without setuid bits or file capabilities), and the
+    pid stays the same, so `Popen.pid` is the program's pid."""
     if not sys.platform.startswith("linux"):
         return list(argv)
     parent = str(os.getpid())

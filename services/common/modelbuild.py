@@ -170,7 +170,7 @@ def build_model(
 def _dataset_texts(dataset: DatasetConfig, base: Path) -> list[str]:
     """Prompt and answer texts of a training dataset (JSONL or Parquet, read as the buffer
     reads it: blank lines skipped, `limit` rows), the BPE tokenizer's corpus."""
-    from kuberl.buffer.datasets import read_dataset
+    from kuberl.common.datasets import read_dataset
 
     path = Path(dataset.path).expanduser()
     path = path if path.is_absolute() else base / path

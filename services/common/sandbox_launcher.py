@@ -2,34 +2,12 @@
 
 `kuberl.common.sandbox` starts this file as `python -I -S sandbox_launcher.py` (standard library
 only, nothing from the service's environment) in a new session, sends one JSON job on stdin and
-reads one JSON report from stdout. Modes: `run` executes a program against its tests (one
-program per test, a result per test: the reward service's `code` verifier); `exec` runs a snippet
-once and reports its raw stdout, stderr tail and exit status (the rollout service's `python`
-tool); `reap` kills every process of a uid. The launcher itself stays trusted: it never runs the
-untrusted code in its own process, and is not dumpable (other users cannot read its memory or
-open its file descriptors through /proc).
-
-Isolation, strongest available first (reported back in `isolation`):
-
-- network: a new network namespace (`unshare(CLONE_NEWNET)`, root or an unprivileged user
-  namespace) holding only a loopback interface that is down, so every connect fails; where the
-  kernel refuses, the code has the pod's network (deny egress with a NetworkPolicy);
-- files: as root, a new mount namespace with a private tmpfs on /tmp, /var/tmp and /dev/shm;
-  the code's working directory and the read-only copies of its source and tests live there;
-- identity: as root, every program runs as a dedicated uid/gid (the service's `uid_base` +
-  slot, no supplementary groups), so it cannot signal, ptrace or read /proc of the service, its
-  workers or other runs, and cannot write anywhere it was not given;
-- limits: each test program gets RLIMIT_CPU, AS, NPROC, FSIZE, NOFILE, CORE=0, no new privileges,
-  a parent-death SIGKILL, a scrubbed environment and a wall-clock deadline; stdout beyond
-  `max_output_bytes` kills it;
-- cleanup: after each program every process it left is killed: all processes of the run's uid
-  (`kill(-1)` as that uid) and every descendant of the launcher, which is a child subreaper so
-  processes that `setsid()` or double-fork still count as its descendants.
-
-Tests run one program each (a fresh interpreter per test), so one test cannot corrupt another's
-result. Without root (no dedicated uid), NPROC is set to the uid's current process count plus
-`max_processes`, and the code can read files its uid can read: use root in the service's
-container or keep `require_isolation` on.
+reads one JSON report from stdout. Modes: `run` runs one program per test (the reward service's
+`code` verifier), `exec` runs a snippet once (the rollout service's `python` tool), `reap` kills
+every process of a uid. The launcher stays trusted: it never runs the untrusted code in its own
+process and is not dumpable. It isolates with the strongest means available (network and mount
+namespaces, a dedicated uid, rlimits, killing whatever a program leaves) and reports what it got
+in `isolation`; what holds with and without root: docs/reward.md, "code: tests and the sandbox".
 """
 
 from __future__ import annotations
@@ -443,6 +421,8 @@ def execute(job: dict[str, Any], ctx: dict[str, Any], started: float) -> dict[st
 
 
 def run_tests(job: dict[str, Any], ctx: dict[str, Any], started: float) -> list[dict]:
+    """Mode `run`: one program (a fresh interpreter) per test, so one test cannot corrupt
+    another's result; a result per test."""
     python = _python(job)
     solution = os.path.join(ctx["harness"], "solution.py")
     deadline_all = started + job["deadline_seconds"]
@@ -484,7 +464,7 @@ def _stop_on_sigterm(uid: int | None) -> None:
     """On SIGTERM (the service gives up on this run: a timeout, its caller cancelled), kill and
     reap everything below this subreaper, then exit. Programs run in sessions of their own, so
     nothing else reaches their descendants without a dedicated uid: killing this launcher alone
-    left them running, reparented to pid 1."""
+    would leave them running, reparented to pid 1."""
 
     def stop(signum: int, _frame: object) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

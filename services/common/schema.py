@@ -1,15 +1,10 @@
 """The Helm chart's `values.schema.json`, whose `job` section is generated from `JobConfig`.
 
-`helm install` validates values against `helm/kuberl/values.schema.json` before rendering
-anything. Its chart part (images, replicas, autoscaling, ...) is written by hand in that file; its
-`job` property and the `job_*` definitions it refers to are generated here from the pydantic job
-models, so `helm install` rejects exactly the job files the services would reject at start
-(except cross-field checks such as GRPO's group size, which JSON Schema cannot express).
-
-The generated part is JSON Schema draft-07, which every Helm 3 and 4 release understands: pydantic's
-`$defs` become `definitions`, `prefixItems` (fixed-length tuples) become draft-07 tuple `items`,
-and OpenAPI's `discriminator` (not a JSON Schema keyword) is dropped; the `oneOf` it annotates
-stays. `kuberl chart schema` rewrites the file; `kuberl chart schema --check` and
+`helm install` validates values against `helm/kuberl/values.schema.json` before rendering anything.
+Its chart part (images, replicas, autoscaling, ...) is written by hand; its `job` property and the
+`job_*` definitions are generated here from the pydantic job models, so `helm install` rejects
+exactly the job files the services would reject at start (except cross-field checks, which JSON
+Schema cannot express). `kuberl chart schema` rewrites the file; `kuberl chart schema --check` and
 tests/helm/test_schema.py fail when the committed file is out of date.
 """
 
@@ -28,7 +23,10 @@ DEFAULT_PATH = Path("helm/kuberl/values.schema.json")
 
 
 def _to_draft7(node: Any) -> Any:
-    """Rewrite pydantic's 2020-12 output into draft-07 keywords, recursively."""
+    """Rewrite pydantic's 2020-12 output into draft-07 keywords, recursively: draft-07 is what
+    every Helm 3 and 4 release understands. `prefixItems` (fixed-length tuples) become tuple
+    `items`; OpenAPI's `discriminator` (no JSON Schema keyword) is dropped, keeping its `oneOf`.
+    (`job_schema` moves `$defs` to draft-07's `definitions`.)"""
     if isinstance(node, list):
         return [_to_draft7(item) for item in node]
     if not isinstance(node, dict):
@@ -51,7 +49,7 @@ def job_schema() -> tuple[dict[str, Any], dict[str, Any]]:
     definitions = {DEF_PREFIX + name: _to_draft7(d) for name, d in raw.pop("$defs", {}).items()}
     root = _to_draft7(raw)
     root["description"] = (
-        "The kuberl job file (services/common/config.py), rendered into the job ConfigMap. "
+        "The kuberl job file (services/common/config/), rendered into the job ConfigMap. "
         "Generated from kuberl.common.config.JobConfig by `kuberl chart schema`; do not edit."
     )
     return root, definitions

@@ -2,30 +2,11 @@
 
 A service subclasses `Service`: it registers its servicers, gets ready in `start()` (connect to
 Redis, load a model...) and cleans up in `stop()`. `serve()` does the rest the same way for all:
-grpc.aio with explicit message-size limits; the standard health service reporting NOT_SERVING
-until `start()` has returned (so Kubernetes readiness probes and the local supervisor wait for
-real readiness); server reflection; one interceptor that turns exceptions into status codes and
-counts requests, errors and latency; a Prometheus /metrics endpoint; and a graceful drain on
-SIGTERM: health flips to NOT_SERVING, new calls are refused, in-flight calls get
-`grace_seconds` to finish, then `stop()` runs.
-
-A SIGTERM while `start()` is still running interrupts it (the task is cancelled: a service's
-waits for its dependencies, `channels.wait_for_dependency`, end at once), `stop()` cleans up
-whatever was set up, and the process exits 0 within seconds: a start may not outlast a pod's
-grace period. Work the start had in a thread that cannot be interrupted (a model being loaded) is
-left behind: the process leaves without waiting for it (`STOP_STARTING_SECONDS`). Once stopped,
-a repeated SIGTERM or SIGINT is ignored while the process exits.
-
-Until `start()` has returned, every call to the service's own methods is answered UNAVAILABLE
-with a `retry-after-seconds` trailer (`StartGate`), so no handler ever runs on state `start()`
-has not prepared yet; only health (which says NOT_SERVING meanwhile) and reflection answer.
-
-Hostile input is answered, never crashed on: a request whose bytes are not the method's message
-gets INVALID_ARGUMENT (gRPC's own answer would be UNKNOWN, uncounted) and is counted like every
-other rejection in `kuberl_<service>_rpc_errors_total`; a message over `max_message_bytes` is
-refused by gRPC itself with RESOURCE_EXHAUSTED before any kuberl code runs. With the job's `tls`
-section enabled the server speaks only TLS, and with `require_client_cert` only to clients whose
-certificate the job's CA signed (`kuberl.common.tls`).
+grpc.aio with explicit message-size limits; health NOT_SERVING and the service's own methods
+UNAVAILABLE until `start()` has returned (`StartGate`); reflection; one interceptor that turns
+exceptions (and requests that do not parse) into status codes and counts calls; a Prometheus
+/metrics endpoint; TLS from the job's `tls` section (`kuberl.common.tls`); and a graceful drain
+on SIGTERM, which also interrupts a start still running. The contract: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -107,8 +88,7 @@ def grpc_options(max_message_bytes: int, keepalive_ms: int = KEEPALIVE_MS) -> li
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         # Notice a healed partition or a restarted peer within seconds: gRPC's default reconnect
-        # backoff grows to 120 s (a 75 s link cut took 12-18 s to recover, 2.2 s with this cap;
-        # tests/reliability/test_network_partition.py).
+        # backoff grows to 120 s (tests/reliability/test_network_partition.py).
         ("grpc.initial_reconnect_backoff_ms", 1000),
         ("grpc.max_reconnect_backoff_ms", 5000),
     ]
@@ -119,12 +99,11 @@ def server_grpc_options(
 ) -> list[tuple[str, Any]]:
     """`grpc_options` plus what a server must allow for its clients' keepalive: by default a
     server tolerates one ping per 5 minutes on an idle connection and answers more frequent ones
-    with GOAWAY `too_many_pings`, which dropped our idle clients' connections every ~90 s.
+    with GOAWAY `too_many_pings`, which would drop our idle clients' connections.
 
-    SO_REUSEPORT off: gRPC sets it by default, so a second server binding a port another one
-    already listens on succeeded and the kernel split the connections between the two (two local
-    runs whose services drew the same free port would have served each other's clients). Now
-    the second bind fails and says so."""
+    SO_REUSEPORT off: with gRPC's default a second server could bind a port another already
+    listens on and the kernel would split the connections between them (two local runs serving
+    each other's clients); now the second bind fails and says so."""
     return [
         *grpc_options(max_message_bytes, keepalive_ms),
         ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms // 2),
@@ -151,7 +130,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 class Undecodable:
-    """What a handler receives instead of a request whose bytes do not parse as its message."""
+    """What a handler receives instead of a request whose bytes do not parse as its message, so
+    the caller gets a counted INVALID_ARGUMENT rather than gRPC's uncounted UNKNOWN."""
 
     def __init__(self, error: Exception) -> None:
         self.error = error
@@ -196,8 +176,8 @@ def _checked(request: Any) -> Any:
 class StartGate:
     """Closed until the service's `start()` has returned: its methods answer UNAVAILABLE.
 
-    One check for every service instead of one in each handler that needs it (weight-sync had
-    eight; a handler without one ran on state `start()` had not set up yet)."""
+    One check for every service instead of one in each handler that needs it, so no handler
+    can run on state `start()` has not set up."""
 
     def __init__(self, service: Service) -> None:
         self.name = service.name
@@ -382,7 +362,7 @@ async def _leave_start_behind(executor: ThreadPoolExecutor) -> None:
 
     asyncio.run and the interpreter both wait for every thread of the loop's executor to end,
     and a thread cannot be interrupted: one loading a model (or waiting in a torchrun
-    rendezvous) kept the stopped process alive until Kubernetes SIGKILLed it."""
+    rendezvous) would keep the stopped process alive until Kubernetes SIGKILLs it."""
     ended = threading.Event()
 
     def shut_down() -> None:

@@ -1,19 +1,9 @@
 """Transport security of kuberl's gRPC connections: TLS and mutual TLS from the job's `tls` section.
 
-`kuberl.common.server.serve` binds with `server_credentials(tls)` and `kuberl.common.channels`
-opens every client channel with `channel_credentials(tls)`, so one `tls` section in the job file
-secures every connection between services. gRPC reads the PEM files itself; nothing here parses
-certificates (no `cryptography` at run time).
-
-Which settings a process uses: `serve()` installs the job's section as the process default
-(`configure`), so a service's own outgoing channels (rollout -> buffer, trainer -> weight-sync,
-...) follow the job file. A process that never serves (`kuberl health`, `kuberl buffer stats`)
-gets its default from the `KUBERL_TLS__<FIELD>` environment variables, the same overrides the
-services read, or plaintext when there are none. Code may always pass a `TLSConfig` explicitly.
-
-Servers re-read their certificate, key and CA when the files change (checked on each new
-connection), so a rotated certificate (cert-manager) is served without a restart; a file caught
-half-written keeps the previous certificate. Clients read their files when a channel is opened.
+`kuberl.common.server.serve` binds with `server_credentials(tls)` and `kuberl.common.channels` opens
+every client channel with `channel_credentials(tls)`, so one `tls` section in the job file secures
+every connection between services. gRPC reads the PEM files itself; nothing here parses certificates
+(no `cryptography` at run time).
 """
 
 from __future__ import annotations
@@ -64,7 +54,9 @@ def from_env(env: dict[str, str] | None = None) -> TLSConfig:
 
 
 def current() -> TLSConfig:
-    """The settings channels use when none are given: `configure`d, else the environment's."""
+    """The settings channels use when none are given: what `serve()` `configure`d (a service's
+    own outgoing channels follow the job file), else, in a process that never serves (`kuberl
+    health`, `kuberl buffer stats`), the `KUBERL_TLS__<FIELD>` variables, else plaintext."""
     with _lock:
         if _default is not None:
             return _default
@@ -148,7 +140,10 @@ class _ServerFiles:
 
 def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
     """Server credentials for `tls` (enabled): the service's certificate, and with
-    require_client_cert the CA that client certificates must chain to. Re-read on change."""
+    require_client_cert the CA that client certificates must chain to. The files are re-read
+    when they change (checked on each new connection), so a rotated certificate (cert-manager)
+    is served without a restart; a file caught half-written keeps the previous one. Clients
+    read their files when a channel is opened."""
     files = _ServerFiles(tls)
     return grpc.dynamic_ssl_server_credentials(
         files.config, files.fetch, require_client_authentication=tls.require_client_cert

@@ -1,18 +1,10 @@
-"""Protobuf wire format for messages that carry large repeated entries (groups of trajectories).
+"""Protobuf wire encoding for messages that carry large repeated entries (groups of trajectories).
 
-The buffer's hot messages are a small head plus a list of large entries: a PutTrajectoriesRequest
-is 8 groups of ~150 KB, a GetBatchResponse 32 of them. Encoding such a message in one
-`SerializeToString` is slow in the upb runtime: it grows its output buffer by doubling, and past
-glibc's mmap threshold every growth is fresh memory whose pages fault in. On the 2-core VM a
-1.2 MB PutTrajectoriesRequest took 1.4 ms and ~770 page faults to serialize, the same groups one
-by one and joined 0.09 ms and none (docs/buffer.md). Parsers accept a message's fields in any
-order and keep the relative order of a repeated field's entries, so a message encoded as "head,
-then each entry framed as its field" parses to the same message.
-
-`serialize_split` encodes a message that way, `encode_entries` frames entries that are already
-bytes (stored groups, sent as they are); the buffer's server uses the readers (`read_varint`) to
-find entries in a request without parsing them again. Callers: the buffer's client stub
-(`kuberl.buffer.client`), its GetBatch responses and its request validation.
+The buffer uses it in its client stub (`kuberl.common.buffer_client`), its GetBatch responses
+and its request validation: `serialize_split` encodes a message's head and then each entry of one
+repeated field on its own (why: its docstring), `encode_entries` frames entries that are already
+bytes (stored groups, sent as they are), and `read_varint` finds the entries of a request
+without parsing it again.
 """
 
 from __future__ import annotations
@@ -72,8 +64,10 @@ def encode_messages(head: Message, field_number: int, entries: Iterable[Message]
 
 def serialize_split(message: Message, field: str) -> bytes:
     """`message.SerializeToString()` with the repeated message field `field` serialized one entry
-    at a time (see the module docstring): the same message once parsed; the bytes differ only in
-    where that field's entries sit."""
+    at a time. upb's one-shot encoder grows its buffer by doubling, and past glibc's mmap
+    threshold each growth is fresh memory whose pages fault in (figures in docs/buffer.md).
+    Parsers accept fields in any order and keep a repeated field's entries in order, so this
+    parses to the same message; the bytes differ only in where that field's entries sit."""
     descriptor = message.DESCRIPTOR.fields_by_name.get(field)
     if descriptor is None or not descriptor.is_repeated or descriptor.message_type is None:
         raise ValueError(f"{message.DESCRIPTOR.full_name}.{field} is not a repeated message field")

@@ -1,17 +1,10 @@
 """The demo's task: two-number addition questions with a verifiable answer, generated from a seed.
 
-`make demo` (examples/demo.yaml) trains a ~0.8M-parameter Qwen2-architecture model with a
-character tokenizer, built locally, to answer "Q: 23+17=\\nA: " with "40". Operands
-are 0..49, so there are 2,500 distinct questions; the eval set is `n_eval` of them, held out: no
-eval question appears in the RL prompts or the SFT examples. Answers are plain numbers, checked by
-the reward service's `gsm8k` verifier (the response's last number equals the answer).
-
-The files in examples/data/arith/ are this module's output (`python -m kuberl.local.arith
-examples/data/arith`) and a test checks that they still are:
-
-- `train.jsonl`: RL prompts `{"prompt", "answer"}` (questions drawn with repetition);
-- `eval.jsonl`: held-out prompts `{"prompt", "answer"}`;
-- `sft.jsonl`: warm-start examples `{"prompt", "response"}` (distinct questions).
+`make demo` (examples/demo.yaml) trains a ~0.8M-parameter Qwen2-architecture model with a character
+tokenizer, built locally, to answer "Q: 23+17=\nA: " with "40", checked by the reward service's
+`gsm8k` verifier (the response's last number equals the answer). The files in examples/data/arith/
+are this module's output (`python -m kuberl.local.arith examples/data/arith`), and a test checks
+that they still are.
 """
 
 from __future__ import annotations
@@ -23,11 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 MAX_OPERAND = 49
-# Compact on purpose: with the question spelt out ("Q: What is 23 + 17?\nA: ", 23 characters)
-# 350 SFT steps left the tiny model at ~10% (greedy and sampled); with this one (13 characters)
-# the same steps reach ~90% greedy / ~75% sampled (plain-torch SFT, batch 64, lr 1e-3). Until the
-# tokenizer fix in kuberl.common.modelbuild.load_tokenizer every service silently dropped the
-# spaces, so the model saw "Q:Whatis23+17?A:" and learnt it.
+# Compact on purpose: the tiny model learns this format within the demo's warm start and barely
+# learns a spelt-out one ("Q: What is 23 + 17?\nA: "); figures in docs/local.md.
 TEMPLATE = "Q: {a}+{b}=\nA: "
 
 
@@ -48,7 +38,10 @@ def split_pairs(seed: int, n_eval: int) -> tuple[list[tuple[int, int]], list[tup
 def generate(
     seed: int = 0, n_train: int = 4000, n_eval: int = 200, n_sft: int = 2000
 ) -> dict[str, list[dict[str, str]]]:
-    """The three datasets as lists of rows (see the module docstring)."""
+    """The three datasets as lists of rows: `train`, RL prompts `{"prompt", "answer"}` drawn
+    with repetition; `eval`, `n_eval` held-out prompts (operands 0..49 give 2,500 questions, and
+    no eval question is in `train` or `sft`); `sft`, distinct warm-start examples
+    `{"prompt", "response"}`."""
     train_pairs, eval_pairs = split_pairs(seed, n_eval)
     if n_sft > len(train_pairs):
         raise ValueError(f"n_sft must be at most {len(train_pairs)}, got {n_sft}")

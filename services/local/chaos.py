@@ -1,23 +1,10 @@
 """Fault injection for `kuberl run --chaos <profile>`: SIGKILL services while a job trains.
 
 The supervisor (`kuberl.local.supervisor`) asks a `ChaosMonkey` once a tick whether a fault is
-due. The monkey's plan is drawn once from `--chaos-seed`: a shuffled list of fault kinds (each
-service kind `kills_per_kind` times, Redis `redis_kills` times), each given an RL step at which it
-becomes due (uniform over the profile's window of the job's `total_steps`, sorted) and a random
-delay of up to `max_delay_seconds` after that step is seen, so kills land anywhere in a step:
-mid-generation, mid-optimizer-step, mid-checkpoint, mid-publish. A fault fires only when every
-service is up (the previous fault recovered) and at least `min_gap_seconds` after the previous
-recovery, except once the job is past the window's end with faults still to fire (recoveries ran
-slow): then each fires as soon as everything is up. The target of a `rollout` fault is a replica
-drawn from the same seed.
-
-Kinds: `rollout`, `reward`, `buffer`, `weight-sync`, `trainer` (each a process group SIGKILLed as
-an evicted pod would be: torchrun and its workers together for the trainer) and `redis` (the
-embedded redis-server SIGKILLed; AOF on). Recovery is the supervisor's ordinary job (restart on
-the same port, AOF replayed); the monkey only records, per fault, when it fired, at which trainer
-step, the pid it killed, when the service was back (SERVING, or answering for Redis) and whether
-the trainer completed a step after that (`survived`). `kuberl.local.accounting` turns the record
-and the job's ground truth into `chaos.json`.
+due, kills its target (a service's process group, as an evicted pod dies, or the embedded
+redis-server) and recovers it as it would any crash. The monkey holds the seeded plan and
+records, per fault, when it fired, when the target was back and whether the trainer completed a
+step after that; `kuberl.local.accounting` turns that record into `chaos.json`.
 """
 
 from __future__ import annotations
@@ -64,9 +51,9 @@ class ChaosProfile:
 # `ci`: the CI-sized run (tests/reliability/test_chaos.py): 11 faults in a job of a few minutes.
 # `long`: `make chaos`, 31 faults over 10+ minutes.
 PROFILES = {
-    # The window ends well before the job does: a rollout replica takes up to ~35 s to come back
-    # on a loaded 2-core box, and the last fault needs steps after its recovery to be survived.
-    # Its short delay and gap keep 11 faults inside a CI job whose steps take ~0.2 s each.
+    # The window ends well before the job does: a killed rollout replica needs tens of seconds
+    # to come back on a small machine, and the last fault needs steps after its recovery to be
+    # survived. The short delay and gap fit 11 faults into a job of a few minutes.
     "ci": ChaosProfile(
         "ci",
         kills_per_kind=2,
@@ -87,9 +74,8 @@ PROFILES = {
 
 
 def chaos_profile(name: str, *, external_redis: bool) -> ChaosProfile:
-    """The named profile; without Redis faults when the job's Redis is not the embedded one
-    (not ours to kill: a Redis fault planned anyway never recovered, and every fault after it
-    was skipped while the report still counted it as injected)."""
+    """The named profile; without Redis faults when the job's Redis is not the embedded one: it
+    is not ours to kill or restart, so a Redis fault would never recover and block the rest."""
     profile = PROFILES[name]
     return replace(profile, redis_kills=0) if external_redis else profile
 
@@ -123,7 +109,14 @@ class Fault:
 
 
 class ChaosMonkey:
-    """The seeded fault plan of one run and its record (driven by the supervisor's ticks)."""
+    """The seeded fault plan of one run and its record (driven by the supervisor's ticks).
+
+    From the seed: a shuffled list of fault kinds, each due at an RL step drawn uniformly over
+    the profile's window and a random delay after that step is seen, so kills land anywhere in
+    a step (mid-generation, mid-optimizer-step, mid-checkpoint, mid-publish); the replica a
+    `rollout` fault kills. A fault fires only when every service is up and `min_gap_seconds`
+    after the last recovery, except past the window's end, where each fires as soon as all is up.
+    """
 
     def __init__(
         self, profile: ChaosProfile, seed: int, total_steps: int, replicas: list[str]

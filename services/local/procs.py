@@ -1,32 +1,12 @@
 """Child processes of the local supervisor: start, wait until ready, restart with a limit, stop.
 
-`kuberl run` (`kuberl.local.supervisor`) describes every service as a `ProcessSpec` (the exact
-container command line, `kuberl serve <service>`, plus environment overrides) and hands it to a
-`ProcessGroup`, which
-
-- starts it in its own session (so a terminal's Ctrl-C reaches only the supervisor, and a whole
-  process tree, torchrun and its workers included, is signalled at once), with stdout and stderr
-  appended to `<log_dir>/<name>.log`, and with Linux's parent-death signal set so that a
-  supervisor killed by SIGKILL does not leave services behind;
-- waits until it is ready: the `--port-file` it writes once listening, then the standard gRPC
-  health check answering SERVING at that port (a process that exits meanwhile fails at once,
-  not after the timeout);
-- watches it (`check()`): a process that exits is restarted on the same gRPC port (so its
-  clients reconnect to the address they know) up to `max_restarts` times; past that, or when a
-  restart does not become ready, `ServiceFailed` carries the last lines of its log. A process
-  marked `exits_when_done` (the trainer) that exits 0 has finished, it has not crashed;
-- stops everything (`stop_all`): SIGTERM to each process group in reverse start order (the
-  services drain in-flight calls on SIGTERM), SIGKILL after a grace period, and a final SIGKILL
-  to any group member left over after its leader exited.
-
-A signal reaches the whole process *tree*, not only the process group: torchrun starts each
-worker in a session of its own, so a SIGKILL to torchrun's group left its workers running as
-orphans (found by `kuberl run --chaos`: three trainers trained one job at once). The supervisor
-therefore remembers every descendant it has seen (pid and start time, refreshed on every
-`check()`), signals them too, and sweeps the ones still alive when a process is stopped or has
-died, even after they were re-parented away from the tree.
-
-Nothing here knows about kuberl's services: the unit tests drive it with small dummy commands.
+`kuberl run` (`kuberl.local.supervisor`) describes every service as a `ProcessSpec` (the
+container's command line, `kuberl serve <service>`, plus environment overrides) and hands it to a
+`ProcessGroup`, which starts each in its own session with its log in `<log_dir>/<name>.log`,
+waits for its port file and gRPC SERVING, restarts one that exits on the same port up to
+`max_restarts` times (`ServiceFailed` past that, with its log's last lines), and stops them all
+in reverse order, SIGTERM then SIGKILL. Nothing here knows about kuberl's services: the unit
+tests drive it with small dummy commands.
 """
 
 from __future__ import annotations
@@ -147,7 +127,12 @@ def _alive(pid: int, start: int, table: dict[int, tuple[int, int]]) -> bool:
 
 
 class ManagedProcess:
-    """A running (or finished) instance of a `ProcessSpec`, restartable in place."""
+    """A running (or finished) instance of a `ProcessSpec`, restartable in place.
+
+    It remembers every descendant it has seen (`tree`, refreshed on every check) and signals and
+    sweeps them too, even once re-parented away: torchrun starts each worker in a session of its
+    own, which a signal to torchrun's process group alone would not reach.
+    """
 
     def __init__(self, spec: ProcessSpec, log_dir: Path) -> None:
         self.spec = spec
@@ -183,7 +168,9 @@ class ManagedProcess:
         return self.proc.pid if self.proc else None
 
     def start(self) -> None:
-        """Start (or restart) the process; returns at once (see `wait_ready`)."""
+        """Start (or restart) the process; returns at once (see `wait_ready`). Its own session
+        keeps a terminal's Ctrl-C for the supervisor alone; the parent-death signal keeps a
+        SIGKILLed supervisor from leaving services behind."""
         env = {k: v for k, v in os.environ.items() if k not in self.spec.unset}
         env.update({"PYTHONUNBUFFERED": "1", **self.spec.env})
         if self.starts and self.spec.port_env and self.port:
@@ -228,7 +215,8 @@ class ManagedProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def wait_ready(self, should_stop: Callable[[], bool] = lambda: False) -> None:
-        """Block until listening (port file) and SERVING; ServiceFailed if it exits or times out."""
+        """Block until listening (port file) and SERVING; ServiceFailed at once if it exits, or
+        when it times out."""
         from kuberl.common.channels import health_status, sync_channel
 
         deadline = self._started_at + self.spec.start_timeout

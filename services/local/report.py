@@ -1,32 +1,11 @@
 """The end of a local run: `summary.json` and the PNG plots of the run folder.
 
-Everything here is computed from what the run wrote and the services reported, never from
-estimates: the trainer's per-step JSONL (`metrics.jsonl`: rl and eval rows; `warm-start.jsonl`:
-sft rows), the supervisor's one-per-second timeline of service stats (`timeline.jsonl`), and the
-buffer's final counters taken after every rollout replica was drained.
-
-Definitions used in summary.json:
-
-- `eval_accuracy_start` / `eval_accuracy_end`: `eval/accuracy` of the trainer's first and last
-  eval rounds (the first runs before the first RL step, i.e. after the warm start);
-- `steps`: RL steps completed; `trajectories_trained`: sum over steps of groups x group size
-  (a step trained again after a trainer resumed from its checkpoint counts once, its last run);
-- `generated_tokens`: tokens every replica generated, across replica restarts;
-- `prompts_leased`: leases of training prompts handed out by the buffer (`train:leased`);
-- `prompts_lost`: training prompts handed out that were neither trained (in the final weights'
-  lineage), nor dropped by a filter with its reason, nor still in flight (leased, re-queued, or a
-  group waiting to be trained), classified key by key from the buffer's Redis and trained.jsonl
-  (`kuberl.local.accounting.prompt_accounting`; `prompts_lost_why` says why, e.g.
-  `acknowledged_untrained` for groups a batch nobody trained acknowledged); only when Redis cannot
-  be read, the leases still outstanding once every replica has drained;
-- `groups_trained_over_max_staleness` / `staleness_trained_max`: groups of the lineage trained
-  more than `trainer.max_staleness` versions behind the trainer (or from a version it had not
-  reached), and the largest staleness trained;
-- `groups_duplicated`: groups the buffer refused as a second group for the same prompt and epoch
-  (`train:duplicate` + `eval:duplicate`);
-- `groups_trained_twice` (added by the supervisor): group keys (prompt@epoch) that more than one
-  step of the final weights' lineage trained, replayed from the trainer's `trained.jsonl`
-  (`kuberl.local.accounting.trained_lineage`; a step a resume discarded does not count).
+The supervisor (`kuberl.local.supervisor`) calls `build_summary` and `write_plots` once the
+services have stopped. Everything is computed from what the run wrote and the services
+reported, never from estimates: the trainer's per-step JSONL (`metrics.jsonl`: rl and eval rows;
+`warm-start.jsonl`: sft rows), the supervisor's once-a-second timeline of service stats
+(`timeline.jsonl`), and the buffer's final counters taken after every rollout replica drained.
+What each field of summary.json means: docs/local.md, "summary.json".
 """
 
 from __future__ import annotations

@@ -1,39 +1,12 @@
 """`kuberl run job.yaml`: a whole job on one machine, every service its own process.
 
-The supervisor does for a laptop what the Helm chart does for a cluster, with the same
-entrypoints (`kuberl serve <service>`, a trainer of several processes under torchrun):
-
-1. **Run folder** `<job.run_dir>/<job>-<timestamp>/`: `job.yaml` (the job as the services read it:
-   absolute data paths, the model folder, Redis URL, loopback listeners, and after start-up the
-   real endpoints, so `kuberl buffer stats --config <run>/job.yaml` works during the run),
-   `logs/<service>.log`, `metrics.jsonl` (the trainer's one line per step), `checkpoints/`,
-   `timeline.jsonl` (service stats once a second), `summary.json` and the plots.
-2. **Model**: `kuberl.common.modelbuild.resolve_model` builds (or finds in the cache) the job's
-   model once, before any service starts, and every service gets its path (`model.path`).
-3. **Warm start**: when the job is RL with `trainer.sft_steps` on a `trainer.sft_data` file, the
-   SFT runs first as its own trainer run (`mode: sft`, learning rate `job.local.warm_start_lr`,
-   nothing else running), and RL starts from its HF export. The trainer's first eval round
-   therefore measures the model after SFT alone.
-4. **Services**: an embedded Redis (AOF on, in the run folder) unless `redis.url` is set; then,
-   all at once, buffer, reward, weight-sync, `job.local.rollout_replicas` rollout replicas (each
-   with its replica id, its own gRPC and metrics ports and its own sampling seed) and the trainer
-   (under torchrun when it has several processes); the supervisor waits for every one to report
-   SERVING. Each binds a loopback port picked before anything starts (and held by the
-   supervisor until every service serves, `PortReservation`), so a service's address reaches
-   the others through `KUBERL_ENDPOINTS__*` from the start, and each waits for its own
-   dependencies as a pod does.
-5. **Watch**: a crashed service is restarted on the same port (`job.local.max_restarts` times),
-   and so is the embedded Redis (same port, its AOF replayed); progress is shown live
-   (`kuberl.local.progress`). The job is done when the trainer exits 0.
-6. **Stop** (end of job, Ctrl-C, SIGTERM, or a service that cannot go on): trainer first (it stops
-   after its current step), then the rollout replicas together (they finish or release their
-   leased prompts), then weight-sync and reward, then the buffer, then Redis. A second Ctrl-C
-   kills everything at once. The summary and plots are written in every case; the exit code is 0
-   (done), 1 (a service failed: its last log lines are printed) or 130 (interrupted).
-7. **Chaos** (`--chaos <profile>`, `kuberl.local.chaos`): while the job trains, services and
-   Redis are SIGKILLed on a seeded plan and restarted by step 5; after the services stopped (and
-   before Redis does) `chaos.json` accounts for every prompt handed out
-   (`kuberl.local.accounting`). Restart limits are raised by the profile's kills per kind.
+`kuberl.local.cli` calls `run`. The supervisor does for a laptop what the Helm chart does for a
+cluster, with the same entrypoints (`kuberl serve <service>`, the trainer under torchrun): it
+writes the run folder and the resolved `job.yaml`, builds the model once, runs the SFT warm
+start when the job asks for one, starts an embedded Redis and every service at once on ports
+picked up front, restarts what crashes, injects faults under `--chaos`, stops the services in
+dependency order and writes the summary and plots. Each step and the run folder's layout:
+docs/local.md.
 """
 
 from __future__ import annotations
@@ -87,8 +60,8 @@ class Interrupted(Exception):
 
 def shm_folder_name(run_dir: Path) -> str:
     """The run's folder under /dev/shm: named after the run folder and a digest of its full
-    path, since two runs whose folders share a name (`a/run`, `b/run`) must not share one (the
-    first to finish removed it under the other, whose trainer then could not publish)."""
+    path, since two runs whose folders share a name (`a/run`, `b/run`) must not share one: the
+    first to finish would remove it under the other's trainer."""
     digest = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:10]
     return f"kuberl-{run_dir.name}-{digest}"
 
@@ -125,9 +98,8 @@ def _latest_hf_export(checkpoint_dir: Path) -> Path:
 
 
 def _thread_count(share: float) -> str:
-    """Torch threads for a process given its share of the CPUs. Measured here (2 cores shared
-    with other work): one SFT step took 0.5 s with 1 thread and 4-10 s with 2 (OpenMP threads
-    spin against each other and against the other services), so small machines get 1."""
+    """Torch threads for a process given its share of the CPUs: OpenMP threads beyond that share
+    spin against each other and against the other services, so small machines get 1."""
     return str(max(1, int((os.cpu_count() or 1) * share)))
 
 
@@ -244,7 +216,7 @@ class Supervisor:
             self.run_dir = opts.run_dir.resolve()
             if self.run_dir.is_dir() and any(self.run_dir.iterdir()):
                 # Its checkpoints would be resumed, its Redis AOF replayed and its metrics
-                # counted as this run's (a second run once "completed" without training).
+                # counted as this run's, so the new run could "complete" without training.
                 raise ConfigError(
                     f"--run-dir {self.run_dir} is not empty: a run cannot continue another; "
                     "give a new folder, or empty this one"
@@ -283,8 +255,8 @@ class Supervisor:
             transports = [t for t in doc["weight_sync"]["transports"] if t != "cuda_ipc"]
             doc["weight_sync"]["transports"] = ["cuda_ipc", *transports]
         self.config = parse_job_config(doc, env={}, source=str(opts.job_file))
-        # The supervisor's own channels (readiness, stats, the final report) speak the job's TLS,
-        # as the services' servers do: they waited in plaintext and timed out before.
+        # The supervisor's own channels (readiness, stats, the final report) speak the job's TLS:
+        # the services' servers accept nothing else.
         tls.configure(self.config.tls)
         self.doc = self.config.model_dump(mode="json")
         self.progress = Progress(
@@ -334,7 +306,7 @@ class Supervisor:
     def _trainer_argv(self, job: Path) -> list[str]:
         """The trainer's command: torchrun for a world of several processes; one process runs
         `kuberl serve trainer` itself (a world of one), without torchrun's agent, whose own torch
-        import and rendezvous put about a second before the trainer's first step."""
+        import and rendezvous would only delay the first step."""
         if self.local.trainer_processes == 1:
             return self._serve_argv("trainer", job)
         return [
@@ -899,7 +871,7 @@ class Supervisor:
 
 #: Seconds a process that never reached SERVING gets to stop: it has nothing to drain or save.
 #: `serve()` ends an interrupted start within about 2 s (`STOP_STARTING_SECONDS`); this is the
-#: backstop for one that does not (a failed start once took 150 s to shut down).
+#: backstop for one that does not.
 STARTING_GRACE_SECONDS = 5.0
 
 

@@ -1,16 +1,13 @@
 """Rollout functions: what turns one leased prompt into its group of samples.
 
 A rollout function is called once per prompt as `await fn(context, prompt)` and returns the
-group's `Sample`s (exactly `context.group_size` of them, in sample order). `default_rollout`
+group's `RolloutSample`s (exactly `context.group_size`, in sample order). `default_rollout`
 samples them in one engine call; `kuberl.rollout.multiturn.multi_turn_rollout` runs tool calls;
 a job can name its own as `rollout.rollout_function: "package.module:function"` (slime's
 rollout-function path): it gets the engine, tokenizer and sampling parameters through the
 `RolloutContext` and may do anything — several engine calls, external environments, custom
 masking. The worker scores the samples, builds trajectories and puts the group, so a custom
 function never touches the buffer or the reward service.
-
-A sample whose generation was aborted (weight update in `abort` mode, pause, shutdown) keeps
-finish_reason "abort"; the worker regenerates or releases the prompt, never trains on it.
 """
 
 from __future__ import annotations
@@ -43,8 +40,13 @@ class PromptItem:
 
 
 @dataclass
-class Sample:
-    """One response of a group, as returned by a rollout function."""
+class RolloutSample:
+    """One generated response of a group, as a rollout function returns it: tokens, the engine's
+    logprobs, the loss mask and the policy versions; the worker turns it into a trajectory.
+
+    A sample whose generation was aborted (weight update in `abort` mode, pause, shutdown) keeps
+    finish_reason "abort": the worker then regenerates or releases the prompt, never trains on it.
+    """
 
     token_ids: list[int]
     logprobs: list[float]  # engine logprob per token; any value where loss_mask is 0
@@ -58,7 +60,7 @@ class Sample:
     engine_queue_seconds: float = 0.0
 
     @classmethod
-    def from_completion(cls, c: Completion) -> Sample:
+    def from_completion(cls, c: Completion) -> RolloutSample:
         return cls(
             token_ids=list(c.token_ids),
             logprobs=list(c.logprobs),
@@ -110,13 +112,13 @@ class RolloutContext:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
 
-RolloutFn = Callable[[RolloutContext, PromptItem], Awaitable[list[Sample]]]
+RolloutFn = Callable[[RolloutContext, PromptItem], Awaitable[list[RolloutSample]]]
 
 
-async def default_rollout(ctx: RolloutContext, prompt: PromptItem) -> list[Sample]:
+async def default_rollout(ctx: RolloutContext, prompt: PromptItem) -> list[RolloutSample]:
     """n independent samples of one prompt, in one engine call."""
     [completions] = await ctx.engine.generate([prompt.token_ids], ctx.sampling)
-    return [Sample.from_completion(c) for c in completions]
+    return [RolloutSample.from_completion(c) for c in completions]
 
 
 def load_rollout_function(config: JobConfig) -> RolloutFn:

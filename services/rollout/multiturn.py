@@ -1,20 +1,11 @@
 """The built-in multi-turn rollout: the model calls tools, their outputs become tool turns.
 
-Each of the n samples of a prompt is a loop of at most `multi_turn.max_turns` model turns. A
-turn generates until the model closes a tool call (`</tool_call>` is added to the stop strings),
-stops, or runs out of budget. When the turn contains `<tool_call>{json}</tool_call>` the tool
-runs (`kuberl.rollout.tools`) and its output is appended as
-`multi_turn.tool_response_template` (default `\\n<tool_response>\\n{output}\\n</tool_response>\\n`),
-tokenized on its own, and the next turn continues from the whole context. The sample's response
-is the concatenation of model tokens (loss mask 1, with the engine's logprobs) and tool tokens
-(loss mask 0, logprob 0): the model is trained on what it wrote, never on what the tools wrote,
-and model tokens are never re-tokenized.
-
-A sample ends with the finish reason of its last turn when that turn calls no tool, "length" when
-the response budget (`multi_turn.max_total_tokens`, default `sampling.max_new_tokens`) is used up
-or the engine refuses a later turn's context (longer than the model's), "turn_limit" when the last
-allowed turn still calls a tool, and "abort" when the engine aborted a turn. Metadata records the
-tool calls and their outcomes.
+`kuberl.rollout.functions` makes `multi_turn_rollout` the rollout function when
+`rollout.multi_turn.enabled` is set. Each sample is at most `multi_turn.max_turns` model turns; a
+turn that closes a `<tool_call>` runs the tool (`kuberl.rollout.tools`) and its output, tokenized on
+its own, is appended as a tool turn. The response is model tokens (loss mask 1, the engine's
+logprobs, never re-tokenized) and tool tokens (loss mask 0, logprob 0): the model is trained on what
+it wrote, never on what the tools wrote.
 """
 
 from __future__ import annotations
@@ -23,7 +14,7 @@ import asyncio
 from typing import Any
 
 from kuberl.rollout.engine.base import EngineRejected
-from kuberl.rollout.functions import PromptItem, RolloutContext, Sample
+from kuberl.rollout.functions import PromptItem, RolloutContext, RolloutSample
 from kuberl.rollout.tools import (
     TOOL_CALL_CLOSE,
     ToolRegistry,
@@ -39,15 +30,24 @@ def tool_registry(ctx: RolloutContext) -> ToolRegistry:
     return tools
 
 
-async def multi_turn_rollout(ctx: RolloutContext, prompt: PromptItem) -> list[Sample]:
-    """n tool-using samples of one prompt, run concurrently (the engine batches their turns)."""
+async def multi_turn_rollout(ctx: RolloutContext, prompt: PromptItem) -> list[RolloutSample]:
+    """n tool-using samples of one prompt, run concurrently (the engine batches their turns).
+
+    A sample ends with its last turn's finish reason when that turn calls no tool; "length" when
+    the response budget (`multi_turn.max_total_tokens`, default `sampling.max_new_tokens`) is
+    used up or the engine refuses a later turn's context (longer than the model's);
+    "turn_limit" when the last allowed turn still calls a tool; "abort" when the engine aborted
+    a turn. Metadata records the tool calls and their outcomes.
+    """
     tools = tool_registry(ctx)
     return list(
         await asyncio.gather(*(_one_sample(ctx, tools, prompt) for _ in range(ctx.group_size)))
     )
 
 
-async def _one_sample(ctx: RolloutContext, tools: ToolRegistry, prompt: PromptItem) -> Sample:
+async def _one_sample(
+    ctx: RolloutContext, tools: ToolRegistry, prompt: PromptItem
+) -> RolloutSample:
     mt = ctx.config.rollout.multi_turn
     budget = mt.max_total_tokens or ctx.sampling.max_new_tokens
     stops = tuple(dict.fromkeys((*ctx.sampling.stop, TOOL_CALL_CLOSE)))
@@ -97,7 +97,7 @@ async def _one_sample(ctx: RolloutContext, tools: ToolRegistry, prompt: PromptIt
         logprobs += [0.0] * len(tool_ids)
         mask += [0] * len(tool_ids)
         finish = "length"  # if the budget ends here, the sample was cut short
-    return Sample(
+    return RolloutSample(
         token_ids=tokens,
         logprobs=logprobs,
         finish_reason=finish,

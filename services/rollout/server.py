@@ -31,7 +31,7 @@ import grpc
 from kuberl.api.reward.v1 import reward_pb2_grpc
 from kuberl.api.rollout.v1 import rollout_pb2 as pb
 from kuberl.api.rollout.v1 import rollout_pb2_grpc
-from kuberl.buffer.client import BufferStub
+from kuberl.common.buffer_client import BufferStub
 from kuberl.common.channels import aio_channel, wait_for_dependency
 from kuberl.common.config import JobConfig
 from kuberl.common.errors import FailedPrecondition, InvalidArgument, Unavailable

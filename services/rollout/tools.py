@@ -1,24 +1,13 @@
-"""Tools for multi-turn rollouts: the call format, a registry, and two example tools.
+"""Tools for multi-turn rollouts: the call format, a registry, and two built-in tools.
 
-The model calls a tool by writing `<tool_call>{"name": "...", "arguments": {...}}</tool_call>`
-(the Hermes / Qwen convention). `parse_tool_call` reads the first such call of a turn;
-`ToolRegistry.run` executes it with a wall-clock limit and returns the text that is appended to
-the sample as a tool turn (`format_tool_response`). Every failure — malformed JSON, an unknown
-tool, an exception, a timeout — becomes a short error text for the model rather than a crash.
-
-Built-in tools:
-- `calculator`: arithmetic on numbers with + - * / // % ** and parentheses, evaluated from the
-  Python AST (no `eval`), with limits on exponent and result size.
-- `python` (`PythonTool`): runs a snippet in the sandbox the reward service's `code` verifier
-  uses (`kuberl.common.sandbox`, configured by `rollout.multi_turn.sandbox`): a separate process
-  per call with its own network namespace, private /tmp and dedicated uid where the host allows
-  them, rlimits and a scrubbed environment, everything it started killed at the timeout; stdout
-  and the last line of stderr come back truncated.
-Custom tools are `module:function` taking the `arguments` dict and returning a string (or an
-`async def` doing so, cancelled at the timeout). With `model.chat_template` and
-`multi_turn.describe_tools`, every tool's schema (`tool_schema`: a custom function may carry its
-own as a `tool_schema` attribute) goes to the tokenizer's chat template as `tools=`, which is how
-Qwen2.5 / Hermes templates tell the model the tools and the `<tool_call>` format.
+`kuberl.rollout.multiturn` calls them. The model calls a tool by writing
+`<tool_call>{"name": "...", "arguments": {...}}</tool_call>` (the Hermes / Qwen convention);
+`parse_tool_call` reads the first call of a turn and `ToolRegistry.run` executes it with a
+timeout, returning the tool turn's text (`format_tool_response`). Every failure (malformed JSON,
+an unknown tool, an exception, a timeout) becomes a short error text for the model, never a
+crash. Built in: `calculator` (arithmetic from the AST, no `eval`) and `python` (a snippet in
+`kuberl.common.sandbox`); a job may add `module:function` tools. Details: docs/rollout.md,
+"Multi-turn tool calling".
 """
 
 from __future__ import annotations
@@ -103,7 +92,9 @@ _MAX_MAGNITUDE = 1e100
 
 
 def calculate(expression: str) -> float | int:
-    """Evaluate an arithmetic expression safely; ValueError says what is not allowed."""
+    """Evaluate an arithmetic expression (numbers, + - * / // % ** and parentheses) from its
+    AST, never `eval`, with bounds on exponent and result size; ValueError says what is not
+    allowed."""
     if len(expression) > 500:
         raise ValueError("expression is longer than 500 characters")
     try:
@@ -309,8 +300,10 @@ BUILTIN_SCHEMAS: dict[str, dict[str, Any]] = {
 
 
 def tool_schema(name: str, fn: Any) -> dict[str, Any]:
-    """The schema a chat template shows the model for one tool: a built-in's own, a custom
-    function's `tool_schema` attribute when it has one, else its name and docstring with free-form
+    """The schema a chat template shows the model for one tool (passed as `tools=` with
+    `model.chat_template` and `multi_turn.describe_tools`, which is how Qwen2.5 / Hermes templates
+    teach the tools and the `<tool_call>` format): a built-in's own, a custom function's
+    `tool_schema` attribute when it has one, else its name and docstring with free-form
     arguments."""
     if name in BUILTIN_SCHEMAS:
         return BUILTIN_SCHEMAS[name]
@@ -334,6 +327,8 @@ TOOL_THREADS = 16
 
 class ToolRegistry:
     """The tools of a job (`rollout.multi_turn.tools`), run with a timeout and output limit.
+    A custom tool is `module:function` taking the `arguments` dict and returning a string, or an
+    `async def` doing so.
 
     Plain functions run in a thread of the registry's own pool (at the timeout the registry
     stops waiting, but a thread cannot be killed: a tool that hangs keeps one of the pool's

@@ -47,7 +47,7 @@ import numpy as np
 from kuberl.api.buffer.v1 import buffer_pb2 as bpb
 from kuberl.api.common.v1 import trajectory_pb2 as tpb
 from kuberl.api.reward.v1 import reward_pb2 as rpb
-from kuberl.buffer.client import encode_put
+from kuberl.common.buffer_client import encode_put
 from kuberl.common.config import JobConfig
 from kuberl.common.logs import get_logger
 from kuberl.common.server import RETRY_AFTER_KEY
@@ -58,7 +58,7 @@ from kuberl.rollout.functions import (
     PromptItem,
     RolloutContext,
     RolloutFn,
-    Sample,
+    RolloutSample,
     encode_prompt,
     load_rollout_function,
     prompt_metadata,
@@ -100,7 +100,7 @@ class _Generation:
 @dataclass
 class _Done:
     item: PromptItem
-    samples: list[Sample]
+    samples: list[RolloutSample]
     queued_seconds: float
     generate_seconds: float
     metadata: dict[str, Any]
@@ -142,7 +142,7 @@ class RolloutWorker:
         self.rc = config.rollout
         self.engine = engine
         self.tokenizer = tokenizer
-        self.buffer = buffer  # kuberl.buffer.client.BufferStub (grpc.aio)
+        self.buffer = buffer  # kuberl.common.buffer_client.BufferStub (grpc.aio)
         self.reward = reward  # RewardServiceStub (grpc.aio)
         self.replica_id = replica_id
         self.rollout_fn = rollout_fn or load_rollout_function(config)
@@ -513,8 +513,8 @@ class RolloutWorker:
 
     async def _put(self, kind: str, groups: list[Group], lease_ids: list[str]) -> None:
         put_kind = "sft" if self.rc.mode == "rejection_sampling" else kind
-        # Encoded group by group (kuberl.buffer.client): a request message holding the groups
-        # would copy each one into it, and encoding that in one piece is slow.
+        # Encoded group by group (kuberl.common.buffer_client): a request message holding the
+        # groups would copy each one into it, and encoding that in one piece is slow.
         head = bpb.PutTrajectoriesRequest(
             consumer=self.replica_id, kind=KINDS[put_kind], lease_ids=lease_ids
         )

@@ -2,15 +2,19 @@
 REINFORCE++, PPO with GAE), policy and value losses (PPO clip with clip-higher and dual-clip, GSPO),
 KL to the reference policy (k1/k2/k3) and the train-inference mismatch correction (TIS/MIS).
 
-The training loop calls three functions per batch; everything else here is their building blocks,
-each usable and tested on its own (no I/O, no state, shapes beside each line that changes them):
+Advantage estimators and policy losses are extension points: each is a function registered under
+a name (`@register_advantage("grpo")`, `@register_policy_loss("ppo")`), and a job names one in
+`trainer.algorithm.advantage` / `policy_loss`, or a plugin `package.module:function` with the same
+contract (`AdvantageEstimator`, `PolicyLoss`; docs/algorithms.md shows one). The training loop
+calls three functions per batch; everything else here is their building blocks, each usable and
+tested on its own (no I/O, shapes beside each line that changes them):
 
     advantages, returns = compute_advantages(
         config, rewards, mask, group_size, values=None, old_logprobs=None, ref_logprobs=None)
     loss, metrics = policy_loss_and_metrics(
         config, logprobs, old_logprobs, rollout_logprobs, advantages, mask,
         ref_logprobs=None, entropy=None, global_count=None)
-    value_loss, value_metrics = value_loss_and_metrics(     # PPO's critic (advantage "gae")
+    value_loss, value_metrics = value_loss_and_metrics(     # the critic, when the estimator has one
         config, values, old_values, returns, mask, global_count=None)
 
 `config` is `kuberl.common.config.AlgorithmConfig`. Shapes: B sequences, T the padded response
@@ -39,17 +43,27 @@ docs/algorithms.md has the formulas, the conventions and measured speed.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from kuberl.common.config import AlgorithmConfig
+from kuberl.common.plugins import Registry
 
 # exp() of a log-ratio beyond this would overflow fp32 (and bf16) or give inf*0 = NaN gradients.
 LOG_RATIO_LIMIT = 20.0
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "POLICY_LOSSES",
+    "AdvantageEstimator",
+    "AdvantageInputs",
+    "Algorithm",
+    "PolicyLoss",
+    "PolicyLossInputs",
     "aggregate_loss",
     "compute_advantages",
     "compute_gae",
@@ -65,7 +79,10 @@ __all__ = [
     "mismatch_metrics",
     "policy_loss_and_metrics",
     "ppo_policy_loss",
+    "register_advantage",
+    "register_policy_loss",
     "reinforce_pp_advantages",
+    "resolve_algorithm",
     "rloo_advantages",
     "token_level_rewards",
     "value_loss_and_metrics",
@@ -136,6 +153,92 @@ def aggregate_loss(
     raise ValueError(
         f"unknown loss aggregation {mode!r}; expected token_mean, seq_mean or token_sum"
     )
+
+
+# ----------------------------------------------------------------- extension points
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an advantage estimator sees of one batch (B sequences, T the padded response length).
+
+    The batch holds whole groups: rows g * group_size ... (g + 1) * group_size - 1 are the
+    samples of prompt g. With `kl.in_reward` both reward forms already include the KL penalty.
+    """
+
+    rewards: Tensor  # [B] each sequence's reward (less kl.coef * its summed KL)
+    token_rewards: (
+        Tensor  # [B, T] the reward on each row's last token (less kl.coef * KL per token)
+    )
+    mask: Tensor  # [B, T] bool: the policy's own response tokens
+    group_size: int
+    values: Tensor | None  # [B, T] the critic's V(s_t); only for estimators with needs_critic
+
+
+@dataclass(frozen=True)
+class PolicyLossInputs:
+    """What a policy loss sees of one (micro-)batch; every tensor [B, T], 0 off the mask."""
+
+    logprobs: Tensor  # [B, T] log pi(a_t) under the policy being trained, with gradient
+    old_logprobs: Tensor  # [B, T] log pi_old(a_t), detached (see the module docstring)
+    advantages: Tensor  # [B, T]
+    mask: Tensor  # [B, T] bool: the tokens that count
+
+
+AdvantageEstimator = Callable[[AdvantageInputs, AlgorithmConfig], tuple[Tensor, Tensor]]
+"""estimator(inputs, config) -> (advantages [B, T], returns [B, T]); values off the mask are
+ignored (they become 0). `returns` are the critic's targets for estimators with a critic."""
+
+PolicyLoss = Callable[[PolicyLossInputs, AlgorithmConfig], tuple[Tensor, dict[str, Tensor]]]
+"""loss(inputs, config) -> (per-token loss [B, T], stats). The caller weights the loss by TIS/MIS
+and aggregates it (`loss_agg`). stats are [B, T] tensors, all optional: "ratio" (pi / pi_old as
+the loss used it; default exp(logprobs - old_logprobs)), "clipped" and "dual_clipped" (bool, the
+clipped term won; reported as policy/clip_frac*); any other key is reported as its masked mean,
+`policy/<key>`."""
+
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
+    "advantage estimator", ["inputs", "config"]
+)
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", ["inputs", "config"])
+_NEEDS_CRITIC: set[AdvantageEstimator] = set()
+
+
+def register_advantage(
+    name: str, *, needs_critic: bool = False
+) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Register an `AdvantageEstimator` under `name`; with needs_critic the trainer trains a
+    critic and passes its values in `AdvantageInputs.values`."""
+    add = ADVANTAGE_ESTIMATORS.register(name)
+
+    def register(fn: AdvantageEstimator) -> AdvantageEstimator:
+        add(fn)
+        if needs_critic:
+            _NEEDS_CRITIC.add(fn)
+        return fn
+
+    return register
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Register a `PolicyLoss` under `name`."""
+    return POLICY_LOSSES.register(name)
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """The estimator and loss a job's `trainer.algorithm` names, loaded and checked."""
+
+    advantage: AdvantageEstimator
+    policy_loss: PolicyLoss
+    needs_critic: bool
+
+
+def resolve_algorithm(config: AlgorithmConfig) -> Algorithm:
+    """Load what `config` names; a plugin that cannot be used raises PluginError naming the field.
+    The trainer calls this at start so that a bad plugin fails before any work."""
+    advantage = ADVANTAGE_ESTIMATORS.resolve(config.advantage, "trainer.algorithm.advantage")
+    policy_loss = POLICY_LOSSES.resolve(config.policy_loss, "trainer.algorithm.policy_loss")
+    return Algorithm(advantage, policy_loss, needs_critic=advantage in _NEEDS_CRITIC)
 
 
 # ----------------------------------------------------------------- advantages
@@ -211,6 +314,52 @@ def reinforce_pp_advantages(
     return masked_whiten(returns, mask, eps), returns
 
 
+def _per_sequence(advantages: Tensor, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """A group estimator's [B] advantages, and the reward as return, on every response token."""
+    return advantages[:, None].expand_as(inputs.mask), inputs.rewards[:, None].expand_as(
+        inputs.mask
+    )
+
+
+@register_advantage("grpo")
+def _grpo(inputs: AdvantageInputs, config: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    """`grpo_advantages` of rewards [B] on every response token; returns: the reward. [B, T]."""
+    adv = grpo_advantages(inputs.rewards, inputs.group_size, config.normalize_std, config.std_eps)
+    return _per_sequence(adv, inputs)
+
+
+@register_advantage("drgrpo")
+def _drgrpo(inputs: AdvantageInputs, config: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    """`drgrpo_advantages` of rewards [B] on every response token; returns: the reward. [B, T]."""
+    return _per_sequence(drgrpo_advantages(inputs.rewards, inputs.group_size), inputs)
+
+
+@register_advantage("rloo")
+def _rloo(inputs: AdvantageInputs, config: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    """`rloo_advantages` of rewards [B] on every response token; returns: the reward. [B, T]."""
+    return _per_sequence(rloo_advantages(inputs.rewards, inputs.group_size), inputs)
+
+
+@register_advantage("reinforce_pp")
+def _reinforce_pp(inputs: AdvantageInputs, config: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    """`reinforce_pp_advantages` of token_rewards [B, T]: (whitened returns, returns), [B, T]."""
+    return reinforce_pp_advantages(inputs.token_rewards, inputs.mask, config.gamma, config.std_eps)
+
+
+@register_advantage("gae", needs_critic=True)
+def _gae(inputs: AdvantageInputs, config: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    """`compute_gae` of token_rewards and the critic's values [B, T], advantages whitened
+    (`whiten_advantages`); returns are the critic's targets. [B, T], [B, T]."""
+    if inputs.values is None:
+        raise ValueError("advantage 'gae' needs the critic's values ([B, T])")
+    advantages, returns = compute_gae(
+        inputs.token_rewards, inputs.values, inputs.mask, config.gamma, config.lam
+    )
+    if config.whiten_advantages:
+        advantages = masked_whiten(advantages, inputs.mask, config.std_eps)  # [B, T]
+    return advantages, returns
+
+
 def compute_advantages(
     config: AlgorithmConfig,
     rewards: Tensor,
@@ -220,15 +369,14 @@ def compute_advantages(
     old_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Advantages and returns, both [B, T] and 0 off the mask, by `config.advantage`.
+    """Advantages and returns, both [B, T] and 0 off the mask, by the estimator
+    `config.advantage` names (a registered one or a plugin, see `AdvantageInputs`).
 
-    rewards [B] per sequence; values [B, T] the critic's V(s_t) (gae only). With
-    `config.kl.in_reward` the KL of the sampling policy (`old_logprobs`, [B, T]: the trainer's
-    recomputed ones or the rollout engine's) to the reference
-    (`ref_logprobs`) is subtracted from the reward: per token for reinforce_pp and gae, summed over
-    the response for grpo, drgrpo and rloo. `returns` are the critic's targets for gae, the
-    discounted token returns for reinforce_pp, and the (KL-adjusted) sequence reward broadcast
-    over the response for the group estimators.
+    rewards [B] per sequence; values [B, T] the critic's V(s_t) (estimators that need a critic).
+    With `config.kl.in_reward` the KL of the sampling policy (`old_logprobs`, [B, T]: the
+    trainer's recomputed ones or the rollout engine's) to the reference (`ref_logprobs`) is
+    subtracted from the reward: per token in `token_rewards`, summed over the response in
+    `rewards`.
     """
     valid = _valid(mask)
     _check_same_shape(valid, values=values, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
@@ -238,39 +386,23 @@ def compute_advantages(
             f"got {tuple(rewards.shape)}"
         )
     rewards = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
-    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
     kl = None
     if config.kl.in_reward and config.kl.coef > 0:
         if old_logprobs is None or ref_logprobs is None:
             raise ValueError("kl.in_reward needs old_logprobs and ref_logprobs ([B, T] each)")
         kl = kl_estimate(old_logprobs, ref_logprobs, config.kl.estimator, valid)  # [B, T]
-
-    kind = config.advantage
-    if kind in ("grpo", "drgrpo", "rloo"):
-        if kl is not None:
-            rewards = rewards - config.kl.coef * masked_sum(kl, valid, dim=-1)  # [B]
-        if kind == "grpo":
-            seq_adv = grpo_advantages(rewards, group_size, config.normalize_std, config.std_eps)
-        elif kind == "drgrpo":
-            seq_adv = drgrpo_advantages(rewards, group_size)
-        else:
-            seq_adv = rloo_advantages(rewards, group_size)  # [B]
-        advantages = torch.where(valid, seq_adv[:, None], zero)  # [B, T]
-        returns = torch.where(valid, rewards[:, None], zero)  # [B, T]
-        return advantages, returns
-    token_rewards = token_level_rewards(rewards, valid, kl, config.kl.coef)  # [B, T]
-    if kind == "reinforce_pp":
-        return reinforce_pp_advantages(token_rewards, valid, config.gamma, config.std_eps)
-    if kind == "gae":
-        if values is None:
-            raise ValueError("advantage 'gae' needs the critic's values ([B, T])")
-        advantages, returns = compute_gae(token_rewards, values, valid, config.gamma, config.lam)
-        if config.whiten_advantages:
-            advantages = masked_whiten(advantages, valid, config.std_eps)  # [B, T]
-        return advantages, returns
-    raise ValueError(
-        f"unknown advantage estimator {kind!r}; expected grpo, drgrpo, rloo, reinforce_pp or gae"
+    inputs = AdvantageInputs(
+        rewards=rewards if kl is None else rewards - config.kl.coef * masked_sum(kl, valid, -1),
+        token_rewards=token_level_rewards(rewards, valid, kl, config.kl.coef),  # [B, T]
+        mask=valid,
+        group_size=group_size,
+        values=values,
     )
+    estimator = ADVANTAGE_ESTIMATORS.resolve(config.advantage, "trainer.algorithm.advantage")
+    advantages, returns = estimator(inputs, config)
+    _check_same_shape(valid, advantages=advantages, returns=returns)
+    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+    return torch.where(valid, advantages, zero), torch.where(valid, returns, zero)
 
 
 # ----------------------------------------------------------------- GAE, parallel and exact
@@ -538,6 +670,33 @@ def gspo_policy_loss(
     return loss, {"ratio": ratio.detach(), "clipped": (clipped > unclipped).detach()}
 
 
+@register_policy_loss("ppo")
+def _ppo(inputs: PolicyLossInputs, config: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """`ppo_policy_loss` with the configured clips: loss [B, T], stats ratio / clipped /
+    dual_clipped [B, T]."""
+    return ppo_policy_loss(
+        inputs.logprobs,
+        inputs.old_logprobs,
+        inputs.advantages,
+        config.clip_low,
+        config.clip_high,
+        config.dual_clip,
+    )
+
+
+@register_policy_loss("gspo")
+def _gspo(inputs: PolicyLossInputs, config: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """`gspo_policy_loss` with the configured clips: loss [B, T], stats ratio / clipped [B, T]."""
+    return gspo_policy_loss(
+        inputs.logprobs,
+        inputs.old_logprobs,
+        inputs.advantages,
+        inputs.mask,
+        config.clip_low,
+        config.clip_high,
+    )
+
+
 def _floats(metrics: dict[str, Tensor]) -> dict[str, float]:
     """All metrics to Python floats with a single device sync."""
     if not metrics:
@@ -603,31 +762,21 @@ def policy_loss_and_metrics(
     weights = importance_weights(
         trained, rollout, valid, imp.mode, imp.cap, imp.threshold, imp.level
     )
-    if config.policy_loss == "ppo":
-        pg, stats = ppo_policy_loss(
-            logprobs, old, advantages, config.clip_low, config.clip_high, config.dual_clip
-        )
-    elif config.policy_loss == "gspo":
-        pg, stats = gspo_policy_loss(
-            logprobs, old, advantages, valid, config.clip_low, config.clip_high
-        )
-    else:
-        raise ValueError(f"unknown policy loss {config.policy_loss!r}; expected ppo or gspo")
+    policy_loss = POLICY_LOSSES.resolve(config.policy_loss, "trainer.algorithm.policy_loss")
+    pg, stats = policy_loss(PolicyLossInputs(logprobs, old, advantages, valid), config)
+    _check_same_shape(valid, loss=pg, **stats)
     pg_loss = agg(pg * weights)  # []
     loss = pg_loss
-    ratio = stats["ratio"]
     log_ratio = torch.where(valid, logprobs.detach() - old, zero)  # [B, T]
+    ratio = stats.pop("ratio", None)
+    ratio = log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp() if ratio is None else ratio
+    clipped = stats.pop("clipped", torch.zeros_like(valid))  # [B, T] bool
     m: dict[str, Tensor] = {
         "loss/policy": pg_loss,
-        "policy/clip_frac": masked_mean(stats["clipped"].to(ratio.dtype), valid),
-        "policy/clip_frac_low": masked_mean(
-            (stats["clipped"] & (ratio < 1)).to(ratio.dtype), valid
-        ),
-        "policy/clip_frac_high": masked_mean(
-            (stats["clipped"] & (ratio > 1)).to(ratio.dtype), valid
-        ),
-        # k3 of KL(pi_old || pi) from tokens pi_old sampled: (r - 1) - log r, r = pi / pi_old
-        # (until 2026-11-26 the ratio was the wrong way round, a biased estimate of nothing).
+        "policy/clip_frac": masked_mean(clipped.to(ratio.dtype), valid),
+        "policy/clip_frac_low": masked_mean((clipped & (ratio < 1)).to(ratio.dtype), valid),
+        "policy/clip_frac_high": masked_mean((clipped & (ratio > 1)).to(ratio.dtype), valid),
+        # k3 of KL(pi_old || pi) from tokens pi_old sampled: (r - 1) - log r, r = pi / pi_old.
         "policy/approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, valid),
         "policy/ratio_mean": masked_mean(ratio, valid),
         "policy/ratio_min": torch.where(valid, ratio, torch.inf).amin().nan_to_num(0, 0, 0),
@@ -636,7 +785,9 @@ def policy_loss_and_metrics(
         "advantages/abs_max": F.pad(advantages.detach().abs().flatten(), (0, 1)).amax(),
     }
     if "dual_clipped" in stats:
-        m["policy/dual_clip_frac"] = masked_mean(stats["dual_clipped"].to(ratio.dtype), valid)
+        m["policy/dual_clip_frac"] = masked_mean(stats.pop("dual_clipped").to(ratio.dtype), valid)
+    for name, per_token in stats.items():  # a loss's own per-token figures
+        m[f"policy/{name}"] = masked_mean(per_token.detach().to(ratio.dtype), valid)
     if entropy is not None:
         entropy_mean = agg(clean(entropy) if config.entropy_coef else clean(entropy).detach())
         if config.entropy_coef:
@@ -672,7 +823,7 @@ def value_loss_and_metrics(
     global_count: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The critic's loss, 0.5 * (V - R)^2, clipped PPO-style when `config.value_clip` is set:
-    0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2). All inputs [B, T]."""
+    0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2). All inputs [B, T]."""
     valid = _valid(mask)
     _check_same_shape(valid, values=values, old_values=old_values, returns=returns)
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
@@ -682,9 +833,11 @@ def value_loss_and_metrics(
     loss = 0.5 * (values - returns) ** 2  # [B, T]
     clip_frac = zero
     if config.value_clip is not None:
-        clipped_values = old_values + (values - old_values).clamp(
-            -config.value_clip, config.value_clip
-        )
+        # Clamping V itself keeps a value inside the range bit-identical to V; old + clamp(V - old)
+        # can round one step away from it and count the token as clipped.
+        clipped_values = torch.clamp(
+            values, old_values - config.value_clip, old_values + config.value_clip
+        )  # [B, T]
         clipped_loss = 0.5 * (clipped_values - returns) ** 2  # [B, T]
         clip_frac = masked_mean((clipped_loss > loss).to(values.dtype), valid)
         loss = torch.maximum(loss, clipped_loss)  # [B, T]

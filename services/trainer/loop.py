@@ -295,7 +295,7 @@ class Trainer:
             self.reference = FrozenModel(
                 ref, self.tc, self.dist, dtype, offload=alg.kl.offload_reference
             )
-        if alg.advantage == "gae" and self.tc.mode == "rl":
+        if algo.resolve_algorithm(alg).needs_critic and self.tc.mode == "rl":
             backbone = load_causal_lm(self.model_dir, dtype).get_decoder()
             critic = ValueModel(backbone, int(hf.config.hidden_size))
             self.critic = TrainEngine(critic, self.tc, self.dist, dtype)

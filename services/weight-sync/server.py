@@ -53,13 +53,9 @@ from kuberl.common.logs import get_logger
 from kuberl.common.server import Service
 from kuberl.common.weights.chunks import ChunkReceiver, CorruptSnapshot, iter_chunks
 from kuberl.common.weights.manifest import Manifest
-from kuberl.common.weights.transports import (
-    BroadcastSender,
-    gpu_uuid,
-    split_cuda_ipc,
-    transport_name,
-    transport_value,
-)
+from kuberl.common.weights.transports import transport_name, transport_value
+from kuberl.common.weights.transports.broadcast import BroadcastSender
+from kuberl.common.weights.transports.cuda_ipc import gpu_uuid, split_cuda_ipc
 from kuberl.weight_sync.registry import Assignment, Engine, Registry
 from kuberl.weight_sync.store import DigestMismatch, StoredVersion, VersionStore
 

@@ -120,8 +120,8 @@ class StoredVersion:
     #: The payload as a flat uint8 tensor over the segment's mapping (no copy).
     flat: torch.Tensor
     segment: Segment
-    #: CUDA IPC handle sets the trainer exported for colocated engines, each given to one
-    #: engine (`kuberl.common.weights.transports.CudaIpcSet`), and where they can be opened.
+    #: CUDA IPC handle sets the trainer exported for colocated engines, each given to one engine
+    #: (`kuberl.common.weights.transports.cuda_ipc.CudaIpcSet`), and where they can be opened.
     cuda_ipc_sets: list[Any] = field(default_factory=list)
     cuda_ipc_host: str = ""
     cuda_ipc_gpu: str = ""

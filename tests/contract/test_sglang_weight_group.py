@@ -33,7 +33,7 @@ from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
 from kuberl.common.redis_server import PortReservation
 from kuberl.common.weights import Manifest, plan
 from kuberl.common.weights import sglang as bodies
-from kuberl.common.weights.transports import BroadcastReceiver, BroadcastSender
+from kuberl.common.weights.transports.broadcast import BroadcastReceiver, BroadcastSender
 from tests.contract.sglang_weight_peer import sglang_root
 from tests.support import REPO
 

@@ -15,7 +15,8 @@ import torch
 
 from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
 from kuberl.common.weights import plan
-from kuberl.common.weights.transports import BufferPool, CudaIpcReceiver, split_cuda_ipc
+from kuberl.common.weights.transports import BufferPool
+from kuberl.common.weights.transports.cuda_ipc import CudaIpcReceiver, split_cuda_ipc
 from tests.support import REPO
 
 pytestmark = [
@@ -27,7 +28,7 @@ pytestmark = [
 # until the engine side closes stdin.
 TRAINER = """
 import sys, torch
-from kuberl.common.weights.transports import export_cuda_ipc
+from kuberl.common.weights.transports.cuda_ipc import export_cuda_ipc
 g = torch.Generator(device="cuda").manual_seed(7)
 buckets = [torch.randn(1024, 512, generator=g, device="cuda").to(torch.bfloat16).view(-1)
            .view(torch.uint8) for _ in range(2)]

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
 from kuberl.common.weights.sglang import tensor_update_requests
-from kuberl.common.weights.transports import split_cuda_ipc
+from kuberl.common.weights.transports.cuda_ipc import split_cuda_ipc
 from tests.contract.sglang_weight_peer import sglang_root
 from tests.contract.test_sglang_tensor_update import tensors, version
 from tests.support import REPO
@@ -40,7 +40,7 @@ pytestmark = [
 TRAINER = """
 import sys, torch
 from kuberl.common.weights.publisher import GpuBuckets
-from kuberl.common.weights.transports import export_cuda_ipc
+from kuberl.common.weights.transports.cuda_ipc import export_cuda_ipc
 from tests.contract.test_sglang_tensor_update import tensors, version
 manifest, _ = version(tensors())
 gpu = GpuBuckets("cuda", manifest.bucket_bytes)

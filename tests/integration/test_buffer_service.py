@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from kuberl.api.buffer.v1 import buffer_pb2 as bpb
-from kuberl.buffer.client import BufferStub, encode_put
+from kuberl.common.buffer_client import BufferStub, encode_put
 from kuberl.common.redis_server import EmbeddedRedis
 from tests.integration.buffer_support import (
     GROUP_SIZE,
@@ -470,8 +470,8 @@ def test_held_batches_leave_the_window_stay_until_acknowledged_and_come_back_whe
 def test_the_client_stubs_group_by_group_puts_are_stored_and_served_unchanged(
     redis_url: str, tmp_path: Path
 ) -> None:
-    # kuberl.buffer.client: what rollout replicas send, as a message (split while serialized)
-    # and as bytes encoded beforehand; the trainer must get each group exactly as it was made.
+    # kuberl.common.buffer_client: what rollout replicas send, as a message (split while
+    # serialized) and as bytes encoded beforehand; the trainer must get each group as it was made.
     config = write_job(tmp_path, redis_url, prompts=4)
     with start_buffer(config, tmp_path) as proc, Client(proc.address) as client:
         stub = BufferStub(client.channel)

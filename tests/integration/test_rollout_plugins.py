@@ -37,7 +37,7 @@ BETWEEN_CALLS: set[str] = set()
 async def two_call_rollout(context: Any, prompt: Any) -> list[Any]:
     """Each sample in two engine calls of 4 tokens with a second between them, as a multi-turn
     sample waits for its tool: in flight, yet nothing of it is inside the engine."""
-    from kuberl.rollout.functions import Sample
+    from kuberl.rollout.functions import RolloutSample
 
     first = (
         await context.engine.generate([prompt.token_ids], context.sampling.with_(max_new_tokens=4))
@@ -48,7 +48,7 @@ async def two_call_rollout(context: Any, prompt: Any) -> list[Any]:
     params = context.sampling.with_(n=1, max_new_tokens=4)
     second = await context.engine.generate([prompt.token_ids + c.token_ids for c in first], params)
     return [
-        Sample(
+        RolloutSample(
             a.token_ids + b.token_ids,
             a.logprobs + b.logprobs,
             "abort" if "abort" in (a.finish_reason, b.finish_reason) else b.finish_reason,
@@ -90,10 +90,10 @@ async def misreported_rollout(context: Any, prompt: Any) -> list[Any]:
 async def unversioned_rollout(context: Any, prompt: Any) -> list[Any]:
     """The default rollout's samples rebuilt without their policy versions, as a custom function
     that does not know about them would build them."""
-    from kuberl.rollout.functions import Sample, default_rollout
+    from kuberl.rollout.functions import RolloutSample, default_rollout
 
     return [
-        Sample(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=s.finish_reason)
+        RolloutSample(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=s.finish_reason)
         for s in await default_rollout(context, prompt)
     ]
 

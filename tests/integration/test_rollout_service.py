@@ -33,7 +33,7 @@ from kuberl.api.common.v1 import trajectory_pb2 as tpb
 from kuberl.api.reward.v1 import reward_pb2_grpc
 from kuberl.api.rollout.v1 import rollout_pb2 as rpb
 from kuberl.api.rollout.v1 import rollout_pb2_grpc
-from kuberl.buffer.client import BufferStub
+from kuberl.common.buffer_client import BufferStub
 from kuberl.common.channels import aio_channel, sync_channel
 from kuberl.common.config import SGLangEngineConfig, load_job_config
 from kuberl.common.modelbuild import build_model, load_tokenizer
@@ -43,12 +43,12 @@ from kuberl.rollout import metrics as m
 from kuberl.rollout.engine.base import Engine, EngineUnavailable
 from kuberl.rollout.engine.sglang import SGLangEngine
 from kuberl.rollout.engine.torch_engine import TorchEngine
-from kuberl.rollout.testing import build_tokenizer
 from kuberl.rollout.tools import format_tool_response
 from kuberl.rollout.worker import RolloutWorker
 from tests.integration.sglang_standin import SGLangStandIn
 from tests.integration.test_rollout_plugins import BETWEEN_CALLS, FAILED_CALLS, MARKER_ENV
 from tests.support import ServiceProcess, scratch_shm_dir
+from tests.tiny_models import build_tokenizer
 from tests.unit.test_rollout_multiturn import CALL as TOOL_CALL
 from tests.unit.test_rollout_multiturn import FINAL as TOOL_FINAL
 from tests.unit.test_rollout_multiturn import PROMPT as TOOL_PROMPT

@@ -70,9 +70,9 @@ def _engine_main(args: argparse.Namespace) -> None:
         # Test hooks, in the middle of a broadcast, after N buckets arrived: SIGKILL this engine
         # (dead), or stall its receive until the test creates `<name>.release` (alive and slow:
         # the heartbeat thread goes on). It says it stalled with `<name>.stalled`. Once only.
-        from kuberl.common.weights import transports
+        from kuberl.common.weights.transports import broadcast as collective
 
-        real, received = transports.broadcast, [0]
+        real, received = collective.broadcast, [0]
 
         def hooked_broadcast(group, tensor, timeout_s, backend="gloo"):  # type: ignore[no-untyped-def]
             real(group, tensor, timeout_s, backend)
@@ -84,7 +84,7 @@ def _engine_main(args: argparse.Namespace) -> None:
                 while not (out / f"{args.name}.release").exists():
                     time.sleep(0.02)
 
-        transports.broadcast = hooked_broadcast
+        collective.broadcast = hooked_broadcast  # what BroadcastReceiver calls per bucket
     holder: dict[str, Any] = {}
 
     def load(tensors: dict[str, torch.Tensor], version: int) -> None:
@@ -843,7 +843,7 @@ def _publish_with_cuda_ipc(stub, version: int, seed: int, gpu: str, handles_gpu:
     """The trainer's side of a CUDA IPC publish, step by step: Publish offering cuda_ipc from
     `gpu`, the bytes into shared memory, CommitPublish with handles said to be on `handles_gpu`."""
     from kuberl.common.weights import ManifestBuilder
-    from kuberl.common.weights.transports import ShmWriter
+    from kuberl.common.weights.transports.shm import ShmWriter
 
     answer = stub.Publish(
         pb.PublishRequest(

@@ -47,7 +47,7 @@ PICKLING_MODULES = {
 PROCESS_MODULES = {"multiprocessing", "torch.multiprocessing"}
 #: (file, imported module) -> why it is not pickling.
 ALLOWED_IMPORTS = {
-    ("services/common/weights/transports.py", "torch.multiprocessing.reductions"): (
+    ("services/common/weights/transports/cuda_ipc.py", "torch.multiprocessing.reductions"): (
         "CUDA IPC: reduce_tensor / rebuild_cuda_tensor give and take the raw IPC handles, "
         "which travel base64-encoded in JSON; nothing is pickled"
     ),

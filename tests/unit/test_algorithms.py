@@ -513,3 +513,19 @@ def test_value_loss_is_clipped_around_the_old_values() -> None:
     )
     assert loss.item() == pytest.approx(0.1525)
     assert m["value/clip_frac"] == 0.5
+
+
+def test_a_value_inside_the_clip_range_is_not_counted_as_clipped_in_float32() -> None:
+    # |V - old| = 0.134 < 0.2, but old + (V - old) is one float32 step away from V.
+    old, v, ret = -0.1674894541501999, -0.03337755426764488, 0.49365633726119995
+    values = torch.tensor([[v]], dtype=torch.float32, requires_grad=True)
+    returns = torch.tensor([[ret]], dtype=torch.float32)
+    loss, m = value_loss_and_metrics(
+        config(value_clip=0.2),
+        values,
+        torch.tensor([[old]], dtype=torch.float32),
+        returns,
+        torch.ones(1, 1),
+    )
+    assert m["value/clip_frac"] == 0.0
+    assert loss.item() == (0.5 * (values.detach() - returns) ** 2).item()

@@ -13,7 +13,7 @@ import torch
 
 from kuberl.rollout.engine.base import EngineRejected, SamplingParams
 from kuberl.rollout.engine.torch_engine import TorchEngine, sample_tokens
-from kuberl.rollout.testing import build_model, build_tokenizer, save_tiny_model
+from tests.tiny_models import build_model, build_tokenizer, save_tiny_model
 
 PROMPTS = ["What is 2+3?", "Hi", "Tell me a story about seven cats"]
 

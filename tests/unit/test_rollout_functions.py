@@ -17,18 +17,18 @@ from kuberl.rollout.engine.torch_engine import TorchEngine
 from kuberl.rollout.functions import (
     PromptItem,
     RolloutContext,
-    Sample,
+    RolloutSample,
     default_rollout,
     encode_prompt,
     load_rollout_function,
 )
-from kuberl.rollout.testing import build_model, build_tokenizer
 from kuberl.rollout.worker import retry_after
+from tests.tiny_models import build_model, build_tokenizer
 
 MOD = "tests.unit.test_rollout_functions"
 
 
-async def twice_rollout(context: RolloutContext, prompt: PromptItem) -> list[Sample]:
+async def twice_rollout(context: RolloutContext, prompt: PromptItem) -> list[RolloutSample]:
     """A custom rollout: each sample is two greedy generations of 2 tokens, concatenated."""
     params = context.sampling.with_(n=1, temperature=0.0, max_new_tokens=2)
     samples = []
@@ -36,12 +36,14 @@ async def twice_rollout(context: RolloutContext, prompt: PromptItem) -> list[Sam
         [[a]] = await context.engine.generate([prompt.token_ids], params)
         [[b]] = await context.engine.generate([prompt.token_ids + a.token_ids], params)
         samples.append(
-            Sample(a.token_ids + b.token_ids, a.logprobs + b.logprobs, metadata={"custom": True})
+            RolloutSample(
+                a.token_ids + b.token_ids, a.logprobs + b.logprobs, metadata={"custom": True}
+            )
         )
     return samples
 
 
-def sync_rollout(context: Any, prompt: Any) -> list[Sample]:
+def sync_rollout(context: Any, prompt: Any) -> list[RolloutSample]:
     return []
 
 
@@ -54,7 +56,7 @@ def test_a_custom_rollout_function_is_loaded_and_drives_the_engine() -> None:
     config = _config(rollout_function=f"{MOD}:twice_rollout")
     fn = load_rollout_function(config)
 
-    async def go() -> list[Sample]:
+    async def go() -> list[RolloutSample]:
         engine = TorchEngine(build_model(tokenizer), tokenizer)
         ctx = RolloutContext(engine, tokenizer, SamplingParams(n=2), config)
         try:
@@ -81,7 +83,7 @@ def test_the_default_rollout_draws_n_samples_in_one_engine_call() -> None:
     tokenizer = build_tokenizer()
     config = _config()
 
-    async def go() -> list[Sample]:
+    async def go() -> list[RolloutSample]:
         engine = TorchEngine(build_model(tokenizer), tokenizer)
         params = SamplingParams(n=3, max_new_tokens=4, ignore_eos=True)
         ctx = RolloutContext(engine, tokenizer, params, config)

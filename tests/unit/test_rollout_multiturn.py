@@ -20,8 +20,8 @@ from kuberl.rollout.engine.base import SamplingParams
 from kuberl.rollout.engine.torch_engine import TorchEngine
 from kuberl.rollout.functions import PromptItem, RolloutContext, load_rollout_function
 from kuberl.rollout.multiturn import multi_turn_rollout
-from kuberl.rollout.testing import build_model, build_tokenizer
 from kuberl.rollout.tools import format_tool_response
+from tests.tiny_models import build_model, build_tokenizer
 
 PROMPT = "What is 12*7?\n"
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call>'

@@ -16,16 +16,14 @@ import torch
 
 from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
 from kuberl.common.weights import plan
-from kuberl.common.weights.transports import (
-    BroadcastReceiver,
-    BroadcastSender,
-    BufferPool,
+from kuberl.common.weights.transports import BufferPool
+from kuberl.common.weights.transports.broadcast import BroadcastReceiver, BroadcastSender, wait_work
+from kuberl.common.weights.transports.cuda_ipc import (
     CudaIpcReceiver,
-    ShmReceiver,
     parse_cuda_ipc,
     split_cuda_ipc,
-    wait_work,
 )
+from kuberl.common.weights.transports.shm import ShmReceiver
 from kuberl.weight_sync.store import DigestMismatch, VersionStore
 
 KB = 1024
@@ -257,7 +255,8 @@ _RECEIVE_IN_CHILD = """
 import sys
 from pathlib import Path
 from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
-from kuberl.common.weights.transports import BroadcastReceiver, BufferPool
+from kuberl.common.weights.transports import BufferPool
+from kuberl.common.weights.transports.broadcast import BroadcastReceiver
 instruction = pb.UpdateInstruction.FromString(Path(sys.argv[1]).read_bytes())
 _, flat = BroadcastReceiver().receive(instruction, BufferPool())
 Path(sys.argv[2]).write_bytes(flat.numpy().tobytes())

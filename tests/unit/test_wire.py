@@ -1,5 +1,5 @@
 """Protobuf wire helpers (`kuberl.common.wire`) and the buffer client's request encoding
-(`kuberl.buffer.client`): a message encoded entry by entry parses to the very message that
+(`kuberl.common.buffer_client`): a message encoded entry by entry parses to the very message that
 `SerializeToString` encodes, whatever its other fields hold."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kuberl.api.buffer.v1 import buffer_pb2 as bpb
-from kuberl.buffer.client import encode_put, serialize_put
 from kuberl.buffer.server import encode_batch
 from kuberl.buffer.validation import group_slices
+from kuberl.common.buffer_client import encode_put, serialize_put
 from kuberl.common.wire import encode_entries, encode_varint, read_varint, serialize_split
 from tests.integration.buffer_support import make_group
 

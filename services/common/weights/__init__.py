@@ -88,7 +88,8 @@ from kuberl.common.weights.manifest import (
     torch_dtype,
 )
 from kuberl.common.weights.publisher import PublishResult, VersionConflict, WeightPublisher
-from kuberl.common.weights.transports import download_snapshot, make_receiver
+from kuberl.common.weights.transports import make_receiver
+from kuberl.common.weights.transports.snapshot import download_snapshot
 
 __all__ = [
     "ApplyFn",

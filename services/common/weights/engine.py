@@ -2,14 +2,10 @@
 
 `EngineClient` registers the engine with the weight-sync service, keeps it alive with heartbeats
 (long polls, so an update is learnt of at once), receives each version over the transport the
-service instructs and hands the whole version to the engine in one call, `load(tensors, version)` —
-an engine never holds a mix of two versions because it swaps after the last byte arrived — then
-reports it loaded. Versions are received into a double buffer (`BufferPool`) reused across versions:
-the engine keeps serving the version it holds while the next arrives, and after the first two
-versions no memory is allocated. Engines that receive by themselves (an SGLang server joining the
-broadcast group natively) pass `apply(instruction)` instead of `load`. Updates also pushed to the
-replica (RolloutService.NotifyWeightsUpdate) go through `submit(instruction)`; duplicates are
-ignored.
+service instructs, hands it whole to the engine (`load(tensors, version)`, or `apply(instruction)`
+for an engine that receives by itself, as an SGLang server joins a broadcast group) and reports it
+loaded. Updates pushed to the replica (`RolloutService.NotifyWeightsUpdate`) come in through
+`submit(instruction)`.
 """
 
 from __future__ import annotations
@@ -33,12 +29,12 @@ from kuberl.common.weights.manifest import Manifest
 from kuberl.common.weights.transports import (
     BufferPool,
     Receiver,
-    download_snapshot,
-    gpu_uuid,
     make_receiver,
     transport_name,
     transport_value,
 )
+from kuberl.common.weights.transports.cuda_ipc import gpu_uuid
+from kuberl.common.weights.transports.snapshot import download_snapshot
 
 log = get_logger(__name__)
 
@@ -51,7 +47,13 @@ ApplyFn = Callable[[pb.UpdateInstruction], None]
 
 
 class EngineClient:
-    """One engine's membership in the weight-sync pool. Thread-safe; call `start()` once."""
+    """One engine's membership in the weight-sync pool. Thread-safe; call `start()` once.
+
+    The engine swaps only after a version's last byte arrived, so it never holds a mix of two.
+    Versions are received into a double buffer (`BufferPool`) reused across versions: the engine
+    serves the version it holds while the next arrives, and after the first two versions
+    nothing is allocated. A pushed update the client already has is ignored.
+    """
 
     def __init__(
         self,
@@ -225,8 +227,8 @@ class EngineClient:
                     self.register()
                 elif answer.HasField("pending") and not self.submit(answer.pending):
                     # Already receiving (or holding) it. The service answers at once while an
-                    # update is assigned, so asking again straight away would spin (thousands
-                    # of calls a second against the relay for as long as the update takes).
+                    # update is assigned, so asking again straight away would spin against the
+                    # relay for as long as the update takes.
                     self._wait_for_progress()
             except grpc.RpcError as exc:
                 if self._stopping.is_set():

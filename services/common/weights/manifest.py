@@ -1,16 +1,11 @@
 """The layout of one policy version: which tensor sits where in which broadcast bucket.
 
-A version travels as one flat byte payload made of buckets laid back to back. Inside a bucket,
-tensors are packed back to back with no padding, exactly SGLang's `flattened_bucket` layout for
-`/update_weights_from_distributed` (each tensor's raw bytes viewed as uint8 and concatenated), so
-an SGLang engine receives a bucket natively with one broadcast. A tensor starts a new bucket when
-the current one would exceed `bucket_bytes` (a tensor larger than that travels alone) or when its
-offset inside the bucket would not be a multiple of its element size (SGLang rejects unaligned
-tensors). The same flat payload is the data section of a safetensors file (`safetensors_header`).
-
-`ManifestBuilder` assigns places as the trainer's tensors stream by (so the whole model never has
-to be materialised); `Manifest.views` turns a received flat buffer into named tensors without a
-copy. Used by the trainer's publisher, the engines' client and the weight-sync service.
+The trainer's publisher, the engines' client and the weight-sync service share it. A version travels
+as one flat byte payload of buckets laid back to back, each SGLang's `flattened_bucket` layout
+(tensors' raw bytes packed with no padding), so an SGLang engine receives a bucket natively with one
+broadcast; the same payload is the data section of a safetensors file (`safetensors_header`).
+`ManifestBuilder` assigns places as the trainer's tensors stream by, so the whole model never has to
+be materialised; `Manifest.views` turns a received flat buffer into named tensors without a copy.
 """
 
 from __future__ import annotations
@@ -191,7 +186,10 @@ class Manifest:
 
 
 class ManifestBuilder:
-    """Assigns each tensor its bucket and offset as tensors arrive, one at a time."""
+    """Assigns each tensor its bucket and offset as tensors arrive, one at a time. A tensor
+    starts a new bucket when the current one would exceed `bucket_bytes` (a larger tensor
+    travels alone) or when its offset would not be a multiple of its element size (SGLang
+    rejects unaligned tensors)."""
 
     def __init__(self, bucket_bytes: int) -> None:
         if bucket_bytes <= 0:

@@ -1,18 +1,11 @@
 """Trainer side of weight sync: hand each new policy version to the weight-sync service.
 
-`WeightPublisher.publish(version, named_tensors)` takes an iterator of (name, tensor) — the trainer
-feeds ZeRO-3-gathered parameters one bucket at a time — and never holds more than one tensor of
-it: on the service's host each tensor is written straight into the shared-memory file the service
-names (`shm`), elsewhere it is cut into CRC32C-checked chunks of a gRPC upload (`snapshot`). The
-call returns once the bytes have left the trainer; the service relays them to the engines, so a
-slow or dead engine never blocks training. With `cuda_ipc` offered and a GPU `device`, when the
-service counts engines on this host and GPU, the version is also packed into flat GPU buckets
-(one more copy of the weights in GPU memory, kept until the next publish) whose CUDA IPC handles
-(JSON, one set per such engine) ride on the commit: those engines copy device to device and
-nothing they load goes through the host. If the service refuses the handles, the publisher
-stops offering `cuda_ipc` and the next publish goes without them. Versions must increase: a
-version not above every one published before raises `VersionConflict` (the service's
-FAILED_PRECONDITION).
+The trainer calls `WeightPublisher.publish(version, named_tensors)` with an iterator of
+ZeRO-3-gathered parameters and the publisher never holds more than one tensor of it: on the
+service's host each tensor is written straight into the shared-memory file the service names
+(`shm`), elsewhere it goes as CRC32C-checked chunks of a gRPC upload (`snapshot`). The call returns
+once the bytes have left the trainer; the service relays them, so a slow or dead engine never blocks
+training. Versions must increase (`VersionConflict` otherwise).
 """
 
 from __future__ import annotations
@@ -33,13 +26,9 @@ from kuberl.common.channels import DEFAULT_MAX_MESSAGE_BYTES, sync_channel
 from kuberl.common.logs import get_logger
 from kuberl.common.weights.chunks import DEFAULT_CHUNK_BYTES, iter_chunks
 from kuberl.common.weights.manifest import ManifestBuilder, TensorEntry
-from kuberl.common.weights.transports import (
-    ShmWriter,
-    export_cuda_ipc,
-    gpu_uuid,
-    transport_name,
-    transport_value,
-)
+from kuberl.common.weights.transports import transport_name, transport_value
+from kuberl.common.weights.transports.cuda_ipc import export_cuda_ipc, gpu_uuid
+from kuberl.common.weights.transports.shm import ShmWriter
 
 log = get_logger(__name__)
 
@@ -90,7 +79,13 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 class WeightPublisher:
-    """Publishes versions to the weight-sync service at `address` (host:port)."""
+    """Publishes versions to the weight-sync service at `address` (host:port).
+
+    With `cuda_ipc` offered and a GPU `device`, when the service counts engines on this host and
+    GPU, each version is also packed into flat GPU buckets (one more copy of the weights in GPU
+    memory, kept until the next publish) whose CUDA IPC handles (JSON, one set per such engine)
+    ride on the commit, so those engines copy device to device.
+    """
 
     def __init__(
         self,
@@ -130,8 +125,9 @@ class WeightPublisher:
     ) -> PublishResult:
         """Send every (name, tensor) as `version`; returns once the service has the bytes.
 
-        VersionConflict when `version` is not above the latest one, or when a later version
-        was published (by another trainer rank or a restarted trainer) while this one was sent."""
+        VersionConflict (the service's FAILED_PRECONDITION) when `version` is not above the
+        latest one, or when a later version was published (by another trainer rank or a
+        restarted trainer) while this one was sent."""
         self._sent_cuda_ipc = False
         try:
             return self._publish(version, named_tensors)

@@ -1,36 +1,13 @@
 """SGLang's native weight-update requests for an `UpdateInstruction` (rollout's SGLang engine).
 
-Broadcast (`nccl`): an SGLang server receives a broadcast itself: the rollout replica posts
-`/init_weights_update_group`, then one `/update_weights_from_distributed` per bucket (with
-`load_format="flattened_bucket"`, the layout of `kuberl.common.weights.manifest`) while the
-sender broadcasts that bucket, then `/destroy_weights_update_group`. Field names are those of
-SGLang's `InitWeightsUpdateGroupReqInput` / `UpdateWeightsFromDistributedReqInput`.
-
-CUDA IPC (`cuda_ipc`, an SGLang server on the trainer's GPU): `tensor_update_requests` turns the
-instruction's JSON handle set (one engine's, `kuberl.common.weights.transports`) into one
-`/update_weights_from_tensor` body per bucket (`UpdateWeightsFromTensorReqInput`). SGLang takes
-only its own payload there: per tensor-parallel rank, base64 of what `ForkingPickler` writes for
-`{"flattened_tensor": <uint8 CUDA tensor>, "metadata": [<name, shape, dtype, start_idx, end_idx,
-numel>, ...]}` with `load_format="flattened_bucket"`, read back with its `SafeUnpickler`. The
-bucket is written as torch's own CUDA reduction writes a CUDA tensor (`reduce_tensor`: a call of
-`rebuild_cuda_tensor` with the IPC handle, the storage's size and offset and torch's IPC reference
-counter), filled from the handle set's fields: the replica never opens the handles (it needs no
-GPU), and SGLang's server is the one process that does, so each handle's reference is released
-exactly once, by SGLang, when it lets go of the bucket it loaded. The device is the GPU's UUID,
-which SGLang's patched `rebuild_cuda_tensor` maps to its own device index (as its own serializer
-writes it). Opening the handles here and sending the opened tensors on is not possible: torch
-refuses to share a CUDA storage it received from another process (`_share_cuda_`: "Attempted to
-send CUDA tensor received from another process"); it would take a clone, a second copy of the
-weights on the GPU. The metadata entries are `SimpleNamespace`s: SGLang reads those six attributes
-and its unpickler admits that type (its own dataclass cannot be named without importing SGLang).
-This is the one place kuberl writes a pickle, for SGLang's own API on the loopback hop from the
-replica to its server; kuberl never reads one.
-
-SGLang loads each bucket as it arrives, so the adapter pauses generation first
-(`/pause_generation`) and continues after the last bucket: the engine never serves a mix of two
-versions. Only the last bucket's request flushes the cache, and on the CUDA IPC path only it
-carries `weight_version`, so SGLang reports the new version once it holds all of it. These
-functions build the JSON bodies; the HTTP calls belong to the rollout service's engine adapter.
+`kuberl.rollout.engine.sglang` posts what these functions build: for a broadcast (`nccl`),
+`/init_weights_update_group`, one `/update_weights_from_distributed` per bucket while the
+trainer broadcasts it, `/destroy_weights_update_group`; for CUDA IPC (an SGLang server on the
+trainer's GPU), one `/update_weights_from_tensor` per bucket, its payload made from the
+instruction's JSON handle set without opening it. Buckets use `load_format="flattened_bucket"`
+(the layout of `kuberl.common.weights.manifest`); only the last one flushes the cache, so SGLang
+serves the new version once it holds all of it. The payload format and why it is made here:
+docs/rollout.md, "CUDA IPC to SGLang".
 """
 
 from __future__ import annotations
@@ -47,7 +24,11 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
 from kuberl.common.weights.manifest import Manifest, TensorEntry, torch_dtype
-from kuberl.common.weights.transports import CUDA_IPC_HANDLE_BYTES, CudaIpcBucket, parse_cuda_ipc
+from kuberl.common.weights.transports.cuda_ipc import (
+    CUDA_IPC_HANDLE_BYTES,
+    CudaIpcBucket,
+    parse_cuda_ipc,
+)
 
 
 def init_group_request(instruction: pb.UpdateInstruction) -> dict[str, Any]:
@@ -99,7 +80,10 @@ class SharedCudaBucket:
     Pickled, it is exactly what torch's `reduce_tensor` writes for a flat uint8 CUDA tensor:
     `rebuild_cuda_tensor(Tensor, size, stride, offset, TypedStorage, uint8, device, handle,
     storage bytes, storage offset, requires_grad, ref-counter handle, its offset, event handle,
-    event sync)`, with the device as the GPU's UUID."""
+    event sync)`, with the device as the GPU's UUID (SGLang's patched `rebuild_cuda_tensor`
+    maps it to its own device index). Not opened because torch refuses to share a CUDA storage
+    received from another process (`_share_cuda_`), so passing it on would need a clone; and
+    SGLang, the one process that opens it, releases its reference exactly once."""
 
     def __init__(self, bucket: CudaIpcBucket, gpu_uuid: str) -> None:
         if not gpu_uuid:
@@ -122,7 +106,9 @@ def flattened_bucket_payload(bucket: Any, entries: Sequence[TensorEntry]) -> str
     (`ForkingPickler`) for the bucket and its tensors' places in it (`entries`, offsets inside
     the bucket). `bucket`: a `SharedCudaBucket`, or any tensor torch's reductions can share
     with another process (the tests pass CPU tensors in shared memory); what it names must stay
-    alive, unchanged, until SGLang has loaded it."""
+    alive, unchanged, until SGLang has loaded it. The metadata entries are `SimpleNamespace`s:
+    SGLang reads their six attributes and its `SafeUnpickler` admits that type. This is the one
+    pickle kuberl writes, for SGLang's own API on the replica's loopback hop; it never reads one."""
     metadata = [
         SimpleNamespace(
             name=e.name,

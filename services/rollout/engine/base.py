@@ -1,16 +1,11 @@
 """The engine interface every rollout engine implements, and the types that cross it.
 
 The rollout loop (`kuberl.rollout.worker`) and rollout functions talk to an engine only through
-`Engine`: generate `n` samples for each of a batch of token-id prompts with `SamplingParams`,
-getting back per-sample `Completion`s (response token ids, the logprob of each sampled token,
-why it stopped, the policy version at the start and end of generation); pause / resume / abort;
-load new weights (a dict of tensors, a safetensors folder, a broadcast group, CUDA IPC handles);
-report the loaded version and health. Two engines implement it: `torch` (an in-process HF
-transformers model) and `sglang` (a client of an SGLang server's native HTTP API).
-
-Logprob convention (the one SGLang uses by default, and what trainers recompute): the logprob of
-a sampled token is taken from `log_softmax(logits / temperature)` over the whole vocabulary,
-before top-k / top-p truncation; with temperature 0 (greedy) it is `log_softmax(logits)`.
+`Engine`: generate `n` samples for each of a batch of token-id prompts with `SamplingParams` and get
+back per-sample `Completion`s; pause / resume / abort; load new weights (a dict of tensors, a
+safetensors folder, a broadcast group, CUDA IPC handles); report the loaded version and health. Two
+engines implement it: `torch` (an in-process HF transformers model) and `sglang` (a client of an
+SGLang server's native HTTP API).
 """
 
 from __future__ import annotations
@@ -100,7 +95,12 @@ class SamplingParams:
 
 @dataclass
 class Completion:
-    """One sampled response: what the engine produced and under which weights."""
+    """One sampled response: what the engine produced and under which weights.
+
+    A logprob is taken from `log_softmax(logits / temperature)` over the whole vocabulary,
+    before top-k / top-p truncation (`log_softmax(logits)` when greedy): SGLang's default, and
+    what trainers recompute.
+    """
 
     token_ids: list[int]
     logprobs: list[float]  # logprob of each sampled token, same length as token_ids

@@ -1,50 +1,12 @@
 """The `sglang` engine: a client of an SGLang server's native HTTP API, pinned to sglang 0.5.23.
 
-The server runs beside the rollout replica (the SGLang container of the rollout pod, or
-`python -m sglang.launch_server` started here when `launch` is set). Every call is one HTTP
-request to a route of `sglang/srt/entrypoints/http_server.py`, with a body whose fields are those
-of the matching request class in `sglang/srt/managers/io_struct.py` of 0.5.23;
-`tests/contract/test_sglang_contract.py` checks both against the installed package.
-
-- generation: `POST /generate` with `input_ids`, `sampling_params` and `return_logprob`; one
-  call per prompt, so SGLang's continuous batching schedules them and a group returns as soon as
-  its samples are done. A group of n > 1 samples is not SGLang's parallel sampling (`n` in
-  `sampling_params`), which gives every sample a fresh random rid that no abort can name; it is
-  the same two steps that parallel sampling runs inside SGLang, with rids of our own: a
-  prefill-only request (`max_new_tokens: 0`) puts the prompt in SGLang's prefix cache, then one
-  batch request of n copies (`n: 1`, one rid per sample) finds it there. Response token ids come
-  from `output_ids`, logprobs from `meta_info.output_token_logprobs`, versions from
-  `meta_info.weight_versions`.
-- control: `/pause_generation` (mode `abort` or `in_place`), `/continue_generation`,
-  `/abort_request`, `/flush_cache`, `/health_generate`.
-- weights: `/update_weights_from_disk` (a safetensors folder the server reads at the same
-  absolute path: on Kubernetes a volume both containers mount);
-  `/init_weights_update_group` + `/update_weights_from_distributed` (NCCL broadcast from the
-  weight-sync relay, one call per bucket) + `/destroy_weights_update_group`;
-  `/update_weights_from_tensor` (CUDA IPC, a server on the trainer's GPU: one call per bucket
-  in SGLang's flattened-bucket format, bodies made by `kuberl.common.weights.sglang` from
-  weight-sync's handle set; SGLang opens the trainer's buckets itself).
-  In 0.5.23 the distributed and tensor updates must run inside a session opened by
-  `/begin_weight_update` and closed by `/end_weight_update`, and a cache flush fails while
-  requests are running, so every update here is: pause, begin, load, end, continue.
-  A bucketed update (broadcast, CUDA IPC) that fails once SGLang may have loaded part of it
-  leaves the server holding a mix of two versions: it then stays paused (`resume` does not
-  continue it) and `generate` refuses at once, until a whole version is loaded (the weight-sync
-  service catches a failed engine up by snapshot).
-
-Start: a server this replica did not launch may have been left paused, or inside a weight-update
-session, by a replica that died mid-update; `start` ends such a session and continues generation
-before it waits for `/health_generate` (which SGLang holds while paused).
-
-Errors: connection failures, 5xx and 429 are retried `max_retries` times with exponential
-backoff and then raise `EngineUnavailable`; a deadline raises `EngineTimeout` (a timed-out
-generation is aborted on the server first, sample by sample); any other 4xx raises
-`EngineRejected` with the server's message. Each attempt of a `/generate` has rids of its own
-(`attempt_rid`), and one that failed after reaching the server is aborted before the next:
-SGLang holds a rid until it sees its request end (a dropped connection only at its next poll for
-gone clients, every 4 s) and refuses it meanwhile ("Duplicate request ID"). Nothing in this
-module has run against a live SGLang server (none can run where kuberl is developed); its
-behaviour is tested against `tests/integration/sglang_standin.py`.
+The rollout replica drives through it a server beside it (the SGLang container of the rollout
+pod, or `sglang.launch_server` started here when `launch` is set): generation, pause / abort, and
+weight updates from disk, by NCCL broadcast or by CUDA IPC. Every request is one route of 0.5.23's
+`http_server.py` with a body of its `io_struct.py` request class, which
+`tests/contract/test_sglang_contract.py` checks against the installed package; behaviour is
+tested against `tests/integration/sglang_standin.py`, as no live SGLang runs where kuberl is
+developed. The routes, call sequences and the 0.5.23 facts they rest on: docs/rollout.md, "sglang".
 """
 
 from __future__ import annotations
@@ -269,7 +231,9 @@ def _message(response: httpx.Response) -> str:
 
 
 class SGLangEngine(Engine):
-    """Drives one SGLang server over HTTP."""
+    """Drives one SGLang server over HTTP. A bucketed update (broadcast, CUDA IPC) that fails
+    after loading began leaves the server holding part of a version (`_torn`): it then stays
+    paused and `generate` refuses until a whole version loads (weight-sync's catch-up)."""
 
     kind = "sglang"
 
@@ -330,7 +294,9 @@ class SGLangEngine(Engine):
         timeout: float | None = None,
         retry: bool = True,
     ) -> Any:
-        """One API call with retries; returns the decoded JSON (or text) of a 2xx answer."""
+        """One API call; returns the decoded JSON (or text) of a 2xx answer. Connection errors,
+        429 and 5xx are retried `max_retries` times with exponential backoff, then raise
+        `EngineUnavailable`; a deadline raises `EngineTimeout`; another 4xx `EngineRejected`."""
         attempts = 1 + (self.config.max_retries if retry else 0)
         what = f"{method} {self.url}{path}"
         return await self._retrying(
@@ -431,23 +397,11 @@ class SGLangEngine(Engine):
     async def _recover(self) -> bool:
         """Undo what a replica that died mid-update may have left on a server it did not launch
         (the SGLang container outlived the rollout container), so the server generates again;
-        False while the server does not answer yet. Read in SGLang 0.5.23, not run:
-
-        - an update session opened by `/begin_weight_update` and never ended makes the next
-          `begin` fail ("a weight-update session is already open",
-          `SchedulerWeightUpdaterManager.begin_weight_update`); `/end_weight_update` closes it,
-          and on a server with no session only answers 400 ("no weight-update session is
-          open"). A session found open means an update died between its begin and end: SGLang
-          may hold part of a version, so generation waits for a whole one (weight-sync's
-          catch-up);
-        - a paused server holds every request, `/health_generate`'s one-token request included
-          (`TokenizerManager.generate_request` waits on `is_pause_cond`), until
-          `/continue_generation`, which on a server that is not paused only sets the flags that
-          are already clear (`TokenizerManager.continue_generation`,
-          `Scheduler.continue_generation`) and empties torch's CUDA cache. A server paused after
-          a failed update may hold part of a version too; the replica loads a whole one (its
-          catch-up) before it generates anything.
-        """
+        False while the server does not answer yet. In 0.5.23 a session left open refuses every
+        later `begin` and `/end_weight_update` closes it (400 when none is open); a paused server
+        holds every request, `/health_generate`'s included, and `/continue_generation` is harmless
+        on one that is not. A session found open means SGLang may hold part of a version, so
+        generation waits for a whole one. Details and sources: docs/rollout.md, "Attaching"."""
         try:
             await self.call("POST", "/end_weight_update", {}, timeout=30.0, retry=False)
         except EngineRejected as exc:
@@ -585,7 +539,7 @@ class SGLangEngine(Engine):
 
     def _new_rid(self) -> str:
         """A request id no other is a prefix of: SGLang aborts every request whose rid starts
-        with the one given (`req.rid.startswith`), so aborting `...-1` also aborted `...-10`."""
+        with the one given (`req.rid.startswith`), so aborting `...-1` would abort `...-10`."""
         return f"kuberl-{self._session}-{next(self._ids):012d}"
 
     async def _abort_live(self, rids: set[str]) -> None:
@@ -650,6 +604,9 @@ class SGLangEngine(Engine):
         self._torn = False  # a whole version from disk
 
     async def begin_weight_update(self) -> None:
+        """Open an update session: 0.5.23 runs distributed and tensor updates only inside one,
+        and an update's cache flush fails while requests run, so every update here is pause,
+        begin, load, end, continue."""
         await self.call("POST", "/begin_weight_update", {})
 
     async def end_weight_update(self) -> None:

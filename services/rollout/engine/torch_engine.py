@@ -1,29 +1,12 @@
 """The `torch` engine: an in-process HF transformers causal LM (local mode, CI, one-GPU tests).
 
-Requests are split into rows (one row per sample) and queued; one worker thread takes up to
-`max_batch_size` rows, left-pads their prompts, runs one prefill and then one decode step per
-token with a transformers `DynamicCache`, sampling every row with its own temperature / top-p /
-top-k and recording the logprob of the sampled token (see `kuberl.rollout.engine.base` for the
-convention). Rows stop on EOS, a stop token id, a stop string, `max_new_tokens` or the model's
-context length; once half of a batch has stopped the finished rows are dropped from the KV cache
-so the rest runs at the smaller size. This is static batching with pruning, not SGLang's
-continuous batching: a new request waits for the current batch to end. Before a batch starts the
-worker waits `batch_wait_seconds` for more rows, so requests sent concurrently one prompt (or one
-multi-turn turn) at a time share a batch.
-
-Pausing, aborting and weight loads happen between decode steps: forward passes and weight copies
-hold one lock, so a load never sees half a step. `pause("in_place")` parks the running batch,
-which continues after `resume()` (on new weights if some were loaded meanwhile, which the
-completion's `version_end` records); `pause("abort")` ends every row with finish_reason "abort".
-
-Weights arrive in this process: `kuberl.common.weights.EngineClient` receives a version over its
-transport (shared memory, a gloo / NCCL broadcast group, CUDA IPC, a snapshot stream) and calls
-`load_weights(named_tensors, version, borrow=True)`: the client's tensors stay valid until the
-next load (its double buffer, or the service's shared-memory file in place), so parameters whose
-dtype and device match are pointed at them (`load_state`): a load costs no copy on the engine's
-side. `update_weights_from_disk` reads a safetensors folder. The engine therefore does not join
-broadcast groups itself (`init_weights_update_group` is the SGLang server's way, see
-`kuberl.rollout.engine.sglang`).
+`create_engine` builds it for `rollout.engine.kind: torch`. One worker thread batches the
+queued rows (one per sample), prefills once and decodes with a `DynamicCache`, sampling each row
+with its own parameters and recording the logprob of the sampled token; finished rows are
+pruned from the cache. It is static batching with pruning, not continuous batching: a new
+request waits for the current batch. Weights arrive in this process from
+`kuberl.common.weights.EngineClient` (`load_weights`), so the engine joins no broadcast group
+itself. Its behaviour and how it is tested: docs/rollout.md, "torch".
 """
 
 from __future__ import annotations
@@ -154,7 +137,14 @@ class _Row:
 
 
 class TorchEngine(Engine):
-    """Generates with a transformers causal LM in this process (CPU or one GPU)."""
+    """Generates with a transformers causal LM in this process (CPU or one GPU).
+
+    Rows stop on EOS, a stop token id, a stop string, `max_new_tokens` or the context length.
+    Pauses, aborts and weight loads happen between decode steps: forward passes and weight
+    copies hold one lock, so a load never sees half a step. `pause("in_place")` parks the
+    batch, which continues after `resume()` (on weights loaded meanwhile, as `version_end`
+    records); `pause("abort")` ends every row with finish reason "abort".
+    """
 
     kind = "torch"
 
@@ -342,6 +332,9 @@ class TorchEngine(Engine):
     async def load_weights(
         self, named_tensors: NamedTensors, version: int, *, borrow: bool = False
     ) -> int:
+        """`borrow`: the caller's tensors stay valid until the next load (the weight client's
+        double buffer, or weight-sync's shared-memory file), so matching parameters point at
+        them and the load copies nothing (`load_state`)."""
         return await asyncio.to_thread(self._load_sync, named_tensors, version, borrow)
 
     def _load_sync(self, named_tensors: NamedTensors, version: int, borrow: bool = False) -> int:

@@ -1,9 +1,6 @@
-"""Reading prompt datasets (JSONL or Parquet) into rows the buffer stores, and epoch shuffling.
-
-`read_dataset` turns a file and a column mapping into `PromptRow`s (prompt text, reference answer,
-metadata JSON); it is called by the buffer's LoadDataset (at start for `data.train` and
-`data.eval`, or on request). `epoch_order` is the seeded permutation of one epoch: the same seed
-and epoch always give the same order, so a restarted job replays its data in the same order.
+"""Prompt datasets: `read_dataset` reads a JSONL or Parquet file through a column mapping into
+`PromptRow`s for the buffer's LoadDataset and for `kuberl.common.modelbuild`'s tokenizer corpus;
+`epoch_order` is an epoch's seeded permutation, so a restarted job replays its data in order.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""The buffer's client stub, for rollout replicas and anyone else who puts groups.
+"""The buffer's client stub, in `kuberl.common` because other services call the buffer with it.
 
-It is the generated `BufferServiceStub` with one change: `PutTrajectories` encodes its request
-with `kuberl.common.wire.serialize_split`, each group on its own, instead of the whole request in
-one `SerializeToString`, and takes a request already encoded (`bytes`) as it is. Rollout replicas
-encode their puts with `encode_put`, which never builds the request message around the groups:
-building it and serializing it in one piece cost 2.2 ms and ~1,100 page faults per 8-group request
-of 2,048-token samples on the 2-core VM, `encode_put` 0.09 ms and ~3 (benchmarks/put_encoding.py,
-docs/buffer.md). The server sees the same message either way.
+`BufferStub` is the generated stub whose `PutTrajectories` serializes each group on its own
+(`kuberl.common.wire.serialize_split`) or sends bytes made by `encode_put` as they are: a request
+message built around the groups and serialized in one piece cost 2.2 ms and ~1,100 page faults per
+8-group put on the 2-core VM, `encode_put` 0.09 ms and ~3 (docs/buffer.md). The server sees the
+same message either way.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""Sharp tiny models of a real architecture, built locally, for the rollout engine's tests and
-benchmark.
-
-`kuberl.common.modelbuild` builds a job's models; its random initialisation gives near-uniform
-next-token distributions (entropy ~ log V), so greedy decoding repeats one character and samples
-look alike. Engine tests want distributions with clear winners and real variety, so this module
-builds the same Qwen2 architecture on modelbuild's `digits` (character) tokenizer with an
-untied, 10x output layer (entropy ~3.5 nats), saved as an ordinary HF folder.
+"""Sharp tiny models of a real architecture, built locally, for the rollout engine's tests:
+modelbuild's random initialisation gives near-uniform next-token distributions, so greedy decoding
+repeats one character and samples look alike; these are the same Qwen2 on modelbuild's `digits`
+tokenizer with an untied, 10x output layer (entropy ~3.5 nats), saved as an ordinary HF folder.
 """
 
 from __future__ import annotations

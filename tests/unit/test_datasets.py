@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kuberl.buffer.datasets import epoch_order, read_dataset
+from kuberl.common.datasets import epoch_order, read_dataset
 from kuberl.common.errors import InvalidArgument
 
 ROWS = [
