@@ -77,6 +77,17 @@ def _peer_uris(context: Any) -> list[str]:
     ]
 
 
+def require_instance(context: Any, instance: str, what: str) -> None:
+    """Under roles: the caller's identity must name `instance` (an engine registers, beats and
+    reports as itself only: spiffe://kuberl/<job>/rollout/<engine id>)."""
+    who = identity_of(_peer_uris(context))
+    if who is None or who.instance != instance:
+        raise PermissionDenied(
+            f"{what} {instance!r} may only be acted for by its own identity "
+            f".../{instance}; the caller's certificate names {who or 'no kuberl identity'}"
+        )
+
+
 class RoleCheck:
     """The allow-list of one service of `job` (see the module docstring)."""
 

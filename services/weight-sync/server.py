@@ -48,8 +48,9 @@ from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
 from kuberl.common import metrics
 from kuberl.common.channels import aio_channel
 from kuberl.common.config import JobConfig, WeightSyncConfig
-from kuberl.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from kuberl.common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from kuberl.common.logs import get_logger
+from kuberl.common.roles import require_instance
 from kuberl.common.server import Service
 from kuberl.common.weights.chunks import ChunkReceiver, CorruptSnapshot, iter_chunks
 from kuberl.common.weights.manifest import Manifest
@@ -154,9 +155,13 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     # every call UNAVAILABLE meanwhile, so no handler runs before `store` is open.
     starting = "restoring its last version"
 
-    def __init__(self, config: WeightSyncConfig, job: str = "kuberl", address: str = "") -> None:
+    def __init__(
+        self, config: WeightSyncConfig, job: str = "kuberl", address: str = "", roles: bool = False
+    ) -> None:
         self.config = config
         self.job = job
+        #: tls.roles: an engine acts only under its own identity (kuberl.common.roles).
+        self.roles = roles
         self.hostname = socket.gethostname()
         self.advertise_host = config.advertise_host or _default_advertise_host()
         #: host:port engines use for StreamSnapshot; empty = the address they registered at.
@@ -240,9 +245,18 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
 
     # ------------------------------------------------------------------ engines
 
+    def _own_engine(self, context: grpc.aio.ServicerContext, engine_id: str) -> None:
+        if self.roles:
+            try:
+                require_instance(context, engine_id, "engine")
+            except PermissionDenied:
+                self.metrics.rejected.labels("foreign_engine").inc()
+                raise
+
     async def RegisterEngine(
         self, request: pb.RegisterEngineRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterEngineResponse:
+        self._own_engine(context, request.engine.engine_id)
         for t in request.engine.transports:
             if transport_name(t) == "unspecified":
                 self.metrics.rejected.labels("bad_transport").inc()
@@ -272,6 +286,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatResponse:
+        self._own_engine(context, request.engine_id)
         engine = self.registry.get(request.engine_id)
         if engine is None:
             return pb.HeartbeatResponse(current_version=self.current, known=False)
@@ -306,6 +321,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def LeaveEngine(
         self, request: pb.LeaveEngineRequest, context: grpc.aio.ServicerContext
     ) -> pb.LeaveEngineResponse:
+        self._own_engine(context, request.engine_id)
         engine = self.registry.remove(request.engine_id)
         if engine is not None:
             self._end_assignment(engine)
@@ -319,6 +335,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def ReportLoaded(
         self, request: pb.ReportLoadedRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReportLoadedResponse:
+        self._own_engine(context, request.engine_id)
         engine = self.registry.get(request.engine_id)
         if engine is None:
             self.metrics.rejected.labels("unknown_engine").inc()
@@ -982,4 +999,4 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
 
 def create_service(config: JobConfig) -> WeightSyncService:
     """Entry point of `kuberl serve weight_sync`."""
-    return WeightSyncService(config.weight_sync, job=config.job.name)
+    return WeightSyncService(config.weight_sync, job=config.job.name, roles=config.tls.roles)

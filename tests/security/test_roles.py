@@ -83,7 +83,7 @@ def roles(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Roles]:
     ca = authority(tmp / "pki", "ca")
     callers = {
         "trainer": ca.issue("trainer", uris=_identity("trainer")),
-        "rollout": ca.issue("rollout", uris=_identity("rollout")),
+        "rollout": ca.issue("rollout", uris=_identity("rollout/r0")),  # replica r0
         "other-job-trainer": ca.issue("other", uris=_identity("trainer", "another-job")),
         "no-identity": ca.issue("plain"),
     }
@@ -158,6 +158,19 @@ def test_every_refusal_is_counted_by_method_and_role(roles: Roles) -> None:
         C.PERMISSION_DENIED,
         1.0,
     )
+
+
+def test_an_engine_registers_and_beats_only_under_its_own_identity(roles: Roles) -> None:
+    def register(engine_id: str) -> wpb.RegisterEngineRequest:
+        info = wpb.EngineInfo(engine_id=engine_id, transports=[wpb.TRANSPORT_SNAPSHOT])
+        return wpb.RegisterEngineRequest(engine=info)
+
+    codes = (
+        roles.code("weight_sync", "rollout", "RegisterEngine", register("r0")),
+        roles.code("weight_sync", "rollout", "RegisterEngine", register("r1")),
+        roles.code("weight_sync", "rollout", "Heartbeat", wpb.HeartbeatRequest(engine_id="r1")),
+    )
+    assert codes == (C.OK, C.PERMISSION_DENIED, C.PERMISSION_DENIED)
 
 
 def test_roles_need_mutual_tls(tmp_path: Path) -> None:
