@@ -34,6 +34,27 @@ _MODELS = {"persistentVolumeClaim": {"claimName": "models"}}
 _DATA = {"persistentVolumeClaim": {"claimName": "datasets"}}
 _TRAIN = [{"path": "/data/gsm8k/train.jsonl", "columns": {"prompt": "question"}}]
 
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+_GSM8K_QWEN = yaml.safe_load((REPO / "examples" / "gsm8k-qwen.yaml").read_text())
+
+
+def _example_values(name: str) -> dict[str, Any]:
+    """helm/kuberl/examples/<name> over examples/gsm8k-qwen.yaml as `job`, as docs/kubernetes.md
+    installs it (`-f job-values.yaml -f helm/kuberl/examples/<name>`)."""
+    values: dict[str, Any] = yaml.safe_load((CHART / "examples" / name).read_text())
+    return _merge({"job": _GSM8K_QWEN}, values)
+
+
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "external-redis": {
@@ -83,7 +104,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     # examples/gsm8k-qwen.yaml as its header says to install it: the job file as `job`, and a
     # cluster's model and data volumes, SGLang engines and GPU trainer nodes.
     "gsm8k-qwen-example": {
-        "job": yaml.safe_load((REPO / "examples" / "gsm8k-qwen.yaml").read_text()),
+        "job": _GSM8K_QWEN,
         "model": {"path": "/models/Qwen2.5-1.5B-Instruct", "volume": _MODELS},
         "data": {"volume": _DATA},
         "rollout": {"replicas": 2, "sglang": {"enabled": True}},
@@ -97,6 +118,35 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "rollout": {"replicas": 2, "sglang": {"enabled": True}},
         "trainer": {"nodes": 1, "gpusPerNode": 4},
     },
+    # A shared GPU cluster: the NVIDIA runtime as a runtime class, a trainer PriorityClass made by
+    # the chart, zone spread of the CPU services.
+    "gpu-scheduling": {
+        "rollout": {"runtimeClassName": "nvidia"},
+        "trainer": {"runtimeClassName": "nvidia", "priorityClass": {"create": True}},
+        "reward": {
+            "topologySpreadConstraints": [
+                {
+                    "maxSkew": 1,
+                    "topologyKey": "topology.kubernetes.io/zone",
+                    "whenUnsatisfiable": "ScheduleAnyway",
+                    "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "reward"}},
+                }
+            ]
+        },
+    },
+    # A model by Hugging Face id: downloaded once by a Job into the models claim, with a token.
+    "hub-model": {
+        "model": {
+            "path": "Qwen/Qwen2.5-7B-Instruct",
+            "volume": _MODELS,
+            "download": {"tokenSecret": {"name": "hf-token"}, "allowEgress": True},
+        },
+        "data": {"volume": _DATA},
+        "job": {"data": {"train": _TRAIN}},
+    },
+    # The two cluster values files docs/kubernetes.md installs from an empty cluster.
+    "one-node-example": _example_values("values-one-node.yaml"),
+    "two-trainer-nodes-example": _example_values("values-two-trainer-nodes.yaml"),
     "cpu-only": {
         "rollout": {"sglang": {"enabled": False}},
         "model": {"path": ""},
@@ -129,16 +179,6 @@ class Rendered:
     def has(self, kind: str, name: str) -> bool:
         full = f"{FULLNAME}-{name}" if name else FULLNAME
         return any(d["metadata"]["name"] == full for d in self.all(kind))
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 def render_values(values: dict[str, Any], release: str = RELEASE) -> Rendered:
@@ -183,7 +223,7 @@ def pod_spec(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def workloads(rendered: Rendered) -> list[dict[str, Any]]:
-    return [d for d in rendered.docs if d["kind"] in ("Deployment", "StatefulSet", "Pod")]
+    return [d for d in rendered.docs if d["kind"] in ("Deployment", "StatefulSet", "Job", "Pod")]
 
 
 def kubernetes_validate() -> Any:
@@ -277,6 +317,15 @@ def validate_custom(doc: dict[str, Any]) -> list[str]:
     except pydantic.ValidationError as exc:
         return [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
     return unknown_fields(model, doc, doc["kind"])
+
+
+def sglang_package() -> Path | None:
+    """SGLang's installed source folder (make setup installs sglang==0.5.23 for its source), found
+    without importing it: importing needs its CUDA dependencies."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang")
+    return Path(spec.origin).parent if spec is not None and spec.origin else None
 
 
 def files_under(folder: Path, pattern: str) -> list[Path]:

@@ -18,6 +18,8 @@ from tests.helm.chart import CHART
 from tests.support import REPO
 
 METRIC = re.compile(r"\bkuberl_[a-z0-9_]+\b")
+# SGLang's own metrics (its /metrics with --enable-metrics), in the rollout dashboard.
+SGLANG_METRIC = re.compile(r"\bsglang:[A-Za-z0-9_:]+")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 # Grafana's built-in variables, replaced the way Grafana would for a query over the last minutes.
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m"}
@@ -115,3 +117,14 @@ def as_series_query(expr: str) -> str:
     if not match:
         raise ValueError(f"alert expression does not end in a comparison with a number: {expr}")
     return f"{expr[: match.start()]} {match.group(1)} bool {match.group(2)}"
+
+
+def is_sglang_query(expr: str) -> bool:
+    """A query on SGLang's own metrics, which no local run produces (SGLang needs a GPU)."""
+    return bool(SGLANG_METRIC.search(expr))
+
+
+def sglang_metric_names(sglang_package: Path) -> set[str]:
+    """Every metric name SGLang defines: the `name="sglang:..."` literals of its collectors."""
+    source = (sglang_package / "srt" / "observability" / "metrics_collector.py").read_text()
+    return set(re.findall(r'name="(sglang:[A-Za-z0-9_:]+)"', source))

@@ -285,7 +285,7 @@ def test_multi_node_trainer_runs_torchrun_across_statefulset_pods() -> None:
         "None",
         True,
     )
-    assert rendered.get("PersistentVolumeClaim", "checkpoints")["spec"]["accessModes"] == [
+    assert rendered.get("PersistentVolumeClaim", "checkpoints-rwx-nfs")["spec"]["accessModes"] == [
         "ReadWriteMany"
     ]
     assert "NCCL_SOCKET_IFNAME" in _env(worker_c)
@@ -376,13 +376,14 @@ def test_grpc_services_are_probed_with_grpc_health_on_their_port() -> None:
         assert set(probes[component].values()) == {port}, component
 
 
-def test_stateless_services_have_disruption_budgets() -> None:
+def test_every_component_has_a_disruption_budget_stateful_ones_hold_drains() -> None:
     rendered = render("defaults")
     budgets = {
         d["metadata"]["name"]: d["spec"]["maxUnavailable"]
         for d in rendered.all("PodDisruptionBudget")
     }
-    assert budgets == {f"{FULLNAME}-{c}": 1 for c in GRPC_COMPONENTS}
+    stateful = {f"{FULLNAME}-trainer": 0, f"{FULLNAME}-redis": 0}
+    assert budgets == {f"{FULLNAME}-{c}": 1 for c in GRPC_COMPONENTS} | stateful
 
 
 def test_weight_sync_is_a_single_replica_replaced_not_rolled() -> None:

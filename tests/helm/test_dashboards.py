@@ -3,6 +3,7 @@ every query on a metric the services really define, alert expressions Prometheus
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -10,14 +11,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helm.chart import NAMESPACE, render
+from tests.helm.chart import NAMESPACE, render, render_values, sglang_package
 from tests.helm.promql import (
     METRIC,
+    SGLANG_METRIC,
     dashboards,
     defined_metric_patterns,
+    is_sglang_query,
     metric_is_defined,
     panel_queries,
     panels,
+    sglang_metric_names,
+    substitute,
 )
 
 EXPECTED = {"buffer", "job-overview", "reward", "rollout", "weight-sync"}
@@ -59,7 +64,8 @@ def test_every_dashboard_query_is_scoped_to_the_selected_namespace() -> None:
     unscoped = [
         (board, title)
         for board, title, expr in panel_queries()
-        if expr.count("kuberl_") != expr.count('namespace=~"$namespace"')
+        if len(METRIC.findall(expr) + SGLANG_METRIC.findall(expr))
+        != expr.count('namespace=~"$namespace"')
     ]
     assert unscoped == []
 
@@ -71,6 +77,68 @@ def test_every_metric_in_dashboards_and_alerts_is_defined_by_a_service() -> None
     exprs.append(keda["spec"]["triggers"][0]["metadata"]["query"])
     used = {name for expr in exprs for name in METRIC.findall(expr)}
     assert used and sorted(n for n in used if not metric_is_defined(n, patterns)) == []
+
+
+def test_the_rollout_dashboard_shows_sglangs_throughput_queue_and_cache() -> None:
+    sglang_panels = [p for p in panels(dashboards()["rollout"]) if p["title"].startswith("SGLang")]
+    used = {
+        n for p in sglang_panels for t in p["targets"] for n in SGLANG_METRIC.findall(t["expr"])
+    }
+    assert {
+        "sglang:generation_tokens_total",
+        "sglang:num_queue_reqs",
+        "sglang:cached_tokens_total",
+        "sglang:prompt_tokens_total",
+    } <= used
+
+
+def test_every_sglang_metric_in_the_dashboards_is_one_sglang_defines() -> None:
+    """SGLang cannot run here (it needs a GPU), so its panels' names are checked against its
+    own source: sglang/srt/observability/metrics_collector.py of SGLang 0.5.23."""
+    package = sglang_package()
+    if package is None:
+        pytest.skip("sglang not installed (make setup adds it)")
+    defined = sglang_metric_names(package)
+    used = {name for _, _, expr in panel_queries() for name in SGLANG_METRIC.findall(expr)}
+    unknown = [
+        name
+        for name in sorted(used)
+        if not any(name.removesuffix(s) in defined for s in ("_bucket", "_sum", "_count", ""))
+    ]
+    assert len(defined) > 50 and used and unknown == []
+
+
+def test_promtool_accepts_the_sglang_panel_queries(tmp_path: Path) -> None:
+    """The PromQL of the panels no local run can feed (SGLang's), parsed by Prometheus' own
+    promtool as recording rules, as Grafana would send them for one namespace."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package `prometheus`)")
+    exprs = [substitute(e, NAMESPACE) for _, _, e in panel_queries() if is_sglang_query(e)]
+    rules = [{"record": f"kuberl:sglang_panel_{i}", "expr": e} for i, e in enumerate(exprs)]
+    path = tmp_path / "sglang.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "sglang-panels", "rules": rules}]}))
+    result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True)
+    assert len(exprs) >= 5 and result.returncode == 0, result.stdout + result.stderr
+
+
+def test_each_release_renders_its_own_dashboard_uids_and_titles() -> None:
+    def boards(release: str) -> dict[str, tuple[str, str]]:
+        maps = [
+            d
+            for d in render_values({}, release=release).all("ConfigMap")
+            if "dashboard" in d["metadata"]["name"]
+        ]
+        return {
+            b["uid"]: (b["title"], b["templating"]["list"][1]["current"]["value"])
+            for b in (json.loads(next(iter(m["data"].values()))) for m in maps)
+        }
+
+    first, again, second = boards("rl"), boards("rl"), boards("rl-2")
+    assert first == again and len(first) == 5
+    assert first.keys().isdisjoint(second.keys()) and all(len(uid) <= 40 for uid in first)
+    titles = {title for title, _ in first.values()} | {title for title, _ in second.values()}
+    assert len(titles) == 10 and {ns for _, ns in first.values()} == {NAMESPACE}
 
 
 def test_the_metric_check_knows_a_name_that_does_not_exist() -> None:

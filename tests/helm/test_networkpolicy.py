@@ -141,3 +141,14 @@ def test_extra_egress_opens_only_the_component_it_names() -> None:
     docs = render("defaults", networkPolicy={"extraEgress": {"rollout": hub}}).all("NetworkPolicy")
     reach = {c: _allowed(docs, c, None, 443) for c in ("rollout", "trainer", "reward")}
     assert reach == {"rollout": True, "trainer": False, "reward": False}
+
+
+def test_sglangs_port_is_open_to_scrapers_only_while_its_metrics_are_on(policies) -> None:
+    closed = render("defaults", rollout={"sglang": {"metrics": False}}).all("NetworkPolicy")
+    assert (
+        _allowed(policies, None, "rollout", 30000),
+        _allowed(closed, None, "rollout", 30000),
+    ) == (
+        True,
+        False,
+    )

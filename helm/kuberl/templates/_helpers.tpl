@@ -108,14 +108,123 @@ redis://{{ include "kuberl.redisHost" . }}:{{ .Values.redis.port }}/0
 {{ include "kuberl.fullname" . }}-trainer-headless
 {{- end }}
 
+{{/*
+The checkpoint claim the chart creates. A claim's access modes and StorageClass can never change,
+so its name carries them: `<fullname>-checkpoints` for ReadWriteOnce on the cluster's default
+class, else `-<modes>` (rwx, rox, rwop) and `-<class>` appended. An upgrade that changes either
+(e.g. to ReadWriteMany for trainer.nodes > 1) then creates a new claim instead of changing the old
+one, which the API server refuses (the upgrade would fail half-applied).
+*/}}
+{{- define "kuberl.checkpointClaim" -}}
+{{- $checkpoints := .Values.trainer.checkpoints }}
+{{- $short := dict "ReadWriteOnce" "rwo" "ReadWriteMany" "rwx" "ReadOnlyMany" "rox" "ReadWriteOncePod" "rwop" }}
+{{- $modes := list }}
+{{- range $checkpoints.accessModes }}{{ $modes = append $modes (get $short .) }}{{ end }}
+{{- $name := printf "%s-checkpoints" (include "kuberl.fullname" .) }}
+{{- if ne ($modes | join "-") "rwo" }}{{ $name = printf "%s-%s" $name ($modes | join "-") }}{{ end }}
+{{- with $checkpoints.storageClass }}{{ $name = printf "%s-%s" $name . }}{{ end }}
+{{- $name }}
+{{- end }}
+
+{{/*
+The rollout Deployment's `replicas`: rollout.replicas without autoscaling. With autoscaling, the
+live Deployment's count ((dict "root" $ "live" <lookup result>)): an upgrade that dropped the field
+would reset the Deployment to 1 pod until the autoscaler reacts (Helm's patch removes what the new
+manifest no longer has), and keeping the live count leaves the autoscaler's choice alone. Nothing
+when there is no live Deployment (a fresh install, or `helm template`, whose lookup sees no
+cluster): the autoscaler sets it.
+*/}}
+{{- define "kuberl.rolloutReplicas" -}}
+{{- $rollout := .root.Values.rollout }}
+{{- if not $rollout.autoscaling.enabled }}
+{{- $rollout.replicas }}
+{{- else if and .live (hasKey (default dict .live.spec) "replicas") }}
+{{- int64 .live.spec.replicas }}
+{{- end }}
+{{- end }}
+
+{{/* The PriorityClass the chart creates for the trainer (trainer.priorityClass.create), or nothing. */}}
+{{- define "kuberl.trainerPriorityClass" -}}
+{{- if .Values.trainer.priorityClass.create }}
+{{- default (printf "%s-trainer" (include "kuberl.fullname" .)) .Values.trainer.priorityClass.name }}
+{{- end }}
+{{- end }}
+
 {{/* Address of trainer rank 0 (pod 0 of the StatefulSet) through the headless Service. */}}
 {{- define "kuberl.trainerMaster" -}}
 {{ include "kuberl.fullname" . }}-trainer-0.{{ include "kuberl.trainerHeadless" . }}.{{ .Release.Namespace }}.svc
 {{- end }}
 
+{{/*
+model.path as a Hugging Face id (`<owner>/<name>`, no leading `/`), or nothing when it is a path.
+The chart downloads such a model into model.volume once (model-download.yaml) and hands every
+service the local folder instead (kuberl.modelPath).
+*/}}
+{{- define "kuberl.modelHubId" -}}
+{{- if regexMatch "^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$" (default "" .Values.model.path) }}
+{{- .Values.model.path }}
+{{- end }}
+{{- end }}
+
+{{/* The policy's folder in the pods: model.path, or for a Hugging Face id its download folder `<model.mountPath>/<id>` on the models volume. */}}
+{{- define "kuberl.modelPath" -}}
+{{- with include "kuberl.modelHubId" . }}
+{{- if not $.Values.model.volume }}
+{{- fail (printf "model.path %q is a Hugging Face id: the chart downloads it once into model.volume, which is empty. Set model.volume to a claim the download Job can write and every model-reading pod can mount (ReadWriteMany when they run on several nodes), or set model.path to a folder already on a volume" $.Values.model.path) }}
+{{- end }}
+{{- printf "%s/%s" (trimSuffix "/" $.Values.model.mountPath) . }}
+{{- else }}
+{{- .Values.model.path }}
+{{- end }}
+{{- end }}
+
+{{/* What the download writes to `<folder>/.kuberl-download-complete` once every file is in place: `<id>@<revision>`. */}}
+{{- define "kuberl.modelMarker" -}}
+{{ include "kuberl.modelHubId" . }}@{{ .Values.model.download.revision }}
+{{- end }}
+
+{{/*
+An init container that waits until the model download is complete (its marker names this id and
+revision), for every pod that mounts the models volume: (dict "root" $ "image" <image values>).
+Nothing when model.path is not a Hugging Face id.
+*/}}
+{{- define "kuberl.waitForModel" -}}
+{{- if include "kuberl.modelHubId" .root }}
+{{- $marker := printf "%s/.kuberl-download-complete" (include "kuberl.modelPath" .root) }}
+- name: wait-for-model
+  image: {{ include "kuberl.image" (dict "root" .root "image" .image) }}
+  imagePullPolicy: {{ .root.Values.images.pullPolicy }}
+  command:
+    - /bin/sh
+    - -c
+    - |
+      until grep -qxF '{{ include "kuberl.modelMarker" .root }}' {{ $marker }} 2>/dev/null; do
+        echo "waiting for the model-download Job to complete {{ $marker }}"
+        sleep 10
+      done
+  resources:
+    requests:
+      cpu: 10m
+      memory: 16Mi
+    limits:
+      memory: 64Mi
+  securityContext:
+    {{- include "kuberl.securityContext" (dict "root" .root "override" dict) | nindent 4 }}
+  volumeMounts:
+    - name: model
+      mountPath: {{ .root.Values.model.mountPath }}
+      readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* "true" when rollout pods run SGLang with its Prometheus metrics on (`--enable-metrics`). */}}
+{{- define "kuberl.sglangMetrics" -}}
+{{- if and .Values.rollout.sglang.enabled .Values.rollout.sglang.metrics }}true{{ end }}
+{{- end }}
+
 {{/* The model SGLang serves. */}}
 {{- define "kuberl.sglangModel" -}}
-{{- $model := default .Values.model.path .Values.rollout.sglang.model }}
+{{- $model := default (include "kuberl.modelPath" .) .Values.rollout.sglang.model }}
 {{- required "rollout.sglang.model or model.path is required when rollout.sglang.enabled (SGLang needs a model path or Hugging Face id)" $model }}
 {{- end }}
 
@@ -141,7 +250,7 @@ and the pods' checksum annotation both use it.
   "rollout" (dict "server" (dict "host" "0.0.0.0" "port" .Values.rollout.port "metrics_port" .Values.rollout.metricsPort))
 }}
 {{- if .Values.model.path }}
-{{- $_ := set $wiring "model" (dict "path" .Values.model.path) }}
+{{- $_ := set $wiring "model" (dict "path" (include "kuberl.modelPath" .)) }}
 {{- end }}
 {{- if .Values.tls.enabled }}
 {{- $_ := set $wiring "tls" (include "kuberl.tlsSettings" . | fromYaml) }}
@@ -242,14 +351,16 @@ enableServiceLinks: false
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.priorityClassName }}
-priorityClassName: {{ . }}
-{{- end }}
 securityContext:
   {{- toYaml .Values.podSecurityContext | nindent 2 }}
 {{- end }}
 
-{{/* Scheduling of one component: (dict "root" $ "values" .Values.buffer "gpu" false). */}}
+{{/*
+Scheduling of one component: (dict "root" $ "values" .Values.buffer "gpu" false), optionally
+"priorityClassName" (a class the chart made for it). Priority class: the component's, else the
+one the chart made, else the global one. Runtime class, affinity and topology spread: the
+component's own.
+*/}}
 {{- define "kuberl.scheduling" -}}
 {{- $nodeSelector := .values.nodeSelector }}
 {{- $tolerations := .values.tolerations }}
@@ -269,6 +380,83 @@ tolerations:
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- with .values.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with default .root.Values.priorityClassName (default .priorityClassName .values.priorityClassName) }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .values.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- end }}
+
+{{/*
+The disk-backed emptyDirs of every kuberl pod (the ones kuberl.jobVolume makes), by the value
+path an error should name.
+*/}}
+{{- define "kuberl.jobVolumeSizes" -}}
+{{- toYaml (dict "the tmp volume" "1Gi" "the work volume" "10Gi") }}
+{{- end }}
+
+{{/*
+A container's resources with `ephemeral-storage` requested and limited to what its pod's
+disk-backed emptyDirs may hold (the sum of their sizeLimits) plus 1Gi for container logs, unless
+the resources set it: (dict "resources" .Values.x.resources "sizes" (dict "value path" "64Gi")).
+Given to one container per pod, it is the pod's whole budget: the scheduler places the pod where
+that much disk is free, and the kubelet evicts on disk pressure pods above their requests first.
+An empty size (no limit) adds nothing.
+*/}}
+{{- define "kuberl.withEphemeralStorage" -}}
+{{- $resources := deepCopy (default dict .resources) }}
+{{- $bytes := int64 1073741824 }}
+{{- range $name, $size := .sizes }}
+{{- if $size }}
+{{- $bytes = add $bytes (include "kuberl.quantityBytes" (dict "value" $size "name" $name) | int64) }}
+{{- end }}
+{{- end }}
+{{- $quantity := printf "%dMi" (div (add $bytes 1048575) 1048576) }}
+{{- if eq (mod $bytes 1073741824) 0 }}{{ $quantity = printf "%dGi" (div $bytes 1073741824) }}{{ end }}
+{{- range $kind := list "requests" "limits" }}
+{{- $section := default dict (get $resources $kind) }}
+{{- if not (hasKey $section "ephemeral-storage") }}
+{{- $_ := set $section "ephemeral-storage" $quantity }}
+{{- end }}
+{{- $_ := set $resources $kind $section }}
+{{- end }}
+{{- toYaml $resources }}
+{{- end }}
+
+{{/*
+A container's securityContext: the global `securityContext` with the container's own keys set over
+it, a key at a time (a key it names replaces the global one's value; `false` counts, unlike Helm's
+merge): (dict "root" $ "override" .Values.rollout.sglang.securityContext).
+*/}}
+{{- define "kuberl.securityContext" -}}
+{{- $context := deepCopy (default dict .root.Values.securityContext) }}
+{{- range $key, $value := default dict .override }}
+{{- $_ := set $context $key $value }}
+{{- end }}
+{{- toYaml $context }}
+{{- end }}
+
+{{/*
+A volume its pods only read (the model, the datasets): (dict "name" "model" "source" .Values.model.volume).
+A source type with a `readOnly` field gets `readOnly: true`: the volume is then attached and
+mounted read-only, and the kubelet skips changing its group to the pod's fsGroup, a walk over
+every file that can take hours on a large model volume at its first mount.
+*/}}
+{{- define "kuberl.readOnlyVolume" -}}
+{{- $source := deepCopy .source }}
+{{- $withReadOnly := list "persistentVolumeClaim" "nfs" "csi" "cephfs" "rbd" "iscsi" "fc" "glusterfs" "azureDisk" "azureFile" "gcePersistentDisk" "awsElasticBlockStore" "cinder" "flexVolume" "portworxVolume" "quobyte" "scaleIO" "storageos" }}
+{{- range $type, $settings := $source }}
+{{- if and (has $type $withReadOnly) (kindIs "map" $settings) }}
+{{- $_ := set $settings "readOnly" true }}
+{{- end }}
+{{- end -}}
+- name: {{ .name }}
+  {{- toYaml $source | nindent 2 }}
 {{- end }}
 
 {{/* Environment of every kuberl container. */}}
@@ -437,7 +625,7 @@ livenessProbe:
   protocol: TCP
 {{- end }}
 
-{{/* A ClusterIP Service with the grpc and metrics ports: (dict "root" $ "component" "buffer" "name" "buffer" "values" .Values.buffer). */}}
+{{/* A ClusterIP Service with the grpc and metrics ports: (dict "root" $ "component" "buffer" "name" "buffer" "values" .Values.buffer), optionally "extraPorts" (ServicePort list). */}}
 {{- define "kuberl.service" -}}
 apiVersion: v1
 kind: Service
@@ -461,6 +649,9 @@ spec:
       targetPort: metrics
       protocol: TCP
       appProtocol: http
+    {{- with .extraPorts }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
 {{- end }}
 
 {{/* A PodDisruptionBudget: (dict "root" $ "component" "buffer" "name" "buffer" "pdb" .Values.buffer.pdb). */}}
@@ -485,8 +676,9 @@ spec:
 A stateless kuberl gRPC service (buffer, reward, weight-sync): Deployment, Service and PDB.
 (dict "root" $ "component" "weight-sync" "service" "weight_sync" "values" .Values.weightSync
       "replicas" 1 "recreate" true "redis" false "data" false "model" false "volumes" list "mounts" list)
-Optional: "image" (default images.kuberl) and "gpu" (schedule with the component's own
-nodeSelector and tolerations only, as GPU pods are).
+Optional: "image" (default images.kuberl), "gpu" (schedule with the component's own
+nodeSelector and tolerations only, as GPU pods are) and "volumeSizes" (sizeLimits of the disk
+emptyDirs among "volumes", by value path, for the pod's ephemeral-storage).
 */}}
 {{- define "kuberl.serviceDeployment" -}}
 {{- $root := .root }}
@@ -530,6 +722,10 @@ spec:
       {{- include "kuberl.podCommon" $root | nindent 6 }}
       {{- include "kuberl.scheduling" (dict "root" $root "values" $values "gpu" .gpu) | nindent 6 }}
       terminationGracePeriodSeconds: 30
+      {{- with and .model $root.Values.model.volume (include "kuberl.waitForModel" (dict "root" $root "image" (default $root.Values.images.kuberl .image))) }}
+      initContainers:
+        {{- . | nindent 8 }}
+      {{- end }}
       containers:
         - name: {{ .component }}
           image: {{ include "kuberl.image" (dict "root" $root "image" (default $root.Values.images.kuberl .image)) }}
@@ -552,9 +748,9 @@ spec:
             {{- end }}
           {{- include "kuberl.grpcProbes" (dict "root" $root "port" $values.port) | nindent 10 }}
           resources:
-            {{- toYaml $values.resources | nindent 12 }}
+            {{- include "kuberl.withEphemeralStorage" (dict "resources" $values.resources "sizes" (merge (include "kuberl.jobVolumeSizes" $root | fromYaml) (default dict .volumeSizes))) | nindent 12 }}
           securityContext:
-            {{- toYaml $root.Values.securityContext | nindent 12 }}
+            {{- include "kuberl.securityContext" (dict "root" $root "override" $values.securityContext) | nindent 12 }}
           volumeMounts:
             {{- include "kuberl.jobVolumeMount" $root | nindent 12 }}
             {{- if and .redis (not $root.Values.redis.enabled) $root.Values.externalRedis.tls.caSecret }}
@@ -583,12 +779,10 @@ spec:
             secretName: {{ $root.Values.externalRedis.tls.caSecret }}
         {{- end }}
         {{- if and .data $root.Values.data.volume }}
-        - name: data
-          {{- toYaml $root.Values.data.volume | nindent 10 }}
+        {{- include "kuberl.readOnlyVolume" (dict "name" "data" "source" $root.Values.data.volume) | nindent 8 }}
         {{- end }}
         {{- if and .model $root.Values.model.volume }}
-        - name: model
-          {{- toYaml $root.Values.model.volume | nindent 10 }}
+        {{- include "kuberl.readOnlyVolume" (dict "name" "model" "source" $root.Values.model.volume) | nindent 8 }}
         {{- end }}
         {{- with .volumes }}
         {{- toYaml . | nindent 8 }}
