@@ -625,7 +625,10 @@ class Supervisor:
         try:
             url = self.doc["redis"]["url"]
             password = os.environ.get(self.config.redis.password_env) or None
-            buffer = accounting.read_buffer_state(url, self.config.job.name, password)
+            # A chaos run may have just restarted Redis (its AOF loading); otherwise a Redis
+            # that does not answer at once is not coming back for the report.
+            wait = 60.0 if self.chaos is not None else 5.0
+            buffer = accounting.read_buffer_state(url, self.config.job.name, password, wait)
             report.update(accounting.prompt_accounting(buffer, lineage))
         except Exception as exc:  # still write what is known; the missing keys say it failed
             log.exception("accounting.failed")
