@@ -97,10 +97,13 @@ def encode_batch(head: bpb.GetBatchResponse, payloads: Sequence[bytes]) -> bytes
 
 
 def _age_verdict(g: StoredGroup, max_staleness: int, current_version: int) -> str | None:
-    """Why a training group's policy version rules it out for a trainer at `current_version`."""
+    """Why a training group's policy version rules it out for a trainer at `current_version`
+    that bounds staleness (`max_staleness` >= 0; without a bound versions rule nothing out)."""
+    if max_staleness < 0:
+        return None
     if g.version > current_version:
         return "future_version"  # no engine holds weights the trainer has not made yet
-    if max_staleness >= 0 and current_version - g.version > max_staleness:
+    if current_version - g.version > max_staleness:
         return "stale"
     return None
 

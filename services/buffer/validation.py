@@ -101,12 +101,14 @@ class JobLimits:
 
 
 def job_limits(config: JobConfig) -> JobLimits:
-    """The limits of `config`'s job: the kinds its trainer reads and the model's positions."""
+    """The limits of `config`'s job: the kinds its trainer reads (SFT also when its rollout
+    runs rejection sampling, whose output it is) and the model's positions."""
     tc = config.trainer
     kinds = {"eval"}
     if tc.mode == "rl":
         kinds.add("train")
-    if tc.sft_data is None and (tc.mode == "sft" or (tc.mode == "rl" and tc.sft_steps)):
+    reads_sft = tc.sft_data is None and (tc.mode == "sft" or (tc.mode == "rl" and tc.sft_steps))
+    if reads_sft or config.rollout.mode == "rejection_sampling":  # its output is the SFT stream
         kinds.add("sft")
     return JobLimits(
         frozenset(kinds), config.buffer.max_sequence_tokens or model_positions(config.model.path)
