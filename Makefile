@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kuberl-setup
 EXTRAS := buffer,reward,rollout,trainer,weight-sync,local,dev
 
-.PHONY: setup test lint mypy format protos demo chaos bench clean help
+.PHONY: setup test lint mypy format protos demo chaos bench images image-test clean help
 
 help:
 	@echo "make setup   - create .venv and install kuberl with every extra (idempotent)"
@@ -17,6 +17,8 @@ help:
 	@echo "make demo    - a real local RL job that learns (about 2-6 min on 2 CPU cores)"
 	@echo "make chaos   - the long fault-injection run (31 faults, 10+ min; docs/reliability.md)"
 	@echo "make bench   - every CPU benchmark, then docs/benchmarks.md (15-25 min)"
+	@echo "make images  - build the images here with buildah (root; docs/images.md)"
+	@echo "make image-test - build them, then run the chart's pods from them through a small job"
 
 $(STAMP): pyproject.toml setup.py tests/helm/fetch-prometheus.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -71,6 +73,18 @@ chaos: setup
 # Every CPU benchmark in its own process, then docs/benchmarks.md (benchmarks/report.py).
 bench: setup
 	$(PY) benchmarks/report.py
+
+# The images built here without Docker or a registry (docs/images.md): buildah on a debootstrapped
+# Debian base, torch from the local wheel directory; an image whose inputs did not change is
+# reused. Needs root and `apt-get install buildah debootstrap iproute2`.
+images: setup
+	$(PY) -m tests.images.build
+
+# The chart's pods (Redis, buffer, reward, weight-sync, rollout, trainer and the `helm test` pod)
+# run from those images, each in its own network namespace, through a small CPU job
+# (tests/images/test_chart_pods.py; `make test` skips it).
+image-test: setup
+	KUBERL_IMAGE_TEST=1 $(PY) -m pytest -q -p no:xdist -s tests/images
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

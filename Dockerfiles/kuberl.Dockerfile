@@ -6,15 +6,23 @@
 # Nothing secret is baked in: Redis passwords and the job file arrive at run time.
 
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
+# torch's CPU build from PyTorch's CPU index; a machine without that index passes its own
+# (`make images` here: --find-links to a local wheel directory and torch==2.13.0+cpu).
+ARG TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+ARG TORCH_REQUIREMENT=torch==2.13.0
 
 FROM ${PYTHON_IMAGE} AS build
+ARG TORCH_PIP_ARGS
+ARG TORCH_REQUIREMENT
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 RUN python -m venv /opt/kuberl
 ENV PATH=/opt/kuberl/bin:$PATH
 WORKDIR /src
 # torch's CPU build (weight-sync's snapshot transport), the version the test suite runs on.
-RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+# The requirement is the pinned TORCH_REQUIREMENT; TORCH_PIP_ARGS splits into pip options.
+# hadolint ignore=SC2086,DL3013
+RUN pip install --no-cache-dir ${TORCH_PIP_ARGS} ${TORCH_REQUIREMENT}
 COPY Dockerfiles/constraints.txt /src/Dockerfiles/constraints.txt
 COPY pyproject.toml setup.py README.md LICENSE /src/
 COPY services /src/services

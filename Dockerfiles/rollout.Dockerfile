@@ -8,12 +8,23 @@
 # (`pip check` fails the build on a conflict). Build from the repository root:
 #   docker build -f Dockerfiles/rollout.Dockerfile -t kuberl/kuberl-rollout:0.1.0 .
 
-ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.23-cu129
+# The tag is SGLang's own: its release workflow (sgl-project/sglang
+# .github/workflows/_docker-build-and-publish.yml, called by release-docker.yml with a tag_config)
+# builds docker/Dockerfile with CUDA_VERSION=13.0.x as the "cu130" lane, tagged v<version>-cu130.
+# The CUDA 12 ("cu129") lane was retired in sglang PR #38404 (v0.5.19 was its last release), and
+# the sglang 0.5.23 wheel requires torch==2.14.1, whose PyPI wheel is built for CUDA 13.0
+# (cuda-toolkit 13.0.3): so GPU nodes need an NVIDIA driver of the 580 series or newer. No digest
+# is pinned: that workflow pushes by digest and keeps it in a job output, not in the repository;
+# pin `@sha256:...` here once the digest has been read from the registry you pull from.
+# tests/helm/test_dockerfiles.py checks this tag against the installed sglang wheel's metadata.
+ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.23-cu130
 
 FROM ${SGLANG_IMAGE}
 LABEL org.opencontainers.image.title="kuberl-rollout" \
       org.opencontainers.image.description="SGLang server and the kuberl rollout service" \
-      org.opencontainers.image.licenses="Apache-2.0"
+      org.opencontainers.image.licenses="Apache-2.0" \
+      io.kuberl.cuda="13.0" \
+      io.kuberl.nvidia-driver-min="580"
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 WORKDIR /src

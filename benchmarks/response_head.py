@@ -68,12 +68,12 @@ def micro_batch(cfg: dict[str, Any], seqs: int, seq_len: int, prompt_len: int, d
     """A collated micro-batch of `seqs` samples: `prompt_len` prompt and the rest response."""
     import numpy as np
 
-    from kuberl.trainer.batching import Sample, collate
+    from kuberl.trainer.batching import TrainingSequence, collate
 
     rng = np.random.default_rng(1)
     response = seq_len - prompt_len
     samples = [
-        Sample(
+        TrainingSequence(
             rng.integers(0, cfg["vocab_size"], prompt_len),
             rng.integers(0, cfg["vocab_size"], response),
             np.ones(response, np.float32),

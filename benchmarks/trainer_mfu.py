@@ -12,7 +12,7 @@ GPU and its peak-memory counter to itself:
   logits and cross-entropy on the response tokens), DeepSpeed's own gradient accumulation
   (`train_micro_batch_size_per_gpu` = `--micro-batch-seqs`, `engine.backward` / `engine.step` per
   micro-batch) and DeepSpeed's default ZeRO-2 settings.
-- `kuberl`: the trainer's real RL step, `kuberl.trainer.loop.Trainer._rl_step` on a batch of
+- `kuberl`: the trainer's real RL step, `kuberl.trainer.rl.RLStep` on a batch of
   groups (GRPO advantages, the PPO-clip policy loss with TIS on rollout logprobs, entropies),
   through `TrainEngine` / `PolicyModel` exactly as `kuberl serve trainer` builds them: SDPA
   attention, vocabulary-chunked logprobs (`trainer.logprob_chunk_size`, no [tokens, vocab]
@@ -252,11 +252,12 @@ def run_stock(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_kuberl(spec: dict[str, Any]) -> dict[str, Any]:
-    """kuberl's trainer: `Trainer._rl_step` on groups of trajectories, as in a real job."""
+    """kuberl's trainer: `RLStep` on groups of trajectories, as in a real job."""
     import numpy as np
 
     from kuberl.common.config import parse_job_config
     from kuberl.common.trajectory import Group, Trajectory
+    from kuberl.trainer.batch import Batch
     from kuberl.trainer.distributed import init_distributed
     from kuberl.trainer.engine import (
         TrainEngine,
@@ -264,7 +265,8 @@ def run_kuberl(spec: dict[str, Any]) -> dict[str, Any]:
         enable_activation_checkpointing,
         train_dtype,
     )
-    from kuberl.trainer.loop import Trainer
+    from kuberl.trainer.models import Models
+    from kuberl.trainer.rl import RLStep
     from kuberl.trainer.sft import samples_from_groups
 
     info = init_distributed()  # a world of one: _child strips torchrun's variables
@@ -290,9 +292,9 @@ def run_kuberl(spec: dict[str, Any]) -> dict[str, Any]:
     hf = _model(spec["config"], dtype, spec["seed"], info.device)
     enable_activation_checkpointing(hf, spec["gradient_checkpointing"])
     n_params = sum(p.numel() for p in hf.parameters())
-    trainer = Trainer(config, info)
-    trainer.engine = TrainEngine(build_policy(hf, config.trainer), config.trainer, info, dtype)
-    trainer.vocab_size = spec["config"]["vocab_size"]
+    models = Models(vocab_size=spec["config"]["vocab_size"])
+    models.policy = TrainEngine(build_policy(hf, config.trainer), config.trainer, info, dtype)
+    rl_step = RLStep(config, models, info)
 
     ids = _token_batch(spec).numpy().astype(np.int32)
     rng = np.random.default_rng(spec["seed"])
@@ -317,8 +319,8 @@ def run_kuberl(spec: dict[str, Any]) -> dict[str, Any]:
         groups.append(Group(prompt_id=f"p{g}", epoch=0, trajectories=trajs, group_id=f"g{g}"))
 
     def step() -> None:
-        batch = {"groups": groups, "samples": samples_from_groups(groups)}
-        trainer._rl_step(batch)  # the loop's own step: advantages, micro-batches, update
+        batch = Batch(samples=samples_from_groups(groups), groups=groups)
+        rl_step(batch, step=0, policy_version=0)  # the trainer's own step: advantages, update
 
     result = _time_steps(step, spec, _Clock(info.device))
     return {**result, "parameters": n_params}

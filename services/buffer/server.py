@@ -225,6 +225,7 @@ class BufferService(Service):
             limit=ds.limit,
             num_epochs=epochs,
             seed=self.config.job.seed,
+            source={"split": ds.split, "subset": ds.subset, "revision": ds.revision},
         )
 
     async def _load(
@@ -239,6 +240,7 @@ class BufferService(Service):
         limit: int,
         num_epochs: int,
         seed: int,
+        source: dict[str, Any] | None = None,
     ) -> tuple[int, bool]:
         name = name or Path(path).stem
         if not DATASET_NAME.match(name):
@@ -254,7 +256,13 @@ class BufferService(Service):
         if known is not None:
             return known, False
         rows = await asyncio.to_thread(
-            read_dataset, path, prompt=prompt, answer=answer, metadata=metadata, limit=limit
+            read_dataset,
+            path,
+            prompt=prompt,
+            answer=answer,
+            metadata=metadata,
+            limit=limit,
+            **(source or {}),
         )
         return await self.db.load_dataset(
             name, str(Path(path).resolve()), kind, rows, num_epochs, seed

@@ -20,12 +20,14 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from kuberl.common import tls
+import yaml
+
+from kuberl.common import preflight, tls
 from kuberl.common.config import (
     ConfigError,
     JobConfig,
@@ -70,7 +72,10 @@ def shm_folder_name(run_dir: Path) -> str:
 class RunOptions:
     """What `kuberl run` was asked; None keeps the job file's `job.local` value."""
 
-    job_file: Path
+    job_file: Path | None = None
+    overrides: list[str] = field(default_factory=list)  # `section.field=value` from the CLI
+    job: Any = None  # instead of job_file: a dict of sections or a JobConfig (kuberl.run)
+    resume: Path | None = None  # a run folder to go on with (its job.yaml, Redis, checkpoints)
     rollout_replicas: int | None = None
     trainer_processes: int | None = None
     device: str | None = None
@@ -140,16 +145,23 @@ class Supervisor:
         self.accounting: dict[str, Any] = {}
         self.rl_rows_seen = 0  # RL steps completed as the trainer's rows tell (restarts included)
         self.last_step = 0
+        self.made_run_dir = False  # this run created its folder (removed if it never started)
+        self.prepared = False
 
     # ------------------------------------------------------------------ entry
 
     def run(self) -> int:
+        # Only the main thread may take signals (kuberl.run from a thread: stop it otherwise).
+        main = threading.current_thread() is threading.main_thread()
         previous = {
-            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+            sig: signal.signal(sig, self._on_signal)
+            for sig in (signal.SIGINT, signal.SIGTERM)
+            if main
         }
         status = "failed"
         try:
             self._prepare()
+            self.prepared = True
             if self._warm_start_wanted():
                 self._warm_start()
             self._start_services()
@@ -190,7 +202,10 @@ class Supervisor:
         from kuberl.common.modelbuild import resolve_model
 
         opts = self.options
-        config = load_job_config(opts.job_file)
+        config = self._load_job()
+        # Every file, model, dataset and plugin, before anything starts or any folder is made;
+        # models and datasets named by hub id are fetched here, once for every service.
+        resolved = preflight.check_job(config, self.cwd)
         local = config.job.local.model_dump()
         for key in ("rollout_replicas", "trainer_processes", "device", "max_restarts"):
             value = getattr(opts, key)
@@ -212,7 +227,10 @@ class Supervisor:
         doc["job"]["local"] = local
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.started_unix))
         name = config.job.name
-        if opts.run_dir:
+        if opts.resume is not None:
+            self.run_dir = opts.resume.resolve()
+            (self.run_dir / "summary.json").unlink(missing_ok=True)  # rewritten at the end
+        elif opts.run_dir:
             self.run_dir = opts.run_dir.resolve()
             if self.run_dir.is_dir() and any(self.run_dir.iterdir()):
                 # Its checkpoints would be resumed, its Redis AOF replayed and its metrics
@@ -232,10 +250,21 @@ class Supervisor:
                     break
                 except FileExistsError:
                     continue
+        self.made_run_dir = True
         (self.run_dir / "logs").mkdir(exist_ok=True)
         for section in ("train", "eval"):
-            for ds in doc["data"][section]:
-                ds["path"] = _abs(ds["path"], self.cwd)
+            for i, ds in enumerate(doc["data"][section]):
+                folder = resolved.datasets.get(f"data.{section}[{i}].path")
+                if folder is not None:  # a hub id: the services read the fetched snapshot
+                    ds["name"] = ds["name"] or Path(ds["path"]).stem
+                    ds["path"] = str(folder)
+                else:
+                    ds["path"] = _abs(ds["path"], self.cwd)
+        if resolved.model is not None:
+            doc["model"]["path"] = str(resolved.model.resolve())
+            doc["model"]["revision"] = None
+        if resolved.reward_model is not None:
+            doc["reward"]["reward_model"].update(path=str(resolved.reward_model), revision=None)
         if doc["trainer"]["sft_data"]:
             doc["trainer"]["sft_data"] = _abs(doc["trainer"]["sft_data"], self.cwd)
         for section in ("buffer", "reward", "rollout", "trainer", "weight_sync"):
@@ -254,7 +283,7 @@ class Supervisor:
                 doc["rollout"]["engine"]["device"] = "cuda:0"
             transports = [t for t in doc["weight_sync"]["transports"] if t != "cuda_ipc"]
             doc["weight_sync"]["transports"] = ["cuda_ipc", *transports]
-        self.config = parse_job_config(doc, env={}, source=str(opts.job_file))
+        self.config = parse_job_config(doc, env={}, source=str(opts.job_file or "<job>"))
         # The supervisor's own channels (readiness, stats, the final report) speak the job's TLS:
         # the services' servers accept nothing else.
         tls.configure(self.config.tls)
@@ -272,6 +301,30 @@ class Supervisor:
         self.phase_seconds["model"] = time.monotonic() - started
         self.doc["model"]["path"] = self.model_path
         self._write_job(self.doc)
+
+    def _load_job(self) -> JobConfig:
+        """The job: a file, an object (`kuberl.run`), or the resolved job.yaml of the run folder
+        to resume, whose Redis is its embedded one again (started from its AOF) and whose
+        endpoints are picked again."""
+        opts = self.options
+        if opts.resume is not None:
+            saved = opts.resume / "job.yaml"
+            try:
+                doc = yaml.safe_load(saved.read_text())
+            except OSError:
+                raise ConfigError(
+                    f"--resume {opts.resume}: no job.yaml there; give a run folder of "
+                    "`kuberl run` (runs/<job>-<time>)"
+                ) from None
+            if (opts.resume / "redis").is_dir():
+                doc["redis"]["url"] = None
+            doc.pop("endpoints", None)
+            return parse_job_config(doc, source=str(saved), overrides=opts.overrides)
+        if opts.job is not None:
+            job = opts.job
+            doc = job.model_dump(mode="json") if isinstance(job, JobConfig) else job
+            return parse_job_config(doc, source="<kuberl.run job>", overrides=opts.overrides)
+        return load_job_config(opts.job_file, overrides=opts.overrides)
 
     def _rel(self, path: Path) -> str:
         with contextlib.suppress(ValueError):
@@ -731,6 +784,12 @@ class Supervisor:
                 self.redis.stop()
             if self.shm_dir is not None:
                 shutil.rmtree(self.shm_dir, ignore_errors=True)
+        if not self.prepared:
+            # Nothing ran: a folder of this run would hold only its failure, and the next run
+            # of the job is easier to find without it.
+            if self.made_run_dir:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            return
         if self.config is not None:
             self._write_report(status, final_buffer, final_replicas, sync)
 

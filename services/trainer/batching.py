@@ -1,18 +1,12 @@
 """From sequences to micro-batches: data-parallel sharding, token-budget bucketing, padding.
 
-A training batch is a list of `Sample`s (prompt ids, response ids, response-aligned arrays such as
-rollout logprobs and advantages). The algorithms see response-aligned tensors `[B, R]`; the
-model sees `input_ids [b, T]` with T = prompt + response. `collate` builds both views of a
-micro-batch and the index that maps one to the other (`gather_index`: the positions of the
-model's `[b, T-1]` next-token outputs that score the response). The trainer's models compute
-their outputs at those positions only (`PolicyModel.forward(..., positions)`), response-aligned;
-`to_response` maps outputs of every position the same way (the references in the tests).
-
-Gradient accumulation is driven by a token budget: `micro_batches` sorts a rank's sequences by
-length and fills each micro-batch while `longest * count <= micro_batch_tokens` (length
-bucketing: padding stays small because neighbours have similar lengths). A sequence longer than
-the budget gets a micro-batch of its own. `shard` deals sequences to ranks round-robin by length
-so every rank gets a similar token count.
+A training batch is a list of `TrainingSequence`s (prompt ids, response ids, response-aligned
+arrays such as rollout logprobs and advantages). The algorithms see response-aligned tensors
+`[B, R]`; the model sees `input_ids [b, T]` with T = prompt + response. `collate` builds both
+views of a micro-batch and the index that maps one to the other (`gather_index`: the positions
+of the model's `[b, T-1]` next-token outputs that score the response). The trainer's models
+compute their outputs at those positions only (`PolicyModel.forward(..., positions)`),
+response-aligned; `to_response` maps outputs of every position the same way.
 """
 
 from __future__ import annotations
@@ -23,10 +17,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kuberl.trainer.distributed import DistInfo
+
 
 @dataclass
-class Sample:
-    """One sequence to train on. `arrays` are response-aligned float32 [R] (advantages, ...)."""
+class TrainingSequence:
+    """One tokenised sequence to train on (a rollout sample or an SFT example). `arrays` are
+    response-aligned float32 [R] (advantages, ...)."""
 
     prompt_ids: np.ndarray  # int [P]
     response_ids: np.ndarray  # int [R]
@@ -53,7 +50,7 @@ class MicroBatch:
     gather_index: torch.Tensor  # [b, R] positions in the model's [b, T-1] outputs
     mask: torch.Tensor  # [b, R] float, 1 on trained response tokens
     arrays: dict[str, torch.Tensor]  # name -> [b, R]
-    indices: list[int]  # Sample.index of each row
+    indices: list[int]  # TrainingSequence.index of each row
     response_lengths: list[int]
 
     @property
@@ -69,17 +66,23 @@ class MicroBatch:
         return per_position.gather(1, self.gather_index)
 
 
-def shard(samples: Sequence[Sample], rank: int, world_size: int) -> list[Sample]:
+def shard(
+    samples: Sequence[TrainingSequence], rank: int, world_size: int
+) -> list[TrainingSequence]:
     """This rank's share: sorted by length, dealt round-robin (balanced token counts)."""
     ordered = sorted(samples, key=lambda s: (-s.length, s.index))
     return ordered[rank::world_size]
 
 
-def micro_batches(samples: Sequence[Sample], budget_tokens: int) -> list[list[Sample]]:
-    """Group samples so that each group's padded size (longest * count) fits the budget."""
+def micro_batches(
+    samples: Sequence[TrainingSequence], budget_tokens: int
+) -> list[list[TrainingSequence]]:
+    """Group samples so that each group's padded size (longest * count) fits the budget: sorted
+    by length and filled in order, so padding stays small because neighbours have similar
+    lengths. A sequence longer than the budget gets a micro-batch of its own."""
     ordered = sorted(samples, key=lambda s: (-s.length, s.index))
-    groups: list[list[Sample]] = []
-    current: list[Sample] = []
+    groups: list[list[TrainingSequence]] = []
+    current: list[TrainingSequence] = []
     longest = 0
     for s in ordered:
         new_longest = max(longest, s.length)
@@ -94,7 +97,10 @@ def micro_batches(samples: Sequence[Sample], budget_tokens: int) -> list[list[Sa
 
 
 def collate(
-    samples: Sequence[Sample], pad_id: int, device: torch.device, names: Sequence[str] = ()
+    samples: Sequence[TrainingSequence],
+    pad_id: int,
+    device: torch.device,
+    names: Sequence[str] = (),
 ) -> MicroBatch:
     """Right-padded model inputs and response-aligned tensors for `samples`."""
     if not samples:
@@ -129,6 +135,18 @@ def collate(
     )
 
 
+def rank_micro_batches(
+    samples: Sequence[TrainingSequence],
+    dist: DistInfo,
+    budget_tokens: int,
+    pad_id: int,
+    names: Sequence[str] = (),
+) -> list[MicroBatch]:
+    """This rank's share of `samples`, collated into token-budget micro-batches."""
+    mine = shard(samples, dist.rank, dist.world_size)
+    return [collate(g, pad_id, dist.device, names) for g in micro_batches(mine, budget_tokens)]
+
+
 def padding_micro_batch(pad_id: int, device: torch.device, names: Sequence[str] = ()) -> MicroBatch:
     """A two-token micro-batch with an empty mask, run by a rank that has run out of samples so
     that every rank makes the same collective calls (ZeRO-3 gathers, ZeRO-2 reductions)."""
@@ -144,7 +162,7 @@ def padding_micro_batch(pad_id: int, device: torch.device, names: Sequence[str] 
 
 
 def response_tensor(
-    samples: Sequence[Sample], values: Sequence[np.ndarray] | None = None
+    samples: Sequence[TrainingSequence], values: Sequence[np.ndarray] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded response-aligned [B, R] of `values` (default zeros) and the loss mask."""
     b = len(samples)

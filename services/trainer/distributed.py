@@ -1,12 +1,6 @@
-"""The trainer's process group and the few collectives the training loop needs.
-
-`init_distributed` joins the torchrun world (torchrun's c10d rendezvous sets RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR and MASTER_PORT on every worker of every node) or, for a plain
-`kuberl serve trainer`, makes a world of one in an in-memory store (no port). gloo on CPU, NCCL
-on GPU.
-
-Rank 0 talks to the buffer and broadcasts what it got as protobuf bytes (`broadcast_bytes`);
-per-rank metrics are merged as JSON (`gather_json`). Nothing is pickled.
+"""The trainer's process group (gloo on CPU, NCCL on GPU) and the few collectives the training
+loop needs: bytes from rank 0 (`broadcast_bytes`: protobuf batches, control messages) and
+per-rank metrics as JSON (`gather_json`), so nothing is pickled.
 """
 
 from __future__ import annotations
@@ -35,11 +29,8 @@ def leave(code: int) -> NoReturn:
     work is done and written (`kuberl serve trainer` after the service stopped cleanly, and the
     ZeRO test and benchmark workers). gloo's worker threads may still be destroying finished
     collectives that hold Python tensors; one that needs the GIL while the interpreter
-    finalizes is made to exit inside a C++ destructor, and the process dies in std::terminate
-    (exit -6, a finished job reported as failed; about once in 15 loaded runs). The core dump
-    of 2026-11-26: ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> ~AsyncAllgatherWork ->
-    TensorImpl::decref_pyobject -> take_gil -> PyThread_exit_thread, while the main thread was
-    in Py_FinalizeEx."""
+    finalizes is made to exit inside a C++ destructor and the process dies in std::terminate,
+    so a finished job would be reported as failed."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -68,7 +59,9 @@ def collective_timeout_seconds(config: JobConfig) -> float:
 
 
 def init_distributed(timeout_seconds: float | None = None) -> DistInfo:
-    """Join the torchrun world (or make a world of one) and pick this rank's device;
+    """Join the torchrun world (its c10d rendezvous sets RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR and MASTER_PORT on every worker of every node) or, for a plain `kuberl serve
+    trainer`, make a world of one in an in-memory store (no port), and pick this rank's device;
     `timeout_seconds` bounds each collective (DeepSpeed's default: 10 minutes)."""
     import deepspeed
     import torch.distributed as dist
@@ -110,9 +103,9 @@ def skip_cpu_op_builds() -> None:
     """Keep DeepSpeed from JIT-compiling its CPU shared-memory all-reduce op at start.
 
     DeepSpeed's torch backend builds `deepspeed_shm_comm` with ninja/g++ the first time a CPU
-    process group starts (measured 50-95 s on a 2-core machine, then cached in
-    ~/.cache/torch_extensions). Only its tensor-parallel inference all-reduce uses it; training
-    collectives go through gloo either way. `deepspeed.ops.__compatible_ops__` is a cached dict
+    process group starts (about a minute, then cached in ~/.cache/torch_extensions). Only its
+    tensor-parallel inference all-reduce uses it; training collectives go through gloo either
+    way. `deepspeed.ops.__compatible_ops__` is a cached dict
     that DeepSpeed consults before building.
     """
     import deepspeed.ops

@@ -1,19 +1,8 @@
-"""The trainer's model under DeepSpeed: ZeRO config, forward passes, steps, gathered weights.
-
-`TrainEngine` wraps a Hugging Face causal LM in a
-DeepSpeed engine with the ZeRO stage of the job file (0-3), bf16 on GPU and fp32 on CPU, a plain
-torch AdamW (DeepSpeed's compiled Adam would need an op build at first start), and
-gradient clipping. Gradient accumulation is owned by the caller (`managed_gradient_accumulation`
-off): it runs any number of micro-batches (chosen by a token budget) and then calls `step()`.
-
-The model's `lm_head` is replaced by `LogprobHead` so logprobs and entropies are computed in
-vocabulary chunks (see `kuberl.trainer.logprobs`). `FrozenModel` is the reference policy (no
-optimizer; ZeRO-3 partitioned when the policy is, else a plain module) and `ValueModel` the PPO
-critic (the policy's backbone architecture with a scalar head).
-
-Every rank must run the same number of forward and backward passes (ZeRO-3 gathers parameters
-and ZeRO-2 reduces gradients collectively in each of them); `kuberl.trainer.batching` pads the
-per-rank micro-batch lists to equal length for that.
+"""The trainer's models under DeepSpeed: ZeRO config, forward passes, steps, gathered weights.
+`TrainEngine` is a trainable module (the policy, whose `lm_head` computes logprobs in vocabulary
+chunks, or the PPO critic `ValueModel`), `FrozenModel` the KL reference; every rank runs the
+same number of forward and backward passes, since ZeRO-3 gathers parameters and ZeRO-2 reduces
+gradients collectively in each of them (a rank out of micro-batches runs padding ones).
 """
 
 from __future__ import annotations
@@ -346,7 +335,11 @@ def _weights_only_loads(engine: Any) -> None:
 
 
 class TrainEngine:
-    """One trainable module (policy or critic) under a DeepSpeed engine."""
+    """One trainable module (policy or critic) under a DeepSpeed engine: the job's ZeRO stage
+    (0-3), bf16 on GPU and fp32 on CPU, a plain torch AdamW (DeepSpeed's compiled Adam would
+    need an op build at first start) and gradient clipping. The caller owns gradient
+    accumulation (`managed_gradient_accumulation` off): it runs any number of micro-batches,
+    chosen by a token budget, then calls `step()`."""
 
     def __init__(
         self, module: nn.Module, trainer: TrainerConfig, dist_info: DistInfo, dtype: torch.dtype

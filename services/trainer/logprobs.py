@@ -6,15 +6,7 @@ the backward pass): for a 150k-vocabulary model and 32k tokens that is ~20 GB in
 language-model head is applied to `chunk_size` vocabulary rows at a time with an online
 log-sum-exp, and the backward pass recomputes each chunk instead of keeping it, so peak extra
 memory is [N, chunk_size]. The result equals the full-logits computation up to floating-point
-summation order (tested in tests/unit/test_trainer_logprobs.py).
-
-`LogprobHead` replaces a causal LM's `lm_head` (same weight Parameter, so tied embeddings stay
-tied and DeepSpeed ZeRO-3 gathers the weight for forward and backward through its usual module
-hooks). Called with `targets`, it returns (logprobs, entropy); without, it behaves like the
-original linear layer. With targets it returns ONE tensor [..., 2] (logprob, entropy) rather than
-a pair: DeepSpeed ZeRO-3 fetches a module's parameters again for the backward pass once per
-output tensor that receives a gradient, so a loss that uses only the logprobs on one rank and
-both outputs on another would make the ranks' collectives diverge.
+summation order.
 """
 
 from __future__ import annotations
@@ -244,7 +236,15 @@ def full_logprobs_and_entropy(
 
 
 class LogprobHead(nn.Module):
-    """A drop-in replacement for a causal LM's `lm_head` that can return logprobs directly."""
+    """A drop-in replacement for a causal LM's `lm_head` that can return logprobs directly.
+
+    It shares the head's weight Parameter, so tied embeddings stay tied and DeepSpeed ZeRO-3
+    gathers the weight for forward and backward through its usual module hooks. Called with
+    `targets` it returns ONE tensor [..., 2] (logprob, entropy), without them it is the original
+    linear layer. One tensor, not a pair: ZeRO-3 fetches a module's parameters again for the
+    backward pass once per output tensor that receives a gradient, so a loss that used only the
+    logprobs on one rank and both outputs on another would make the ranks' collectives diverge.
+    """
 
     def __init__(
         self,

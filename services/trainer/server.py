@@ -4,16 +4,6 @@ Every rank trains; only rank 0 serves the gRPC `TrainerService` (GetStatus, Chec
 talks to the buffer and weight-sync. Under `torchrun --nproc-per-node N -m kuberl.cli serve
 trainer --config job.yaml`, `create_service` on a rank other than 0 runs the training loop to
 the end itself and leaves the process with its exit code, never binding a port.
-
-On rank 0 the service's `start()` joins the process group while it waits for the buffer to
-report SERVING, so pods and local processes may start in any order (weight-sync may come later:
-a publish that fails is retried); then it loads the model and builds the DeepSpeed engine
-(health stays NOT_SERVING until then), then trains on a background thread while the event loop
-answers RPCs. When the job's last step is done the trainer keeps answering for
-`linger_seconds` (so a supervisor reads the final status) and then stops itself like on SIGTERM:
-exit 0. SIGTERM stops training after the current step; during the start it ends the wait for the
-buffer at once (a model still loading is left behind: `kuberl.common.server`), also exit 0. A
-training error ends the process with a non-zero exit and the error in the log.
 """
 
 from __future__ import annotations
@@ -109,6 +99,16 @@ class _Servicer(trainer_pb2_grpc.TrainerServiceServicer):
 
 
 class TrainerService(Service):
+    """Rank 0's service. `start()` joins the process group while it waits for the buffer to
+    report SERVING, so pods and local processes may start in any order (weight-sync may come
+    later: a publish that fails is retried); then it loads the model and builds the DeepSpeed
+    engine (health stays NOT_SERVING until then), then trains on a background thread while the
+    event loop answers RPCs. After the job's last step the trainer keeps answering for
+    `linger_seconds` (so a supervisor reads the final status), then stops itself like on
+    SIGTERM: exit 0. SIGTERM stops training after the current step; during the start it ends
+    the wait for the buffer at once (a model still loading is left behind:
+    `kuberl.common.server`), also exit 0. A training error exits non-zero, the error logged."""
+
     name = "trainer"
     service_names = (trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name,)
 

@@ -54,6 +54,19 @@ def test_gpu_pods_run_with_the_runtime_class_each_component_names() -> None:
     }
 
 
+def _trainer_gpus(**trainer: Any) -> Any:
+    spec = _pods("defaults", trainer=trainer)["trainer"]
+    return spec["containers"][0]["resources"]["limits"].get("nvidia.com/gpu")
+
+
+def test_trainer_pods_request_gpus_per_node_by_default() -> None:
+    assert _trainer_gpus(gpusPerNode=4) == 4
+
+
+def test_a_cpu_trainer_requests_no_gpu_so_a_cpu_cluster_can_schedule_it() -> None:
+    assert _trainer_gpus(gpu=False) is None
+
+
 def test_no_runtime_class_is_set_by_default() -> None:
     assert {s.get("runtimeClassName") for s in _pods("defaults").values()} == {None}
 

@@ -62,7 +62,7 @@ def _trainer(job: Path, client: Client, checkpoint: Path) -> Trainer:
     """A trainer whose newest checkpoint is `checkpoint`, as after `_resume`."""
     config = parse_job_config(yaml.safe_load(job.read_text()), env={})
     trainer = Trainer(config, DistInfo(0, 1, 0, torch.device("cpu")))
-    trainer.buffer = client.stub
+    trainer.delivery.buffer = client.stub
     trainer.cursor = ckpt.Cursor.from_json((checkpoint / "cursor.json").read_text())
     trainer.status.saved = (str(checkpoint), trainer.cursor.step)
     return trainer

@@ -43,11 +43,11 @@ GATHER_BUCKET = 64 * 1024  # bytes per weight-export bucket
 
 
 def _samples():  # type: ignore[no-untyped-def]
-    from kuberl.trainer.batching import Sample
+    from kuberl.trainer.batching import TrainingSequence
 
     rng = np.random.default_rng(0)
     return [
-        Sample(
+        TrainingSequence(
             prompt_ids=rng.integers(5, 90, size=3 + i % 4),
             response_ids=rng.integers(5, 90, size=2 + (i * 3) % 7),
             loss_mask=np.ones(2 + (i * 3) % 7, dtype=np.float32),
@@ -214,6 +214,7 @@ def _ppo_with_critic(out_dir: Path, model_dir: Path) -> None:
     step function, on a batch of two groups."""
     from kuberl.common.config import JobConfig
     from kuberl.common.trajectory import Group, Trajectory
+    from kuberl.trainer.batch import Batch
     from kuberl.trainer.distributed import init_distributed
     from kuberl.trainer.loop import Trainer
     from kuberl.trainer.sft import samples_from_groups
@@ -254,8 +255,8 @@ def _ppo_with_critic(out_dir: Path, model_dir: Path) -> None:
             for i in range(2)
         ]
         groups.append(Group(f"p:{g}", 0, trajectories))
-    batch = {"groups": groups, "samples": samples_from_groups(groups), "tokens": 1}
-    metrics = trainer._rl_step(batch)
+    batch = Batch(samples=samples_from_groups(groups), groups=groups)
+    metrics = trainer.rl_step(batch, step=0, policy_version=0)
     if trainer.dist.is_main:
         (out_dir / "ppo.json").write_text(json.dumps(metrics))
 

@@ -37,11 +37,11 @@ TAG = "step-000001"
 
 
 def _samples(seed: int):  # type: ignore[no-untyped-def]
-    from kuberl.trainer.batching import Sample
+    from kuberl.trainer.batching import TrainingSequence
 
     rng = np.random.default_rng(seed)
     return [
-        Sample(
+        TrainingSequence(
             prompt_ids=rng.integers(5, 90, size=3 + i % 4),
             response_ids=rng.integers(5, 90, size=2 + (i * 3) % 7),
             loss_mask=np.ones(2 + (i * 3) % 7, dtype=np.float32),

@@ -9,7 +9,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,7 +21,7 @@ from kuberl.local.accounting import (
 )
 from kuberl.local.chaos import KINDS, PROFILES, ChaosMonkey
 from kuberl.local.procs import ProcessGroup, ProcessSpec
-from kuberl.trainer.loop import Trainer
+from kuberl.trainer.telemetry import TrainedLog
 from tests.support import process_alive
 
 REPLICAS = ["rollout-0", "rollout-1"]
@@ -219,8 +218,7 @@ def test_a_step_row_torn_by_a_sigkill_does_not_swallow_the_restarts_start_row(
     path = tmp_path / "trained.jsonl"
     lines = [{"event": "start", "step": 0}, _step(1, ["d:0@0"]), _step(2, ["d:1@0"])]
     path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"event": "step", "st')
-    trainer = SimpleNamespace(_trained_file=path, dist=SimpleNamespace(is_main=True))
-    Trainer._write_trained(trainer, {"event": "start", "step": 1})  # type: ignore[arg-type]
+    TrainedLog(path, is_main=True).write({"event": "start", "step": 1})
     lineage = trained_lineage(read_rows(path))
     assert (lineage["starts"], sorted(lineage["steps"]), len(lineage["discarded"])) == (2, [1], 1)
 

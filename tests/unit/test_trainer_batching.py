@@ -13,13 +13,15 @@ import torch
 
 from kuberl.common.trajectory import Group, Trajectory
 from kuberl.trainer import checkpoint as ckpt
-from kuberl.trainer.batching import Sample, collate, micro_batches, shard
-from kuberl.trainer.loop import Trainer, eval_metrics, merge_metrics
+from kuberl.trainer.batching import TrainingSequence, collate, micro_batches, shard
+from kuberl.trainer.evaluation import eval_metrics
+from kuberl.trainer.loop import Trainer
 from kuberl.trainer.sft import SFTDataError, epoch_batches, read_pairs
+from kuberl.trainer.telemetry import merge_metrics
 
 
-def _sample(index: int, prompt: int, response: int) -> Sample:
-    return Sample(
+def _sample(index: int, prompt: int, response: int) -> TrainingSequence:
+    return TrainingSequence(
         prompt_ids=np.arange(1, prompt + 1),
         response_ids=np.arange(100, 100 + response),
         loss_mask=np.ones(response, dtype=np.float32),
@@ -284,7 +286,7 @@ def test_model_init_builds_an_hf_folder_with_a_tokenizer_trained_on_the_data(
 def test_micro_batch_losses_with_the_global_count_add_up_to_the_whole_batch_loss(agg: str) -> None:
     from kuberl.common.config import AlgorithmConfig
     from kuberl.trainer import algorithms as algo
-    from kuberl.trainer.loop import _global_count
+    from kuberl.trainer.rl import global_normaliser
 
     rng = np.random.default_rng(0)
     rows = [_sample(i, 2, n) for i, n in enumerate([5, 2, 7, 3, 4, 6])]
@@ -297,10 +299,10 @@ def test_micro_batch_losses_with_the_global_count_add_up_to_the_whole_batch_loss
         }
         s.loss_mask[0] = 0.0  # a masked (tool output) token
     alg = AlgorithmConfig(loss_agg=agg, importance={"mode": "none"})
-    count, cfg = _global_count(alg, rows)
+    count, cfg = global_normaliser(alg, rows)
     cpu = torch.device("cpu")
 
-    def loss(samples: list[Sample], global_count: float | None) -> float:
+    def loss(samples: list[TrainingSequence], global_count: float | None) -> float:
         mb = collate(samples, 0, cpu, ["lp", "old", "adv"])
         a = mb.arrays
         value, _ = algo.policy_loss_and_metrics(
@@ -318,25 +320,21 @@ def test_a_group_trained_before_is_left_out_when_it_comes_back_in_another_batch(
     # A Redis host crash can lose the last second of writes: a batch's issue and its groups'
     # acks, so groups already trained come back in a batch with a new id. The cursor keeps the
     # keys of the last trained groups (in checkpoints too) and the trainer leaves those out.
-    import torch
 
-    from kuberl.common.config import parse_job_config
     from kuberl.common.trajectory import Group
-    from kuberl.trainer.distributed import DistInfo
-    from kuberl.trainer.loop import Trainer
+    from kuberl.trainer.batch import Rejection, usable_groups
     from tests.integration.buffer_support import make_group
 
-    trainer = Trainer(parse_job_config({}, env={}), DistInfo(0, 1, 0, torch.device("cpu")))
-    trainer.vocab_size = 1000
-    trainer.cursor.note_trained("train-1", ["p:1@0", "p:2@0"])
+    cursor = ckpt.Cursor()
+    cursor.note_trained("train-1", ["p:1@0", "p:2@0"])
     groups = [Group.from_proto(make_group(p, 0)) for p in ("p:1", "p:3")]
     groups.append(Group.from_proto(make_group("p:2", 1)))  # the same prompt, the next epoch
-    rejected: list[dict[str, str]] = []
-    kept = trainer._usable(groups, rejected=rejected, trained=set(trainer.cursor.trained_groups))
+    rejected: list[Rejection] = []
+    kept = usable_groups(groups, 1000, rejected=rejected, trained=set(cursor.trained_groups))
     assert [f"{g.prompt_id}@{g.epoch}" for g in kept] == ["p:3@0", "p:2@1"]
-    assert rejected == [{"key": "p:1@0", "reason": "already_trained"}]
+    assert rejected == [Rejection(key="p:1@0", reason="already_trained")]
     # Kept across a checkpoint, and bounded.
-    restored = ckpt.Cursor.from_json(trainer.cursor.to_json())
+    restored = ckpt.Cursor.from_json(cursor.to_json())
     restored.note_trained("train-2", [f"x:{i}@0" for i in range(ckpt.TRAINED_GROUPS_KEPT)])
     assert (restored.trained_groups[0], len(restored.trained_groups)) == (
         "x:0@0",
@@ -372,27 +370,33 @@ def _trainer(**trainer: object) -> Trainer:
 def test_a_batch_is_held_while_no_checkpoint_has_its_step_warm_up_steps_included() -> None:
     # The SFT warm-up of an RL job counts its own steps (`step` stays 0): after a warm-up
     # checkpoint, the next warm-up steps are not in it and their batches must be held too.
+    from kuberl.trainer.checkpointer import position
+
     trainer = _trainer(checkpoint_every=2)
-    decisions = [trainer._hold("sft-0")]  # nothing trained yet
+
+    def hold(batch_id: str, t: Trainer = trainer) -> bool:
+        return t.delivery.should_hold(batch_id, t.checkpoints.unsaved(t.cursor))
+
+    decisions = [hold("sft-0")]  # nothing trained yet
     trainer.cursor.sft_step = 1
-    decisions.append(trainer._hold("sft-1"))
+    decisions.append(hold("sft-1"))
     trainer.cursor.sft_step = 2
-    trainer._checkpointed_at = trainer._position()  # the warm-up checkpoint at sft_step 2
-    decisions.append(trainer._hold("sft-2"))
+    trainer.checkpoints.saved_at = position(trainer.cursor)  # the warm-up checkpoint
+    decisions.append(hold("sft-2"))
     trainer.cursor.sft_step = 3
-    decisions.append(trainer._hold("sft-3"))
+    decisions.append(hold("sft-3"))
     trainer.cursor.step = 1  # the first RL step, after the warm-up
-    decisions.append(trainer._hold("train-1"))
-    decisions.append(trainer._hold(""))  # a step from a file: no batch
+    decisions.append(hold("train-1"))
+    decisions.append(hold(""))  # a step from a file: no batch
     assert decisions == [False, True, False, True, True, False]
-    assert trainer._uncommitted == ["sft-1", "sft-3", "train-1"]
+    assert trainer.delivery.uncommitted == ["sft-1", "sft-3", "train-1"]
     for settings in (
         {"checkpoint_every": 0},
         {"checkpoint_every": 2, "ack_after_checkpoint": False},
     ):
         other = _trainer(**settings)
         other.cursor.step = 1
-        assert (other._hold("train-1"), other._uncommitted) == (False, [])
+        assert (hold("train-1", other), other.delivery.uncommitted) == (False, [])
 
 
 def test_acknowledging_after_a_checkpoint_tries_each_batch_once_and_keeps_the_failures() -> None:
@@ -410,17 +414,17 @@ def test_acknowledging_after_a_checkpoint_tries_each_batch_once_and_keeps_the_fa
     ports = PortReservation()
     channel = grpc.insecure_channel(f"127.0.0.1:{ports.take()}")  # bound, never listening
     try:
-        trainer = _trainer(checkpoint_every=4)
-        trainer.buffer = buffer_pb2_grpc.BufferServiceStub(channel)
-        trainer._uncommitted = ["train-a", "train-b", "train-c"]
-        trainer._unacked, trainer._unacked_hold = "train-c", True
+        delivery = _trainer(checkpoint_every=4).delivery
+        delivery.buffer = buffer_pb2_grpc.BufferServiceStub(channel)
+        delivery.uncommitted = ["train-a", "train-b", "train-c"]
+        delivery.unacked, delivery.unacked_hold = "train-c", True
         started = time.monotonic()
-        trainer._commit_held()
+        delivery.commit_held()
         seconds = time.monotonic() - started
     finally:
         channel.close()
         ports.release()
-    assert (trainer._uncommitted, trainer._unacked, trainer._unacked_hold) == (
+    assert (delivery.uncommitted, delivery.unacked, delivery.unacked_hold) == (
         ["train-a", "train-b"],
         "train-c",
         False,
@@ -444,14 +448,14 @@ def test_an_eval_round_follows_a_trained_step_only(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(trainer, "_one_step", one_step)
     monkeypatch.setattr(trainer, "_evaluate", lambda: evaluated.append(trainer.cursor.step))
-    monkeypatch.setattr(trainer, "_publish_current", lambda: None)
-    monkeypatch.setattr(trainer, "_checkpoint", lambda: "")  # the job's final checkpoint
+    monkeypatch.setattr(trainer.publisher, "publish_current", lambda version: None)
+    monkeypatch.setattr(trainer, "_checkpoint", lambda: None)  # the job's final checkpoint
     trainer._run()
     assert (trainer.cursor.step, evaluated) == (4, [2, 4])
 
 
 def test_step_flops_count_every_pass_that_ran_and_the_head_at_response_positions_only() -> None:
-    from kuberl.trainer.loop import step_flops
+    from kuberl.trainer.telemetry import step_flops
 
     # Body 1,000 params, head 100, 50 tokens of which 20 are response: a forward is
     # 2 * (1000 * 50 + 100 * 20) = 104,000 FLOPs.
@@ -474,13 +478,13 @@ def test_the_policys_head_is_counted_apart_and_a_tied_embedding_is_no_matmul(
 ) -> None:
     from kuberl.common.modelbuild import build_model
     from kuberl.trainer.engine import PolicyModel, load_causal_lm
-    from kuberl.trainer.loop import _policy_params
+    from kuberl.trainer.telemetry import policy_params
 
     path = build_model(tmp_path / "m", arch="qwen2", size="tiny", tokenizer="digits", seed=0)
     hf = load_causal_lm(path, torch.float32)
     vocab, hidden = hf.get_output_embeddings().weight.shape
     total = sum(p.numel() for p in hf.parameters())  # the tied matrix counted once
-    body, head = _policy_params(PolicyModel(hf))
+    body, head = policy_params(PolicyModel(hf))
     assert hf.config.tie_word_embeddings
     assert (body, head) == (total - vocab * hidden, vocab * hidden)
 
@@ -493,7 +497,7 @@ def test_sft_fits_the_model_at_temperature_one_and_rl_at_the_engines(
 ) -> None:
     # mode: sft once trained on logits / 0.5: the exported model was miscalibrated at 1.
     from kuberl.common.config import parse_job_config
-    from kuberl.trainer.loop import head_temperature
+    from kuberl.trainer.models import head_temperature
 
     job = {"trainer": {"mode": mode}, "rollout": {"sampling": {"temperature": sampled}}}
     if sampled == 0:
@@ -510,3 +514,35 @@ def test_a_collective_may_wait_out_a_whole_eval_round_and_more() -> None:
     default = collective_timeout_seconds(parse_job_config({}, env={}))
     long_eval = parse_job_config({"trainer": {"eval_timeout_seconds": 3600}}, env={})
     assert (default, collective_timeout_seconds(long_eval)) == (1800.0, 4200.0)
+
+
+def test_a_steps_mfu_counts_the_passes_its_mode_ran(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The GPU-only branch of the step's speed figures, run on the CPU with a stand-in peak.
+    from types import SimpleNamespace
+
+    from kuberl.common.config import AlgorithmConfig
+    from kuberl.common.modelbuild import build_model
+    from kuberl.trainer import telemetry
+    from kuberl.trainer.batch import Batch
+    from kuberl.trainer.distributed import DistInfo
+    from kuberl.trainer.engine import PolicyModel, load_causal_lm
+    from kuberl.trainer.models import Models
+
+    path = build_model(tmp_path / "m", arch="qwen2", size="tiny", tokenizer="digits", seed=0)
+    policy = PolicyModel(load_causal_lm(path, torch.float32))
+    models = Models(policy=SimpleNamespace(module=policy))  # type: ignore[arg-type]
+    monkeypatch.setattr(telemetry, "peak_flops", lambda device: 1e12)
+    batch = Batch(samples=[_sample(0, 3, 5), _sample(1, 2, 4)])
+    alg = AlgorithmConfig(ppo_epochs=2, recompute_old_logprobs=True)
+    dist = DistInfo(0, 1, 0, torch.device("cpu"))
+    body, head = telemetry.policy_params(policy)
+    by_mode = {}
+    for sft in (True, False):
+        flops = telemetry.step_flops(
+            body_params=body, head_params=head, tokens=14, response_tokens=9,
+            training_passes=1 if sft else 2, forward_passes=0 if sft else 1,
+        )  # fmt: skip
+        by_mode[sft] = telemetry.speed(batch, 2.0, models, alg, sft, dist)["mfu"] / flops
+    assert by_mode == {True: pytest.approx(1 / 2e12), False: pytest.approx(1 / 2e12)}

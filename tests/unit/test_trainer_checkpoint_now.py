@@ -17,7 +17,7 @@ import pytest
 
 from kuberl.api.trainer.v1 import trainer_pb2
 from kuberl.common.errors import FailedPrecondition, Unavailable
-from kuberl.trainer.loop import Status
+from kuberl.trainer.control import Status
 from kuberl.trainer.server import _Servicer
 
 

@@ -138,13 +138,15 @@ def test_outputs_at_the_response_positions_equal_every_positions_outputs_gathere
     import numpy as np
 
     from kuberl.common.modelbuild import build_model
-    from kuberl.trainer.batching import Sample, collate
+    from kuberl.trainer.batching import TrainingSequence, collate
     from kuberl.trainer.engine import PolicyModel, ValueModel, load_causal_lm
 
     path = build_model(tmp_path / "m", tokenizer="digits", seed=1)
     rng = np.random.default_rng(4)
     samples = [
-        Sample(rng.integers(5, 90, p), rng.integers(5, 90, r), np.ones(r, np.float32), index=i)
+        TrainingSequence(
+            rng.integers(5, 90, p), rng.integers(5, 90, r), np.ones(r, np.float32), index=i
+        )
         for i, (p, r) in enumerate([(7, 5), (3, 9), (12, 1)])  # right-padded to 15 tokens
     ]
     mb = collate(samples, 0, torch.device("cpu"))

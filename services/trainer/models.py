@@ -1,0 +1,82 @@
+"""The models one trainer process trains and reads: the policy, the PPO critic, the frozen KL
+reference, and the tokenizer, built from the job's model as DeepSpeed engines on every rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kuberl.common.config import JobConfig
+from kuberl.trainer import algorithms as algo
+from kuberl.trainer.distributed import DistInfo
+from kuberl.trainer.engine import (
+    FrozenModel,
+    TrainEngine,
+    ValueModel,
+    build_policy,
+    enable_activation_checkpointing,
+    load_causal_lm,
+    train_dtype,
+)
+
+
+def head_temperature(config: JobConfig) -> float:
+    """The temperature the policy head divides logits by: the rollout's, as the engine's
+    logprobs are (an RL job's SFT warm-up so fits what its engines will sample), except in
+    `mode: sft`, which fits the model itself (its export is sampled at any temperature): 1."""
+    if config.trainer.mode == "sft":
+        return 1.0
+    return config.rollout.sampling.temperature or 1.0
+
+
+@dataclass
+class Models:
+    """Empty until `load`; the steps, checkpoints and publishes read it."""
+
+    policy: TrainEngine | None = None
+    #: The value model of an advantage estimator that needs a critic (GAE), rl mode.
+    critic: TrainEngine | None = None
+    #: The frozen reference policy of the KL term (`kl.coef` > 0, rl mode).
+    reference: FrozenModel | None = None
+    tokenizer: Any = None
+    model_dir: Path = field(default_factory=Path)
+    pad_id: int = 0
+    #: The input embedding is the output head (the HF export writes it once).
+    tied: bool = False
+    vocab_size: int = 0
+
+    @property
+    def engine(self) -> TrainEngine:
+        assert self.policy is not None, "Models.load builds the policy first"
+        return self.policy
+
+    def load_tokenizer(self, config: JobConfig, base_dir: Path) -> None:
+        """Find the job's model (built here when the job asks for a local one) and load its
+        tokenizer."""
+        from kuberl.common.modelbuild import load_tokenizer, resolve_model
+
+        self.model_dir = resolve_model(config, base_dir=base_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id or 0)
+
+    def load(self, config: JobConfig, dist: DistInfo) -> None:
+        """Load the model(s) of `load_tokenizer`'s folder and build their engines. Collective."""
+        tc = config.trainer
+        dtype = train_dtype(config.model, dist.device)
+        temperature = head_temperature(config)
+        hf = load_causal_lm(self.model_dir, dtype)
+        self.tied = bool(getattr(hf.config, "tie_word_embeddings", False))
+        self.vocab_size = int(hf.get_input_embeddings().weight.shape[0])
+        enable_activation_checkpointing(hf, tc.gradient_checkpointing)
+        self.policy = TrainEngine(build_policy(hf, tc, temperature), tc, dist, dtype)
+        alg = tc.algorithm
+        if alg.kl.coef > 0 and tc.mode == "rl":
+            # The policy's own build (head settings, compiled layers), frozen.
+            ref = build_policy(load_causal_lm(self.model_dir, dtype), tc, temperature)
+            self.reference = FrozenModel(ref, tc, dist, dtype, offload=alg.kl.offload_reference)
+        if algo.resolve_algorithm(alg).needs_critic and tc.mode == "rl":
+            backbone = load_causal_lm(self.model_dir, dtype).get_decoder()
+            critic = ValueModel(backbone, int(hf.config.hidden_size))
+            self.critic = TrainEngine(critic, tc, dist, dtype)
