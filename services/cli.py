@@ -52,7 +52,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     service = module.create_service(config)
     section = getattr(config, args.service)
-    asyncio.run(serve(service, section.server, port_file=args.port_file, tls=config.tls))
+    asyncio.run(
+        serve(
+            service, section.server, port_file=args.port_file, tls=config.tls, job=config.job.name
+        )
+    )
     leave = getattr(module, "leave", None)  # a service whose process must skip finalization
     if leave is not None:
         leave(0)

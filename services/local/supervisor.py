@@ -141,6 +141,8 @@ class Supervisor:
         self.phase_seconds: dict[str, float] = {}
         self.chaos: Any = None  # kuberl.local.chaos.ChaosMonkey with --chaos
         self.chaos_report: dict[str, Any] | None = None
+        #: Every prompt's fate (kuberl.local.accounting), read before Redis stops.
+        self.accounting: dict[str, Any] = {}
         self.rl_rows_seen = 0  # RL steps completed as the trainer's rows tell (restarts included)
         self.last_step = 0
         self.made_run_dir = False  # this run created its folder (removed if it never started)
@@ -665,22 +667,34 @@ class Supervisor:
             f"at step {self.last_step}"
         )
 
+    def _prompt_accounting(self) -> dict[str, Any]:
+        """Every prompt's fate and the staleness the final weights were trained at, from the
+        buffer's Redis (still up) and trained.jsonl: for summary.json and chaos.json."""
+        from kuberl.local import accounting
+
+        assert self.config is not None
+        lineage = accounting.trained_lineage(accounting.read_rows(self.run_dir / "trained.jsonl"))
+        report = accounting.staleness_trained(lineage, self.config.trainer.max_staleness)
+        try:
+            url = self.doc["redis"]["url"]
+            password = os.environ.get(self.config.redis.password_env) or None
+            # A chaos run may have just restarted Redis (its AOF loading); otherwise a Redis
+            # that does not answer at once is not coming back for the report.
+            wait = 60.0 if self.chaos is not None else 5.0
+            buffer = accounting.read_buffer_state(url, self.config.job.name, password, wait)
+            report.update(accounting.prompt_accounting(buffer, lineage))
+        except Exception as exc:  # still write what is known; the missing keys say it failed
+            log.exception("accounting.failed")
+            report["accounting_error"] = f"{type(exc).__name__}: {exc}"
+        return report
+
     def _chaos_accounting(self, status: str) -> None:
         """chaos.json: the fault record and every prompt's fate (Redis must still be up)."""
         from kuberl.local import accounting
 
-        assert self.config is not None
         record = self.chaos.record()
         lineage = accounting.trained_lineage(accounting.read_rows(self.run_dir / "trained.jsonl"))
-        report: dict[str, Any] = {"status": status, **record}
-        try:
-            url = self.doc["redis"]["url"]
-            password = os.environ.get(self.config.redis.password_env) or None
-            buffer = accounting.read_buffer_state(url, self.config.job.name, password)
-            report.update(accounting.prompt_accounting(buffer, lineage))
-        except Exception as exc:  # still write what is known; the missing keys say it failed
-            log.exception("chaos.accounting_failed")
-            report["accounting_error"] = f"{type(exc).__name__}: {exc}"
+        report: dict[str, Any] = {"status": status, **record, **self.accounting}
         timeline = self.progress.timeline if self.progress else []
         versions = accounting.replica_versions(timeline, lineage, self.replica_names)
         report["versions_monotonic"] = {n: v["monotonic"] for n, v in versions.items()}
@@ -758,12 +772,14 @@ class Supervisor:
                 group.stop_all(grace=10)  # anything left
         finally:
             self.poller.close()
-            if self.chaos is not None:
+            if self.config is not None:
                 try:
                     self._check_redis()  # killed at the very end: bring it back to read it
-                    self._chaos_accounting(status)
+                    self.accounting = self._prompt_accounting()
+                    if self.chaos is not None:
+                        self._chaos_accounting(status)
                 except Exception:
-                    log.exception("chaos.report_failed")
+                    log.exception("accounting.report_failed")
             if self.redis is not None:
                 self.redis.stop()
             if self.shm_dir is not None:
@@ -867,6 +883,7 @@ class Supervisor:
                 "plots": plots,
                 "groups_trained_twice": twice,
             },
+            accounting=self.accounting,
         )
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.summary = summary

@@ -2,7 +2,8 @@
 
 `kuberl serve weight_sync` runs it. Control plane: engines register, heartbeat (a long poll that
 returns as soon as an update is pending) and leave; one silent for `missed_heartbeats` beats is
-dropped. The trainer announces a version (`Publish`, strictly increasing, else FAILED_PRECONDITION),
+dropped. The trainer announces a version (`Publish`, above the latest committed one, else
+FAILED_PRECONDITION; a new announcement replaces one never completed),
 hands over its bytes — written straight into this service's shared memory on the same host
 (`CommitPublish`), or streamed in checked chunks (`UploadSnapshot`) — and returns: the trainer never
 waits for engines. The service is then the relay: for every engine present and idle it starts an
@@ -47,8 +48,9 @@ from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
 from kuberl.common import metrics
 from kuberl.common.channels import aio_channel
 from kuberl.common.config import JobConfig, WeightSyncConfig
-from kuberl.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from kuberl.common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from kuberl.common.logs import get_logger
+from kuberl.common.roles import require_instance
 from kuberl.common.server import Service
 from kuberl.common.weights.chunks import ChunkReceiver, CorruptSnapshot, Pacer, iter_chunks
 from kuberl.common.weights.manifest import Manifest
@@ -157,9 +159,13 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     # every call UNAVAILABLE meanwhile, so no handler runs before `store` is open.
     starting = "restoring its last version"
 
-    def __init__(self, config: WeightSyncConfig, job: str = "kuberl", address: str = "") -> None:
+    def __init__(
+        self, config: WeightSyncConfig, job: str = "kuberl", address: str = "", roles: bool = False
+    ) -> None:
         self.config = config
         self.job = job
+        #: tls.roles: an engine acts only under its own identity (kuberl.common.roles).
+        self.roles = roles
         self.hostname = socket.gethostname()
         self.advertise_host = config.advertise_host or _default_advertise_host()
         #: host:port engines use for StreamSnapshot; empty = the address they registered at.
@@ -174,7 +180,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         self.metrics = _Metrics()
         self.current = 0
         self.announced: dict[int, _Announced] = {}
-        self.highest_announced = 0
+        self.latest_announced = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
@@ -246,9 +252,18 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
 
     # ------------------------------------------------------------------ engines
 
+    def _own_engine(self, context: grpc.aio.ServicerContext, engine_id: str) -> None:
+        if self.roles:
+            try:
+                require_instance(context, engine_id, "engine")
+            except PermissionDenied:
+                self.metrics.rejected.labels("foreign_engine").inc()
+                raise
+
     async def RegisterEngine(
         self, request: pb.RegisterEngineRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterEngineResponse:
+        self._own_engine(context, request.engine.engine_id)
         for t in request.engine.transports:
             if transport_name(t) == "unspecified":
                 self.metrics.rejected.labels("bad_transport").inc()
@@ -279,6 +294,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatResponse:
+        self._own_engine(context, request.engine_id)
         engine = self.registry.get(request.engine_id)
         if engine is None:
             return pb.HeartbeatResponse(current_version=self.current, known=False)
@@ -315,6 +331,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def LeaveEngine(
         self, request: pb.LeaveEngineRequest, context: grpc.aio.ServicerContext
     ) -> pb.LeaveEngineResponse:
+        self._own_engine(context, request.engine_id)
         engine = self.registry.remove(request.engine_id)
         if engine is not None:
             self._end_assignment(engine)
@@ -329,6 +346,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def ReportLoaded(
         self, request: pb.ReportLoadedRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReportLoadedResponse:
+        self._own_engine(context, request.engine_id)
         engine = self.registry.get(request.engine_id)
         if engine is None:
             self.metrics.rejected.labels("unknown_engine").inc()
@@ -400,17 +418,10 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         if version <= 0:
             self.metrics.rejected.labels("bad_version").inc()
             raise InvalidArgument(f"version must be a positive integer, got {version}")
-        if version > self.current and version in self.announced:
-            # The trainer's retry of a publish that never committed (its shared-memory write
-            # failed, its CommitPublish never arrived): start it again. It was refused as not
-            # above the latest version, and after a few tries the trainer gave the version up.
-            log.warning("publish.retried", version=version)
-            self._forget(version)
-        latest = max(self.current, self.highest_announced)
-        if version <= latest:
+        if version <= self.current:
             self.metrics.rejected.labels("stale_version").inc()
             raise FailedPrecondition(
-                f"version {version} is not above the latest published version {latest}; "
+                f"version {version} is not above the latest published version {self.current}; "
                 "versions must increase"
             )
         offered = set(request.transports) or {pb.TRANSPORT_SNAPSHOT}
@@ -430,11 +441,15 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                 "the trainer must offer shm (on this service's host) or snapshot (a gRPC "
                 f"upload); it offered {sorted(transport_name(t) for t in offered)}"
             )
-        # A lower announced version can no longer win: forget it.
-        for old in [v for v in self.announced if v < version]:
+        # One announcement at a time, the latest: one that was never completed (a retry of the
+        # same version, or any client's Publish that sent no bytes) cannot block this one.
+        superseded = sorted(self.announced)
+        for old in superseded:
             self.announced.pop(old)
             self.store.discard(old)
-        self.highest_announced = version
+        if superseded and superseded != [version]:
+            log.warning("publish.superseded", version=version, announced=superseded)
+        self.latest_announced = version
         announced = _Announced(version, transport, time.monotonic())
         ipc_engines = 0
         if (
@@ -482,7 +497,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             self.metrics.rejected.labels("not_announced").inc()
             raise FailedPrecondition(
                 f"version {version} was not announced for {transport_name(transport)} by "
-                f"Publish, or a later version superseded it (latest {self.highest_announced})"
+                f"Publish, or another announcement superseded it (latest {self.latest_announced})"
             )
         return announced
 
@@ -492,7 +507,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         assert self.store is not None
         self.announced.pop(version, None)
         self.store.discard(version)
-        self.highest_announced = max([self.current, *self.announced])
+        self.latest_announced = max([self.current, *self.announced])
 
     async def UploadSnapshot(
         self, request_iterator: AsyncIterator[pb.SnapshotChunk], context: grpc.aio.ServicerContext
@@ -527,8 +542,8 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                     # (they went on into its deleted file to the last chunk).
                     self.metrics.rejected.labels("superseded").inc()
                     raise FailedPrecondition(
-                        f"version {version} was superseded by version {self.highest_announced} "
-                        "while it was sent"
+                        f"version {version} was superseded by the announcement of "
+                        f"{self.latest_announced} while it was sent"
                     )
                 if receiver.received + len(chunk.data) > limit:
                     self.metrics.rejected.labels("too_large").inc()
@@ -1027,4 +1042,4 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
 
 def create_service(config: JobConfig) -> WeightSyncService:
     """Entry point of `kuberl serve weight_sync`."""
-    return WeightSyncService(config.weight_sync, job=config.job.name)
+    return WeightSyncService(config.weight_sync, job=config.job.name, roles=config.tls.roles)

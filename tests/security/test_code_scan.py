@@ -198,6 +198,9 @@ CODE_WORDS = re.compile(
 LOADERS = {
     ("services/common/plugins.py", "load_plugin"): "the loader itself",
     ("services/buffer/server.py", "BufferService.__init__"): "buffer.filters",
+    ("services/common/plugins.py", "Registry.resolve"): (
+        "trainer.algorithm.advantage / policy_loss (a registered name or module:function)"
+    ),
     ("services/reward/verifiers/custom.py", "load"): "reward.custom.<name>.function",
     ("services/rollout/functions.py", "load_rollout_function"): "rollout.rollout_function",
     ("services/rollout/tools.py", "ToolRegistry.__init__"): "rollout.multi_turn.tools",
