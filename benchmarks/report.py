@@ -54,6 +54,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "buffer_throughput": [],
     "put_encoding": [],
     "weight_sync": [],
+    "scale": [],
     "trainer_mfu": [],
 }
 
@@ -272,6 +273,62 @@ def rows_weight_sync(r: dict[str, Any]) -> list[Row]:
     return out
 
 
+def rows_scale(r: dict[str, Any]) -> list[Row]:
+    runs = r.get("runs", [])
+    if not runs:
+        return []
+    base, top = runs[0], runs[-1]
+    s = r.get("summary", {})
+    goals = s.get("goals_met", {})
+    n0, n = base["replicas"], top["replicas"]
+    p99 = max(top["lease_ms"]["p99"], top["put_ms"]["p99"])
+    out = [
+        Row(
+            f"scale: lease / put p99 at {n} simulated replicas",
+            f"{top['lease_ms']['p99']:.1f} / {top['put_ms']['p99']:.1f} ms",
+            f"{base['lease_ms']['p99']:.1f} / {base['put_ms']['p99']:.1f} ms at {n0}",
+            f"{p99 / max(base['lease_ms']['p99'], base['put_ms']['p99']):.2f}x",
+            "<= 50 ms",
+            _yes(goals.get("p99_ms")),
+        ),
+        Row(
+            f"scale: buffer + Redis CPU per 1,000 trajectories at {n} replicas",
+            f"{_num(top['cpu_ms_per_1k_traj']['buffer_plus_redis'])} ms",
+            f"{_num(base['cpu_ms_per_1k_traj']['buffer_plus_redis'])} ms at {n0}",
+            f"{s.get('cpu_per_1k_ratio_largest_to_smallest', 0):.2f}x",
+            "<= 1.5x",
+            _yes(goals.get("cpu_ratio")),
+        ),
+    ]
+    fan = r.get("fan_out", {})
+    relay, star = fan.get("relay", {}), fan.get("star", {})
+    if "4" in relay and "64" in relay:
+        out.append(
+            Row(
+                "scale: weight-sync fan-out to 64 engines (relay tree)",
+                f"{relay['64']['seconds']:.2f} s",
+                f"{relay['4']['seconds']:.2f} s to 4"
+                + (f"; star {star['64']['seconds']:.2f} s to 64" if "64" in star else ""),
+                f"{s.get('fan_out_ratio_64_to_4', 0):.2f}x",
+                "<= 3x",
+                _yes(goals.get("fan_out_ratio")),
+            )
+        )
+    two = r.get("buffers_at_largest")
+    if two:
+        out.append(
+            Row(
+                f"scale: two buffer replicas at {n} replicas (buffer-bound)",
+                f"{_num(two['two']['traj_per_s'])} traj/s",
+                f"{_num(two['one']['traj_per_s'])} traj/s (one replica)",
+                f"{s.get('two_buffers_ratio', 0):.2f}x",
+                ">= 1.7x (or the bound named in docs/scale.md)",
+                _yes(goals.get("two_buffers")),
+            )
+        )
+    return out
+
+
 def rows_weight_sync_gpu(r: dict[str, Any]) -> list[Row]:
     g = r.get("gpu")
     if not isinstance(g, dict) or "skipped" in g:
@@ -415,6 +472,7 @@ ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "buffer_throughput": rows_buffer_throughput,
     "put_encoding": rows_put_encoding,
     "weight_sync": rows_weight_sync,
+    "scale": rows_scale,
     "vs_trl": rows_vs_trl,
     "trainer_mfu": rows_trainer_mfu,
 }

@@ -36,10 +36,12 @@ def _service_name(value: str) -> str:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from kuberl.common.config import load_job_config
     from kuberl.common.logs import setup_logging
+    from kuberl.common.preflight import with_local_models
     from kuberl.common.server import serve
 
     config = load_job_config(args.config)
     config.check_files(args.service)
+    config = with_local_models(config, args.service)
     setup_logging(args.service)
     try:
         module = importlib.import_module(f"kuberl.{args.service}.server")
@@ -50,7 +52,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     service = module.create_service(config)
     section = getattr(config, args.service)
-    asyncio.run(serve(service, section.server, port_file=args.port_file, tls=config.tls))
+    asyncio.run(
+        serve(
+            service, section.server, port_file=args.port_file, tls=config.tls, job=config.job.name
+        )
+    )
     leave = getattr(module, "leave", None)  # a service whose process must skip finalization
     if leave is not None:
         leave(0)
@@ -63,11 +69,20 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if args.action == "schema":
         print(json.dumps(JobConfig.model_json_schema(), indent=2))
         return 0
-    config = load_job_config(args.config)
+    config = load_job_config(args.config, overrides=args.overrides)
     if args.action == "show":
         print(dump_job_config(config), end="")
-    else:
-        print(f"{args.config or '<defaults>'}: ok")
+        return 0
+    if args.files:
+        from pathlib import Path
+
+        from kuberl.common.preflight import check_job
+
+        check_job(config, Path.cwd())
+    print(
+        f"{args.config or '<defaults>'}: ok"
+        + (" (files, models, datasets, plugins)" if args.files else "")
+    )
     return 0
 
 
@@ -94,6 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="validate, show or describe a job file")
     config.add_argument("action", choices=("check", "show", "schema"))
     config.add_argument("config", nargs="?", help="job YAML file")
+    config.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="overrides of the job file's fields (trainer.optimizer.lr=1e-6)",
+    )
+    config.add_argument(
+        "--files",
+        action="store_true",
+        help="check: also every file, model, dataset and plugin the job names (fetching hub "
+        "ids into the Hugging Face cache), as `kuberl run` does before it starts",
+    )
     config.set_defaults(func=_cmd_config)
 
     version = sub.add_parser("version", help="print the version")
@@ -115,7 +142,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kuberl.common.config import ConfigError
     from kuberl.common.plugins import PluginError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # The job file and KEY=VALUE overrides may come after options too (`kuberl config check
+    # --files job.yaml a=1`), where argparse has already closed the positional list.
+    if extra and getattr(args, "config", "") is None and "=" not in extra[0]:
+        args.config = extra.pop(0)
+    if extra and (
+        not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra)
+    ):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     try:
         return int(args.func(args) or 0)
     except (ConfigError, PluginError) as exc:

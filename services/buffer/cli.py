@@ -102,6 +102,15 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             try:
                 resp = stub.GetStats(buffer_pb2.GetStatsRequest(), timeout=args.timeout)
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    print(
+                        f"kuberl: no buffer is listening at {address} "
+                        f"({'--address' if args.address else 'endpoints.buffer'}). A live "
+                        "`kuberl run` records its endpoints in its run folder: `kuberl buffer "
+                        "stats --config runs/<run>/job.yaml`; or give --address HOST:PORT",
+                        file=sys.stderr,
+                    )
+                    return 1
                 print(
                     f"kuberl: buffer at {address}: {exc.code().name}: {exc.details()}",
                     file=sys.stderr,

@@ -239,9 +239,9 @@ return #ARGV - 2
 #       payloads
 # ARGV: kind, lease kind, count, then per group: prompt id, epoch, version, zero-variance,
 #       payload field ('' = an empty SFT group: complete the lease, store nothing), lease id
-#       ('' = none)
 # Returns {"ok", status...} with 1 accepted / 2 duplicate, or {"unknown_prompt", i},
-# {"bad_epoch", i, filled}, {"foreign_lease", i, owner prompt, owner epoch}.
+# {"bad_epoch", i, filled}, {"not_queued", i}, {"foreign_lease", i, owner prompt, owner epoch},
+# {"no_lease", i}.
 PUT = (
     _PRELUDE
     + """
@@ -265,17 +265,22 @@ for i = 0, count - 1 do
   -- Handed out by this stream (queued and not yet accepted, or accepted or dropped before):
   -- an eval prompt put as a training group, or an epoch its dataset never had, is not.
   local key = pid .. '@' .. ARGV[b + 1]
-  if redis.call('HEXISTS', leasemap, key) == 0 and redis.call('HEXISTS', accepted, key) == 0 then
+  local done_before = redis.call('HEXISTS', accepted, key) == 1
+  if redis.call('HEXISTS', leasemap, key) == 0 and not done_before then
     return refuse({'not_queued', i})
   end
-  if lease ~= '' then
-    local entry = redis.call('XRANGE', prompts, lease, lease)
-    if entry[1] then
-      local f = fieldmap(entry[1][2])
-      if f.p ~= pid or tonumber(f.e) ~= ep then
-        return refuse({'foreign_lease', i, f.p, f.e})
-      end
+  local entry = redis.call('XRANGE', prompts, lease, lease)
+  if entry[1] then
+    local f = fieldmap(entry[1][2])
+    if f.p ~= pid or tonumber(f.e) ~= ep then
+      return refuse({'foreign_lease', i, f.p, f.e})
     end
+  end
+  -- A group is taken only against a live lease of its prompt (leased and not completed), or
+  -- as the duplicate of one accepted before: nobody can put groups for prompts nobody leased.
+  if not done_before and not (entry[1] and redis.call('XPENDING', prompts, 'rollout', lease,
+                                                      lease, 1)[1]) then
+    return refuse({'no_lease', i})
   end
 end
 local function complete(id)
@@ -483,6 +488,17 @@ end
 return res
 """
 )
+
+# Take an issued batch back to assembling (its groups too old for the trainer now): its entries
+# become the taken ones, so the next FINALIZE issues what the filters keep and puts back the
+# rest. KEYS: batch record; returns 1, or 0 when it is no longer issued (acknowledged, held).
+REASSEMBLE = """
+if redis.call('HGET', KEYS[1], 'state') ~= 'issued' then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'assembling',
+           'taken', redis.call('HGET', KEYS[1], 'entries') or '')
+redis.call('HDEL', KEYS[1], 'entries')
+return 1
+"""
 
 # Acknowledge (or hold) a batch (see _ACK_FN).
 # KEYS: batch record, group stream, deadlines, state, payloads, held batches

@@ -31,7 +31,8 @@ from kuberl.api.common.v1 import trajectory_pb2 as tpb
 from kuberl.buffer import metrics as m
 from kuberl.buffer.allocator import keep_freed_memory
 from kuberl.buffer.store import DATASET_NAME, BufferStore, Drop, PutItem, StoredGroup, lease_kind
-from kuberl.buffer.validation import RawPutRequest, check_group, group_payloads
+from kuberl.buffer.validation import RawPutRequest, check_group, group_payloads, job_limits
+from kuberl.common.channels import aio_channel
 from kuberl.common.config import DatasetConfig, JobConfig
 from kuberl.common.datasets import read_dataset
 from kuberl.common.errors import (
@@ -57,6 +58,15 @@ KIND_NAMES: dict[int, str] = {
     tpb.STREAM_KIND_SFT: "sft",
 }
 MAX_LEASE = 4096
+#: Bounds of every repeated field and string a request may carry (larger: INVALID_ARGUMENT):
+#: groups of one put and lease ids of one release are at most what one lease hands out.
+MAX_PUT_GROUPS = MAX_LEASE
+MAX_RELEASE_IDS = MAX_LEASE
+MAX_BATCH_GROUPS = MAX_LEASE
+MAX_NAME_CHARS = 256  # consumer names (pod names are at most 253)
+#: The consumers of the trainer group: the trainer's own reads (training, eval rounds). Any
+#: other name would take groups away from the trainer.
+TRAINER_CONSUMERS = frozenset({"trainer", "trainer-eval"})
 MAX_WAIT_SECONDS = 600.0
 # A LeasePrompts long poll looks again this often for room freed through another replica.
 LEASE_POLL_SECONDS = 0.1
@@ -64,6 +74,8 @@ STATS_REFRESH_SECONDS = 2.0
 # Redis' Lua scripts compute in doubles: larger versions and rounds would be stored rounded
 # (and unreadable as integers afterwards), so they are refused.
 MAX_EXACT_INT = 2**53 - 1
+#: How long SetPolicyVersion waits for weight-sync's version before it checks only "forward".
+VERSION_CHECK_SECONDS = 2.0
 
 GroupFilter = Callable[[Group], Any]
 
@@ -82,6 +94,18 @@ def encode_batch(head: bpb.GetBatchResponse, payloads: Sequence[bytes]) -> bytes
     return encode_entries(
         head.SerializeToString(), bpb.GetBatchResponse.GROUPS_FIELD_NUMBER, payloads
     )
+
+
+def _age_verdict(g: StoredGroup, max_staleness: int, current_version: int) -> str | None:
+    """Why a training group's policy version rules it out for a trainer at `current_version`
+    that bounds staleness (`max_staleness` >= 0; without a bound versions rule nothing out)."""
+    if max_staleness < 0:
+        return None
+    if g.version > current_version:
+        return "future_version"  # no engine holds weights the trainer has not made yet
+    if current_version - g.version > max_staleness:
+        return "stale"
+    return None
 
 
 class Pulse:
@@ -113,6 +137,16 @@ def _reject(method: str, reason: str, exc: Exception) -> Exception:
     return exc
 
 
+def _bounded(method: str, what: str, size: int, limit: int) -> None:
+    """Refuse a repeated field or string longer than its documented bound."""
+    if size > limit:
+        raise _reject(
+            method,
+            "too_many",
+            InvalidArgument(f"{what} has {size} entries; at most {limit} per request"),
+        )
+
+
 class BufferService(Service):
     """The buffer service of one job (see the module docstring)."""
 
@@ -123,6 +157,7 @@ class BufferService(Service):
         self.config = config
         self.cfg = config.buffer
         self.group_size = config.rollout.group_size
+        self.limits = job_limits(config)
         self.filters: list[tuple[str, GroupFilter]] = [
             (spec, load_plugin(spec, kind="buffer filter", params=["group"]))
             for spec in self.cfg.filters
@@ -131,6 +166,10 @@ class BufferService(Service):
             if inspect.iscoroutinefunction(fn):  # its coroutine is truthy: it would keep all
                 raise PluginError(f"buffer filter {spec!r}: must be a plain function, not async")
         self.store: BufferStore | None = None
+        # Weight-sync bounds the policy version when the job publishes weights (see
+        # SetPolicyVersion); opened in start().
+        self._weight_sync: Any = None
+        self._ws_channel: grpc.aio.Channel | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._room = Pulse()  # this replica freed room in the in-flight window
 
@@ -151,14 +190,27 @@ class BufferService(Service):
             await self._load_config_dataset(ds, "train", self.config.data.num_epochs)
         for ds in self.config.data.eval:
             await self._load_config_dataset(ds, "eval", 1)
+        tc = self.config.trainer
+        if tc.publish_weights and tc.mode == "rl":
+            from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc
+
+            self._ws_channel = aio_channel(self.config.endpoints.weight_sync)
+            self._weight_sync = weight_sync_pb2_grpc.WeightSyncServiceStub(self._ws_channel)
         self._refresher = asyncio.create_task(self._refresh_gauges())
-        log.info("buffer.ready", job=self.config.job.name, group_size=self.group_size)
+        log.info(
+            "buffer.ready", job=self.config.job.name, group_size=self.group_size,
+            kinds=sorted(self.limits.kinds), max_sequence_tokens=self.limits.max_tokens,
+        )  # fmt: skip
+        if not self.limits.max_tokens:
+            log.warning("buffer.no_length_bound", model=self.config.model.path)
 
     async def stop(self) -> None:
         if self._refresher:
             self._refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresher
+        if self._ws_channel is not None:
+            await self._ws_channel.close()
         if self.store:
             await self.store.close()
 
@@ -173,6 +225,7 @@ class BufferService(Service):
             limit=ds.limit,
             num_epochs=epochs,
             seed=self.config.job.seed,
+            source={"split": ds.split, "subset": ds.subset, "revision": ds.revision},
         )
 
     async def _load(
@@ -187,6 +240,7 @@ class BufferService(Service):
         limit: int,
         num_epochs: int,
         seed: int,
+        source: dict[str, Any] | None = None,
     ) -> tuple[int, bool]:
         name = name or Path(path).stem
         if not DATASET_NAME.match(name):
@@ -202,7 +256,13 @@ class BufferService(Service):
         if known is not None:
             return known, False
         rows = await asyncio.to_thread(
-            read_dataset, path, prompt=prompt, answer=answer, metadata=metadata, limit=limit
+            read_dataset,
+            path,
+            prompt=prompt,
+            answer=answer,
+            metadata=metadata,
+            limit=limit,
+            **(source or {}),
         )
         return await self.db.load_dataset(
             name, str(Path(path).resolve()), kind, rows, num_epochs, seed
@@ -323,6 +383,7 @@ class BufferService(Service):
                 "bad_request",
                 InvalidArgument("consumer is empty: name the rollout replica (e.g. its pod name)"),
             )
+        _bounded("LeasePrompts", "consumer", len(request.consumer), MAX_NAME_CHARS)
         n = min(request.max_prompts, MAX_LEASE)
         wait = _wait_seconds("LeasePrompts", request.wait_seconds)
         arrived = time.monotonic()
@@ -373,6 +434,8 @@ class BufferService(Service):
         kind = lease_kind(_kind(request.kind))
         if not request.consumer:
             raise _reject("ReleasePrompts", "bad_request", InvalidArgument("consumer is empty"))
+        _bounded("ReleasePrompts", "lease_ids", len(request.lease_ids), MAX_RELEASE_IDS)
+        _bounded("ReleasePrompts", "consumer", len(request.consumer), MAX_NAME_CHARS)
         n = await self.db.release(kind, request.consumer, list(request.lease_ids))
         m.PROMPTS_RELEASED_TOTAL.labels(kind).inc(n)
         if n:
@@ -412,27 +475,36 @@ class BufferService(Service):
         kind = _kind(request.kind)
         if not request.groups:
             raise _reject("PutTrajectories", "bad_request", InvalidArgument("no groups to put"))
-        if request.lease_ids and len(request.lease_ids) != len(request.groups):
-            raise _reject(
-                "PutTrajectories",
-                "bad_request",
-                InvalidArgument(
-                    f"{len(request.lease_ids)} lease_ids for {len(request.groups)} groups: give "
-                    "one per group (same order) or none"
-                ),
-            )
+        _bounded("PutTrajectories", "groups", len(request.groups), MAX_PUT_GROUPS)
         groups = request.groups
         checked = []
         for i, msg in enumerate(groups):
             try:
-                checked.append(check_group(msg, self.group_size, partial=kind == "sft"))
+                c = check_group(msg, self.group_size, partial=kind == "sft")
             except TrajectoryError as exc:
                 m.GROUPS_PUT_TOTAL.labels(kind, "rejected").inc(len(groups))
                 raise _reject(
                     "PutTrajectories", "invalid_group", InvalidArgument(f"groups[{i}]: {exc}")
                 ) from None
+            refusal = self.limits.refusal(kind, c)
+            if refusal is not None:
+                m.GROUPS_PUT_TOTAL.labels(kind, "rejected").inc(len(groups))
+                raise _reject(
+                    "PutTrajectories", refusal[0], InvalidArgument(f"groups[{i}]: {refusal[1]}")
+                )
+            checked.append(c)
+        if len(request.lease_ids) != len(groups):
+            m.GROUPS_PUT_TOTAL.labels(kind, "rejected").inc(len(groups))
+            raise _reject(
+                "PutTrajectories",
+                "no_lease",
+                InvalidArgument(
+                    f"{len(request.lease_ids)} lease_ids for {len(groups)} groups: give "
+                    "each group the lease_id LeasePrompts gave its prompt (same order)"
+                ),
+            )
         payloads = group_payloads(groups, checked, raw)
-        leases = request.lease_ids or [""] * len(groups)
+        leases = request.lease_ids
         items = [
             PutItem(
                 prompt_id=c.prompt_id,
@@ -448,7 +520,8 @@ class BufferService(Service):
             accepted = await self.db.put(kind, items)
         except InvalidArgument as exc:
             m.GROUPS_PUT_TOTAL.labels(kind, "rejected").inc(len(items))
-            raise _reject("PutTrajectories", "unknown_prompt_or_lease", exc) from None
+            reason = "no_lease" if "not live" in str(exc) else "unknown_prompt_or_lease"
+            raise _reject("PutTrajectories", reason, exc) from None
         n_acc = sum(accepted)
         m.GROUPS_PUT_TOTAL.labels(kind, "accepted").inc(n_acc)
         if n_acc < len(accepted):
@@ -479,8 +552,9 @@ class BufferService(Service):
         filtered: eval results are measurements and SFT samples are off-policy by design."""
         if kind != "train":
             return None
-        if max_staleness >= 0 and current_version - g.version > max_staleness:
-            return "stale"
+        age = _age_verdict(g, max_staleness, current_version)
+        if age is not None:
+            return age
         if self.cfg.dynamic_sampling and g.zero_variance:
             return "zero_variance"
         if self.filters:
@@ -491,7 +565,7 @@ class BufferService(Service):
                 try:
                     keep = fn(group)
                     if not isinstance(keep, bool | np.bool_):
-                        # None (a missing return) once dropped every group for good.
+                        # A missing return (None) must not silently drop every group.
                         raise TypeError(f"returned {type(keep).__name__}, not a bool")
                 except (Exception, SystemExit, KeyboardInterrupt) as exc:
                     # A broken filter must not lose data or stop training: the group is kept.
@@ -511,7 +585,18 @@ class BufferService(Service):
             raise _reject(
                 "GetBatch", "bad_request", InvalidArgument(f"num_groups must be > 0, got {want}")
             )
+        _bounded("GetBatch", "num_groups", want, MAX_BATCH_GROUPS)
         consumer = request.consumer or "trainer"
+        if consumer not in TRAINER_CONSUMERS:
+            raise _reject(
+                "GetBatch",
+                "foreign_consumer",
+                InvalidArgument(
+                    f"consumer {consumer[:64]!r} is not the trainer's: only "
+                    f"{', '.join(sorted(TRAINER_CONSUMERS))} read groups (another reader would "
+                    "take them away from training)"
+                ),
+            )
         wait = _wait_seconds("GetBatch", request.wait_seconds)
         db = self.db
         ack_id, hold = request.ack_batch_id, request.hold
@@ -553,6 +638,16 @@ class BufferService(Service):
             if fetched is None:  # acknowledged meanwhile: look again
                 continue
             state, groups = fetched
+            outdated = kind == "train" and any(
+                _age_verdict(g, request.max_staleness, request.current_version) for g in groups
+            )
+            if state == "issued" and outdated:
+                # Too old for the trainer now (a batch re-delivered long after it was taken):
+                # assembled anew, through the filters, instead of trained beyond max_staleness.
+                if not await db.reassemble(kind, taken.reclaimed):
+                    continue  # acknowledged meanwhile
+                state = "assembling"
+                log.info("batch.reassembled", batch_id=taken.reclaimed, groups=len(groups))
             if state == "issued":
                 m.BATCHES_TOTAL.labels(kind, "redelivered").inc()
                 log.info("batch.redelivered", batch_id=taken.reclaimed, groups=len(groups))
@@ -581,7 +676,9 @@ class BufferService(Service):
                 if reason is None:
                     kept.append(g)
                 else:
-                    requeue = reason == "stale" and kind == "train" and self.cfg.requeue_stale
+                    requeue = reason == "future_version" or (
+                        reason == "stale" and self.cfg.requeue_stale
+                    )
                     drops.append(Drop(g, reason, requeue))
             got_any, pending = bool(pending), []
             if len(kept) >= want:
@@ -669,6 +766,24 @@ class BufferService(Service):
 
     # -- job state ----------------------------------------------------------------------------
 
+    async def _version_bound(self) -> int | None:
+        """The highest policy version the trainer can have reached: weight-sync's latest plus
+        `publish_every` (the trainer sets a version before it publishes it). None when the job
+        publishes no weights or weight-sync does not answer (then only forward is checked)."""
+        if self._weight_sync is None:
+            return None
+        from kuberl.api.weight_sync.v1 import weight_sync_pb2
+
+        try:
+            answer = await self._weight_sync.GetVersion(
+                weight_sync_pb2.GetVersionRequest(), timeout=VERSION_CHECK_SECONDS
+            )
+        except grpc.RpcError as exc:
+            m.REJECTIONS_TOTAL.labels("SetPolicyVersion", "unchecked").inc()
+            log.warning("version.unchecked", error=str(exc)[:200])
+            return None
+        return int(answer.version) + self.config.trainer.publish_every
+
     async def SetPolicyVersion(
         self, request: bpb.SetPolicyVersionRequest, context: grpc.aio.ServicerContext
     ) -> bpb.SetPolicyVersionResponse:
@@ -677,6 +792,20 @@ class BufferService(Service):
                 "SetPolicyVersion",
                 "bad_request",
                 InvalidArgument(f"version must be in 0..{MAX_EXACT_INT}, got {request.version}"),
+            )
+        bound = await self._version_bound()
+        if bound is not None and request.version > bound:
+            # A version the trainer cannot have reached would hold every replica for
+            # version_wait_seconds before each batch, for good (versions never go down).
+            raise _reject(
+                "SetPolicyVersion",
+                "version_ahead",
+                FailedPrecondition(
+                    f"policy version {request.version} is ahead of the weights: weight-sync "
+                    f"holds {bound - self.config.trainer.publish_every}, so the trainer is at "
+                    f"most at {bound} (trainer.publish_every="
+                    f"{self.config.trainer.publish_every})"
+                ),
             )
         ok, version = await self.db.set_policy_version(request.version)
         if not ok:

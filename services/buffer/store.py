@@ -267,6 +267,7 @@ class BufferStore:
                 "FETCH",
                 "ACK",
                 "REOPEN",
+                "REASSEMBLE",
                 "SET_VERSION",
                 "RAISE_EPOCHS",
             )
@@ -442,8 +443,8 @@ class BufferStore:
     async def loaded_dataset(self, name: str, path: str, kind: str, num_epochs: int) -> int | None:
         """The number of prompts of dataset `name` if it is loaded already (None if not), its
         epochs raised to `num_epochs`: the job's count and the dataset's own, which decides
-        whether the new epochs queue its prompts (once only the job's was raised, and the new
-        epochs were queued empty, for good)."""
+        whether the new epochs queue its prompts: raising only the job's would queue them
+        empty."""
         existing = await self._retry(lambda: self.r.hget(self.keys.datasets, name), "load")
         if existing is None:
             return None
@@ -591,10 +592,14 @@ class BufferStore:
         """Store groups atomically; per group True = accepted, False = duplicate.
 
         InvalidArgument (nothing stored) when a group names an unknown prompt, an epoch that was
-        never queued, or a lease that belongs to another prompt."""
-        for item in items:
-            if item.lease_id and not is_entry_id(item.lease_id):
-                raise InvalidArgument(f"lease_id {item.lease_id!r} is not a lease handle")
+        never queued, a lease that belongs to another prompt, or no live lease of its prompt
+        (unless it is the duplicate of a group accepted before)."""
+        for i, item in enumerate(items):
+            if not is_entry_id(item.lease_id):
+                raise InvalidArgument(
+                    f"groups[{i}]: lease_id {item.lease_id!r} is not a lease handle: put each "
+                    "group with the lease_id LeasePrompts gave its prompt"
+                )
         keys = [
             self.keys.groups(kind),
             self.keys.accepted(kind),
@@ -652,6 +657,13 @@ class BufferStore:
                 f"groups[{i}]: prompt {items[i].prompt_id!r} epoch {items[i].epoch} was never "
                 f"handed out by the {lease_kind(kind)} prompt stream (a prompt of another "
                 "stream, or an epoch its dataset does not have)"
+            )
+        if status == "no_lease":
+            i = int(res[1])
+            raise InvalidArgument(
+                f"groups[{i}]: lease {items[i].lease_id} of prompt {items[i].prompt_id!r} epoch "
+                f"{items[i].epoch} is not live (never handed out, or completed or given back): "
+                "lease the prompt again"
             )
         if status == "foreign_lease":
             i = int(res[1])
@@ -773,6 +785,11 @@ class BufferStore:
         if state == "gone":
             return None
         return state, await self.payloads(kind, _groups_from(res[1:]))
+
+    async def reassemble(self, kind: str, batch_id: str) -> bool:
+        """Take a claimed issued batch back to assembling (REASSEMBLE); False when it is no
+        longer issued."""
+        return bool(await self._script("REASSEMBLE", [self.keys.batch(batch_id)], []))
 
     async def wait_for_groups(self, kind: str, after_id: str, timeout: float) -> None:
         """Block until a group newer than after_id arrives or timeout passes."""

@@ -25,16 +25,22 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from kuberl.api.buffer.v1 import buffer_pb2 as bpb
 from kuberl.api.common.v1 import trajectory_pb2 as tpb
+from kuberl.common.config import JobConfig
+from kuberl.common.modelbuild import MAX_POSITIONS
 from kuberl.common.trajectory import FINISH_REASONS, Group, TrajectoryError
 from kuberl.common.wire import encode_entries, read_varint
 
 # Rewards closer than this count as equal for the dynamic-sampling (zero variance) filter.
 REWARD_TOLERANCE = 1e-9
+# A log-probability above this is not one (float32 rounding of log-softmax stays below it).
+LOGPROB_TOLERANCE = 1e-4
+_ABORT = tpb.FINISH_REASON_ABORT
 
 _FINISH_VALUES = frozenset(FINISH_REASONS.values())
 _isfinite = math.isfinite
@@ -50,6 +56,75 @@ class CheckedGroup:
     size: int
     version: int  # oldest policy_version_start of its samples (0 for an empty group)
     zero_variance: bool  # all rewards agree (within REWARD_TOLERANCE)
+    # What the job's limits (JobLimits.refusal) are checked against:
+    newest: int = 0  # newest policy_version_end of its samples
+    longest: int = 0  # most prompt + response tokens of one sample
+    max_logprob: float = -math.inf  # highest rollout logprob of any token
+    empty: int = 0  # samples with no response tokens that were not aborted
+
+
+@dataclass(frozen=True)
+class JobLimits:
+    """Bounds of a valid group that depend on the job, not on the group alone."""
+
+    kinds: frozenset[str]  # the stream kinds the job reads (others would never be trained)
+    max_tokens: int  # prompt + response tokens of one sample: the model's positions (0: none)
+    max_version: int = 2**53 - 1  # Lua scripts compute in doubles
+
+    def refusal(self, kind: str, c: CheckedGroup) -> tuple[str, str] | None:
+        """(reason, message) when a valid group of `kind` is still not one this job can train."""
+        if kind not in self.kinds:
+            return "kind_not_read", (
+                f"this job does not read {kind.upper()} groups (it reads "
+                f"{', '.join(sorted(k.upper() for k in self.kinds))}): nothing would train them"
+            )
+        if c.newest > self.max_version:
+            return "version_out_of_range", (
+                f"policy version {c.newest} is above {self.max_version}, the largest the buffer "
+                "stores exactly"
+            )
+        if self.max_tokens and c.longest > self.max_tokens:
+            return "too_long", (
+                f"a sample has {c.longest} prompt + response tokens, more than the model's "
+                f"{self.max_tokens} positions"
+            )
+        if c.max_logprob > LOGPROB_TOLERANCE:
+            return "positive_logprob", (
+                f"rollout_logprobs has {c.max_logprob:g}: log-probabilities are <= 0"
+            )
+        if c.empty:
+            return "empty_response", (
+                f"{c.empty} sample(s) have no response tokens; only an aborted generation "
+                "(finish_reason ABORT) may be empty"
+            )
+        return None
+
+
+def job_limits(config: JobConfig) -> JobLimits:
+    """The limits of `config`'s job: the kinds its trainer reads (SFT also when its rollout
+    runs rejection sampling, whose output it is) and the model's positions."""
+    tc = config.trainer
+    kinds = {"eval"}
+    if tc.mode == "rl":
+        kinds.add("train")
+    reads_sft = tc.sft_data is None and (tc.mode == "sft" or (tc.mode == "rl" and tc.sft_steps))
+    if reads_sft or config.rollout.mode == "rejection_sampling":  # its output is the SFT stream
+        kinds.add("sft")
+    return JobLimits(
+        frozenset(kinds), config.buffer.max_sequence_tokens or model_positions(config.model.path)
+    )
+
+
+def model_positions(path: str | None) -> int:
+    """The model's max_position_embeddings (a model kuberl builds when path is None); 0 when
+    its config.json cannot be read here."""
+    if path is None:
+        return MAX_POSITIONS
+    try:
+        value = json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return value if isinstance(value, int) and value > 0 else 0
 
 
 def check_group(msg: tpb.Group, group_size: int, *, partial: bool = False) -> CheckedGroup:
@@ -75,7 +150,7 @@ def _fast_check(msg: tpb.Group, group_size: int, partial: bool) -> CheckedGroup 
     masks: list[bytes] = []
     seen: set[int] = set()
     rewards: list[float] = []
-    version = -1
+    version, newest, longest, empty = -1, 0, 0, 0
     for t in trajectories:
         if t.prompt_id != pid or t.epoch != epoch or t.finish_reason not in _FINISH_VALUES:
             return None
@@ -122,6 +197,9 @@ def _fast_check(msg: tpb.Group, group_size: int, partial: bool) -> CheckedGroup 
         masks.append(md)
         rewards.append(reward)
         version = start if version < 0 else min(version, start)
+        newest = max(newest, end)
+        longest = max(longest, len(pd) // 4 + length)
+        empty += not length and t.finish_reason != _ABORT
     # One reduction per array kind for the whole group (the bytes are little-endian).
     if ids and int(np.frombuffer(b"".join(ids), dtype="<i4").min()) < 0:
         return None
@@ -129,8 +207,12 @@ def _fast_check(msg: tpb.Group, group_size: int, partial: bool) -> CheckedGroup 
     if mask and int(np.frombuffer(mask, dtype=np.uint8).max()) > 1:
         return None
     lp_all = b"".join(logprobs)
-    if lp_all and not np.isfinite(np.frombuffer(lp_all, dtype="<f4")).all():
-        return None
+    max_logprob = -math.inf
+    if lp_all:
+        values = np.frombuffer(lp_all, dtype="<f4")
+        if not np.isfinite(values).all():
+            return None
+        max_logprob = float(values.max())
     return CheckedGroup(
         group_id=msg.group_id or f"{pid}@{epoch}",
         prompt_id=pid,
@@ -138,6 +220,10 @@ def _fast_check(msg: tpb.Group, group_size: int, partial: bool) -> CheckedGroup 
         size=n,
         version=max(version, 0),
         zero_variance=n > 0 and max(rewards) - min(rewards) <= REWARD_TOLERANCE,
+        newest=newest,
+        longest=longest,
+        max_logprob=max_logprob,
+        empty=empty,
     )
 
 
@@ -166,14 +252,22 @@ def _reference_check(msg: tpb.Group, group_size: int, partial: bool) -> CheckedG
     indices = [t.sample_index for t in group.trajectories]
     if len(set(indices)) != n:
         raise TrajectoryError(f"group {group.group_id}: sample_index values repeat: {indices}")
-    rewards = [t.reward for t in group.trajectories]
+    ts = group.trajectories
+    rewards = [t.reward for t in ts]
     return CheckedGroup(
         group_id=group.group_id,
         prompt_id=group.prompt_id,
         epoch=group.epoch,
         size=n,
-        version=min((t.policy_version_start for t in group.trajectories), default=0),
+        version=min((t.policy_version_start for t in ts), default=0),
         zero_variance=n > 0 and max(rewards) - min(rewards) <= REWARD_TOLERANCE,
+        newest=max((t.policy_version_end for t in ts), default=0),
+        longest=max((len(t.prompt_token_ids) + len(t.response_token_ids) for t in ts), default=0),
+        max_logprob=max(
+            (float(t.rollout_logprobs.max()) for t in ts if len(t.rollout_logprobs)),
+            default=-math.inf,
+        ),
+        empty=sum(1 for t in ts if not len(t.response_token_ids) and t.finish_reason != "abort"),
     )
 
 

@@ -1,6 +1,9 @@
-"""Prompt datasets: `read_dataset` reads a JSONL or Parquet file through a column mapping into
-`PromptRow`s for the buffer's LoadDataset and for `kuberl.common.modelbuild`'s tokenizer corpus;
-`epoch_order` is an epoch's seeded permutation, so a restarted job replays its data in order.
+"""Prompt datasets: `read_dataset` reads a JSONL or Parquet file, a folder saved by `datasets`
+(`save_to_disk`), a folder of data files, or a hub dataset id (fetched once by
+`kuberl.common.hub`, then read by `datasets` from the cached snapshot, split and subset picked)
+through a column mapping into `PromptRow`s for the buffer's LoadDataset and for
+`kuberl.common.modelbuild`'s tokenizer corpus; `epoch_order` is an epoch's seeded permutation, so
+a restarted job replays its data in order.
 """
 
 from __future__ import annotations
@@ -58,6 +61,41 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+#: Files read without the `datasets` library.
+FILE_SUFFIXES = (".jsonl", ".ndjson", ".parquet")
+
+
+def is_saved_dataset(folder: Path) -> bool:
+    """A folder written by `datasets`' `save_to_disk` (one Dataset or a DatasetDict)."""
+    return (folder / "state.json").exists() or (folder / "dataset_dict.json").exists()
+
+
+def _folder_records(
+    folder: Path, subset: str | None, split: str, limit: int
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Rows of a `save_to_disk` folder, or of a folder of data files (a hub snapshot) read by
+    `datasets.load_dataset`, which caches what it converts under HF_HOME."""
+    import datasets
+
+    try:
+        if is_saved_dataset(folder):
+            loaded = datasets.load_from_disk(str(folder))
+            if isinstance(loaded, datasets.DatasetDict):
+                if split not in loaded:
+                    raise ValueError(f"no split {split!r}; it has {', '.join(loaded)}")
+                loaded = loaded[split]
+        else:
+            loaded = datasets.load_dataset(str(folder), subset, split=split)
+    except (ValueError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as exc:
+        raise InvalidArgument(f"dataset {folder}: {exc}") from None
+    if not isinstance(loaded, datasets.Dataset):
+        raise InvalidArgument(f"dataset {folder}: split {split!r} is not one table")
+    if limit:
+        loaded = loaded.select(range(min(limit, len(loaded))))
+    for i, record in enumerate(loaded):
+        yield i + 1, dict(record)
+
+
 def _records(path: Path, limit: int) -> Iterator[tuple[int, dict[str, Any]]]:
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".ndjson"):
@@ -97,15 +135,30 @@ def read_dataset(
     answer: str = "answer",
     metadata: Sequence[str] = (),
     limit: int = 0,
+    split: str = "train",
+    subset: str | None = None,
+    revision: str | None = None,
 ) -> list[PromptRow]:
-    """Rows of a .jsonl/.parquet file: `prompt` column as text, `answer` as the reference answer
-    (numbers are turned into text, a missing answer is ""), `metadata` columns (empty: every other
-    column) as a JSON object. InvalidArgument names the file, row and column on any problem."""
+    """Rows of a dataset (see the module docstring): `prompt` column as text, `answer` as the
+    reference answer (numbers are turned into text, a missing answer is ""), `metadata` columns
+    (empty: every other column) as a JSON object. `split`, `subset` and `revision` choose what a
+    folder or hub id holds. InvalidArgument names the file, row and column on any problem."""
+    from kuberl.common import hub
+
     p = Path(path)
-    if not p.is_file():
+    if not p.exists() and hub.is_hub_id(str(path)):
+        try:
+            p = hub.fetch_dataset(str(path), revision)
+        except ValueError as exc:  # ConfigError: its message names the id and the fix
+            raise InvalidArgument(str(exc)) from None
+    if p.is_dir():
+        records = _folder_records(p, subset, split, limit)
+    elif p.is_file():
+        records = _records(p, limit)
+    else:
         raise InvalidArgument(f"dataset {p}: no such file (relative paths are from {Path.cwd()})")
     rows: list[PromptRow] = []
-    for row_no, record in _records(p, limit):
+    for row_no, record in records:
         if prompt not in record:
             raise InvalidArgument(
                 f"{p} row {row_no}: no prompt column {prompt!r} (columns: {', '.join(record)})"

@@ -44,6 +44,12 @@ class FailedPrecondition(ServiceError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class PermissionDenied(ServiceError):
+    """The caller's role may not call this method (kuberl.common.roles)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class ResourceExhausted(ServiceError):
     """Backpressure: try again after `retry_after_seconds`."""
 

@@ -5,8 +5,9 @@ files) for a Qwen2- or Llama-architecture causal LM with random weights, and a r
 `digits` is a character-level tokenizer over printable ASCII (enough for arithmetic and any
 English text, one token per character), `bpe` is a byte-level BPE trained on the job's training
 text with the `tokenizers` library. `resolve_model` is what trainer and rollout call: the job's
-`model.path` when set, else a folder built once into a cache keyed by everything that determines
-its content, so every process of a job loads the same weights. A real checkpoint path works the
+`model.path` when set (a local folder, or a hub id fetched by `kuberl.common.hub`), else a
+folder built once into a cache keyed by everything that determines its content, so every
+process of a job loads the same weights. A real checkpoint path works the
 same way; nothing here is specific to the tiny models. `load_tokenizer` is how every service
 loads a folder's tokenizer (it is exactly the one saved, which `AutoTokenizer` alone does not
 guarantee).
@@ -25,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kuberl.common import hub
 from kuberl.common.config import DatasetConfig, JobConfig
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -173,9 +175,18 @@ def _dataset_texts(dataset: DatasetConfig, base: Path) -> list[str]:
     from kuberl.common.datasets import read_dataset
 
     path = Path(dataset.path).expanduser()
-    path = path if path.is_absolute() else base / path
+    path = path if path.is_absolute() or not (base / path).exists() else base / path
     c = dataset.columns
-    rows = read_dataset(path, prompt=c.prompt, answer=c.answer, metadata=[], limit=dataset.limit)
+    rows = read_dataset(
+        path,
+        prompt=c.prompt,
+        answer=c.answer,
+        metadata=[],
+        limit=dataset.limit,
+        split=dataset.split,
+        subset=dataset.subset,
+        revision=dataset.revision,
+    )
     return [f"{row.text}\n{row.answer}" for row in rows]
 
 
@@ -198,17 +209,13 @@ def resolve_model(
     """
     base = Path(base_dir)
     if config.model.path:
-        path = Path(config.model.path).expanduser()
-        path = path if path.is_absolute() else base / path
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model.path {path}: no config.json (not an HF model folder)")
-        return path
+        return hub.resolve_model(config.model.path, config.model.revision, "model.path", base)
     files = []
     for ds in config.data.train:
         p = Path(ds.path) if Path(ds.path).is_absolute() else base / ds.path
-        st = p.stat()
+        where = f"{p.resolve()}:{p.stat().st_size}" if p.exists() else f"{ds.path}@{ds.revision}"
         files.append(
-            f"{p.resolve()}:{st.st_size}:{ds.limit}:{ds.columns.prompt}:{ds.columns.answer}"
+            f"{where}:{ds.subset}:{ds.split}:{ds.limit}:{ds.columns.prompt}:{ds.columns.answer}"
         )
     cache = Path(cache_dir) if Path(cache_dir).is_absolute() else base / cache_dir
     target = cache / _cache_key(config, files)

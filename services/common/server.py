@@ -35,6 +35,7 @@ from kuberl.common import tls as transport
 from kuberl.common.config import ServerConfig, TLSConfig
 from kuberl.common.errors import InvalidArgument, ServiceError, Unavailable
 from kuberl.common.logs import get_logger
+from kuberl.common.roles import RoleCheck
 
 log = get_logger(__name__)
 
@@ -200,12 +201,19 @@ class StartGate:
             )
 
 
+#: A check run before a handler, with its context (raises a ServiceError to refuse the call).
+Guard = Callable[[grpc.aio.ServicerContext], None]
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps exceptions to status codes and records per-method request counts and latency;
     with a `gate`, refuses the service's own methods (UNAVAILABLE) until it is open."""
 
-    def __init__(self, service: str, gate: StartGate | None = None) -> None:
+    def __init__(
+        self, service: str, gate: StartGate | None = None, roles: RoleCheck | None = None
+    ) -> None:
         self.gate = gate
+        self.roles = roles
         self.requests = metrics.counter(
             f"kuberl_{service}_rpc_requests_total", "gRPC calls handled", ["method", "code"]
         )
@@ -239,13 +247,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         await context.abort(code, message)
 
     def _wrap_unary(
-        self, method: str, behavior: Callable[..., Any], gate: StartGate | None
+        self, method: str, behavior: Callable[..., Any], guard: Guard | None
     ) -> Callable[..., Awaitable[Any]]:
         async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.perf_counter()
             try:
-                if gate is not None:
-                    gate.check()
+                if guard is not None:
+                    guard(context)
                 result = behavior(_checked(request), context)
                 if inspect.isawaitable(result):
                     result = await result
@@ -261,13 +269,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
     def _wrap_stream(
-        self, method: str, behavior: Callable[..., Any], gate: StartGate | None
+        self, method: str, behavior: Callable[..., Any], guard: Guard | None
     ) -> Callable[..., AsyncIterator[Any]]:
         async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             started = time.perf_counter()
             try:
-                if gate is not None:
-                    gate.check()
+                if guard is not None:
+                    guard(context)
                 async for item in behavior(_checked(request), context):
                     yield item
             except grpc.aio.AbortError:
@@ -290,35 +298,52 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return handler
         path = handler_call_details.method
         method = path.rsplit("/", 1)[-1]
-        gate = self.gate if self.gate is not None and StartGate.guards(path) else None
+        guard = self._guard(
+            path, self.gate if self.gate is not None and StartGate.guards(path) else None
+        )
         kw = {
             "request_deserializer": _tolerant(handler.request_deserializer),
             "response_serializer": handler.response_serializer,
         }
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(method, handler.unary_unary, gate), **kw
+                self._wrap_unary(method, handler.unary_unary, guard), **kw
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                self._wrap_unary(method, handler.stream_unary, gate), **kw
+                self._wrap_unary(method, handler.stream_unary, guard), **kw
             )
         # Streaming handlers are either async generators or coroutines that call context.write
         # (grpc's own health Watch does); each keeps its style when wrapped.
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                self._wrap_any(method, handler.unary_stream, gate), **kw
+                self._wrap_any(method, handler.unary_stream, guard), **kw
             )
         return grpc.stream_stream_rpc_method_handler(
-            self._wrap_any(method, handler.stream_stream, gate), **kw
+            self._wrap_any(method, handler.stream_stream, guard), **kw
         )
 
+    def _guard(self, path: str, gate: StartGate | None) -> Guard | None:
+        """What runs before the handler: the caller's role (first: a caller that may not call
+        the method learns nothing else), then the start gate."""
+        roles = self.roles if self.roles is not None and self.roles.restricted(path) else None
+        if roles is None and gate is None:
+            return None
+
+        def guard(context: grpc.aio.ServicerContext) -> None:
+            if roles is not None:
+                roles.check(path, context)
+            if gate is not None:
+                gate.check()
+
+        return guard
+
     def _wrap_any(
-        self, method: str, behavior: Callable[..., Any], gate: StartGate | None
+        self, method: str, behavior: Callable[..., Any], guard: Guard | None
     ) -> Callable[..., Any]:
         if inspect.isasyncgenfunction(behavior):
-            return self._wrap_stream(method, behavior, gate)
-        return self._wrap_unary(method, behavior, gate)
+            return self._wrap_stream(method, behavior, guard)
+        return self._wrap_unary(method, behavior, guard)
 
 
 async def _interrupt_start(starting: asyncio.Task[None]) -> None:
@@ -369,20 +394,26 @@ async def serve(
     port_file: str | None = None,
     stop_event: asyncio.Event | None = None,
     tls: TLSConfig | None = None,
+    job: str = "",
 ) -> None:
     """Run `service` until SIGTERM/SIGINT (or `stop_event`), then drain and stop it. It owns
     the process (`kuberl serve`): it installs the signal handlers and, after a start it had to
     interrupt, may end the process itself.
 
     `tls` is the job's `tls` section (None: `kuberl.common.tls.current()`); it secures this
-    server and becomes the process default for the service's own client channels."""
+    server and becomes the process default for the service's own client channels. With
+    `tls.roles`, callers of restricted methods must carry a role of `job` (kuberl.common.roles)."""
     tls = tls if tls is not None else transport.current()
     transport.configure(tls)
     credentials = transport.server_credentials(tls) if tls.enabled else None
     gate = StartGate(service)
     server = grpc.aio.server(
         options=server_grpc_options(config.max_message_bytes),
-        interceptors=[ErrorInterceptor(service.name, gate)],
+        interceptors=[
+            ErrorInterceptor(
+                service.name, gate, RoleCheck(service.name, job) if tls.roles else None
+            )
+        ],
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

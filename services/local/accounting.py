@@ -23,8 +23,10 @@ counters alone; every prompt key (`<prompt id>@<epoch>`) is classified from thre
 
 A key that was handed out is exactly one of: trained, filtered (with a reason), pending, or
 **lost**: handed out, never trained in the lineage (a step discarded by a resume does not count),
-not dropped with a reason, not leased, queued or waiting in the buffer. That is the number that
-must be 0.
+not dropped with a reason, not leased, queued or waiting in the buffer (a group acknowledged by a
+batch nobody trained is lost too: `prompts_lost_why`). That is the number that must be 0.
+`staleness_trained` checks the lineage against `trainer.max_staleness`. `kuberl run` writes the
+same accounting into summary.json, chaos or not.
 """
 
 from __future__ import annotations
@@ -187,6 +189,7 @@ def prompt_accounting(buffer: dict[str, Any], lineage: dict[str, Any]) -> dict[s
     }
     reasons: Counter[str] = Counter()
     pending_why: Counter[str] = Counter()
+    lost_why: Counter[str] = Counter()
     lost: list[dict[str, Any]] = []
     for key in queued:
         if key in never_leased:
@@ -205,6 +208,7 @@ def prompt_accounting(buffer: dict[str, Any], lineage: dict[str, Any]) -> dict[s
         elif key in orphaned:
             classes["lost"].append(key)
             lost.append({"key": key, "accepted": accepted, "orphaned_entry": True})
+            lost_why["orphaned_entry"] += 1
         elif key in leased_now or key in requeued_waiting or key in in_stream:
             classes["pending"].append(key)
             why = (
@@ -216,6 +220,8 @@ def prompt_accounting(buffer: dict[str, Any], lineage: dict[str, Any]) -> dict[s
             )
             pending_why[why] += 1
         else:
+            # Accepted ("1"), out of the stream and never trained: acknowledged by a batch the
+            # trainer never trained (another reader's, or a step a resume discarded).
             classes["lost"].append(key)
             lost.append(
                 {
@@ -224,6 +230,13 @@ def prompt_accounting(buffer: dict[str, Any], lineage: dict[str, Any]) -> dict[s
                     "trained_in_discarded_step": key in discarded,
                 }
             )
+            lost_why[
+                "trained_in_discarded_step"
+                if key in discarded
+                else "acknowledged_untrained"
+                if accepted == "1"
+                else "never_completed"
+            ] += 1
     handed_out = len(queued) - len(never_leased & set(queued))
     # Over every key the lineage trained, not only the handed-out ones the loop above classifies:
     # a key trained twice, or trained without ever being handed out, must show whatever the
@@ -240,12 +253,32 @@ def prompt_accounting(buffer: dict[str, Any], lineage: dict[str, Any]) -> dict[s
         "prompts_filtered": {"total": len(classes["filtered"]), "reasons": dict(reasons)},
         "prompts_pending": {"total": len(classes["pending"]), "why": dict(pending_why)},
         "prompts_lost": len(classes["lost"]),
+        "prompts_lost_why": dict(lost_why),
         "lost": lost[:50],
         "trained_twice": twice[:50],
         "lineage_steps": len(lineage["steps"]),
         "discarded_steps": len(lineage["discarded"]),
         "trainer_starts": lineage["starts"],
         "already_trained_batches": lineage["already_trained_batches"],
+    }
+
+
+def staleness_trained(lineage: dict[str, Any], max_staleness: int) -> dict[str, Any]:
+    """Groups the final weights were trained on beyond `max_staleness` versions (or from a
+    version the trainer had not reached): the bound the buffer's filter must keep."""
+    over: list[dict[str, Any]] = []
+    worst: int | None = None
+    for row in lineage["steps"].values():
+        trained_at = int(row.get("policy_version", 0)) - 1  # the row is written after the step
+        for g in row.get("groups", []):
+            staleness = trained_at - int(g.get("version_start", 0))
+            worst = staleness if worst is None else max(worst, staleness)
+            if staleness < 0 or (max_staleness >= 0 and staleness > max_staleness):
+                over.append({"key": g["key"], "staleness": staleness, "step": row.get("step")})
+    return {
+        "groups_trained_over_max_staleness": len(over),
+        "over_max_staleness": over[:50],
+        "staleness_trained_max": worst,
     }
 
 

@@ -14,14 +14,24 @@ def _positive(value: str) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from kuberl.common.config import ConfigError
     from kuberl.common.logs import setup_logging
     from kuberl.local.supervisor import RunOptions, run
+
+    if args.resume and args.config and "=" in args.config:  # an override, not a job file
+        args.overrides, args.config = [args.config, *args.overrides], None
+    if (args.config is None) == (args.resume is None):
+        raise ConfigError("kuberl run: give a job file, or --resume RUN_DIR (not both)")
+    if args.resume and args.run_dir:
+        raise ConfigError("kuberl run: --resume goes on in its own folder; drop --run-dir")
 
     # The supervisor's own log lines go to stderr only when asked (the screen shows progress).
     setup_logging("local", level=args.log_level)
     return run(
         RunOptions(
-            job_file=Path(args.config),
+            job_file=Path(args.config) if args.config else None,
+            resume=Path(args.resume) if args.resume else None,
+            overrides=args.overrides,
             rollout_replicas=args.rollout_replicas,
             trainer_processes=args.trainer_processes,
             device=args.device,
@@ -43,7 +53,20 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "checkpoints, summary.json and plots. Ctrl-C drains and stops everything. "
         "Flags override the job file's `job.local` section.",
     )
-    run.add_argument("config", help="job YAML file")
+    run.add_argument("config", nargs="?", help="job YAML file (not with --resume)")
+    run.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="overrides of the job file's fields, after its KUBERL_* variables "
+        "(trainer.optimizer.lr=1e-6 trainer.total_steps=20)",
+    )
+    run.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="go on with a stopped run (runs/<run>): every service restarts from the run's "
+        "checkpoint and Redis state, in the same folder, and the run ends as if never stopped",
+    )
     run.add_argument(
         "--rollout-replicas", type=_positive, help="rollout processes (job.local.rollout_replicas)"
     )

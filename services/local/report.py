@@ -71,6 +71,14 @@ def rl_steps(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [by_step[k] for k in sorted(by_step)]
 
 
+def _lost(accounting: dict[str, Any] | None, outstanding: int | None) -> int | None:
+    """Prompts lost per the accounting (every key's fate); without it (Redis unreadable), at
+    least the leases still outstanding."""
+    if accounting and "prompts_lost" in accounting:
+        return int(accounting["prompts_lost"])
+    return outstanding
+
+
 def build_summary(
     *,
     job: str,
@@ -86,6 +94,7 @@ def build_summary(
     services: dict[str, dict[str, Any]],
     timeline: Sequence[dict[str, Any]],
     extra: dict[str, Any],
+    accounting: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """summary.json's content (see the module docstring for the definitions)."""
     steps = rl_steps(rl_rows)
@@ -121,7 +130,13 @@ def build_summary(
         * group_size,
         "prompts_leased": _counter(counters, "train:leased"),
         "eval_prompts_leased": _counter(counters, "eval:leased"),
-        "prompts_lost": outstanding,
+        "prompts_lost": _lost(accounting, outstanding),
+        "prompts_lost_why": (accounting or {}).get("prompts_lost_why"),
+        "prompts_pending": (accounting or {}).get("prompts_pending"),
+        "groups_trained_over_max_staleness": (accounting or {}).get(
+            "groups_trained_over_max_staleness"
+        ),
+        "staleness_trained_max": (accounting or {}).get("staleness_trained_max"),
         "groups_duplicated": _counter(counters, "train:duplicate", "eval:duplicate"),
         "groups_dropped": {
             k: v for k, v in counters.items() if ":dropped" in k or k.endswith("dropped")

@@ -20,12 +20,14 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from kuberl.common import tls
+import yaml
+
+from kuberl.common import preflight, tls
 from kuberl.common.config import (
     ConfigError,
     JobConfig,
@@ -70,7 +72,10 @@ def shm_folder_name(run_dir: Path) -> str:
 class RunOptions:
     """What `kuberl run` was asked; None keeps the job file's `job.local` value."""
 
-    job_file: Path
+    job_file: Path | None = None
+    overrides: list[str] = field(default_factory=list)  # `section.field=value` from the CLI
+    job: Any = None  # instead of job_file: a dict of sections or a JobConfig (kuberl.run)
+    resume: Path | None = None  # a run folder to go on with (its job.yaml, Redis, checkpoints)
     rollout_replicas: int | None = None
     trainer_processes: int | None = None
     device: str | None = None
@@ -136,18 +141,27 @@ class Supervisor:
         self.phase_seconds: dict[str, float] = {}
         self.chaos: Any = None  # kuberl.local.chaos.ChaosMonkey with --chaos
         self.chaos_report: dict[str, Any] | None = None
+        #: Every prompt's fate (kuberl.local.accounting), read before Redis stops.
+        self.accounting: dict[str, Any] = {}
         self.rl_rows_seen = 0  # RL steps completed as the trainer's rows tell (restarts included)
         self.last_step = 0
+        self.made_run_dir = False  # this run created its folder (removed if it never started)
+        self.prepared = False
 
     # ------------------------------------------------------------------ entry
 
     def run(self) -> int:
+        # Only the main thread may take signals (kuberl.run from a thread: stop it otherwise).
+        main = threading.current_thread() is threading.main_thread()
         previous = {
-            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+            sig: signal.signal(sig, self._on_signal)
+            for sig in (signal.SIGINT, signal.SIGTERM)
+            if main
         }
         status = "failed"
         try:
             self._prepare()
+            self.prepared = True
             if self._warm_start_wanted():
                 self._warm_start()
             self._start_services()
@@ -188,7 +202,10 @@ class Supervisor:
         from kuberl.common.modelbuild import resolve_model
 
         opts = self.options
-        config = load_job_config(opts.job_file)
+        config = self._load_job()
+        # Every file, model, dataset and plugin, before anything starts or any folder is made;
+        # models and datasets named by hub id are fetched here, once for every service.
+        resolved = preflight.check_job(config, self.cwd)
         local = config.job.local.model_dump()
         for key in ("rollout_replicas", "trainer_processes", "device", "max_restarts"):
             value = getattr(opts, key)
@@ -210,7 +227,10 @@ class Supervisor:
         doc["job"]["local"] = local
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.started_unix))
         name = config.job.name
-        if opts.run_dir:
+        if opts.resume is not None:
+            self.run_dir = opts.resume.resolve()
+            (self.run_dir / "summary.json").unlink(missing_ok=True)  # rewritten at the end
+        elif opts.run_dir:
             self.run_dir = opts.run_dir.resolve()
             if self.run_dir.is_dir() and any(self.run_dir.iterdir()):
                 # Its checkpoints would be resumed, its Redis AOF replayed and its metrics
@@ -230,10 +250,21 @@ class Supervisor:
                     break
                 except FileExistsError:
                     continue
+        self.made_run_dir = True
         (self.run_dir / "logs").mkdir(exist_ok=True)
         for section in ("train", "eval"):
-            for ds in doc["data"][section]:
-                ds["path"] = _abs(ds["path"], self.cwd)
+            for i, ds in enumerate(doc["data"][section]):
+                folder = resolved.datasets.get(f"data.{section}[{i}].path")
+                if folder is not None:  # a hub id: the services read the fetched snapshot
+                    ds["name"] = ds["name"] or Path(ds["path"]).stem
+                    ds["path"] = str(folder)
+                else:
+                    ds["path"] = _abs(ds["path"], self.cwd)
+        if resolved.model is not None:
+            doc["model"]["path"] = str(resolved.model.resolve())
+            doc["model"]["revision"] = None
+        if resolved.reward_model is not None:
+            doc["reward"]["reward_model"].update(path=str(resolved.reward_model), revision=None)
         if doc["trainer"]["sft_data"]:
             doc["trainer"]["sft_data"] = _abs(doc["trainer"]["sft_data"], self.cwd)
         for section in ("buffer", "reward", "rollout", "trainer", "weight_sync"):
@@ -252,7 +283,7 @@ class Supervisor:
                 doc["rollout"]["engine"]["device"] = "cuda:0"
             transports = [t for t in doc["weight_sync"]["transports"] if t != "cuda_ipc"]
             doc["weight_sync"]["transports"] = ["cuda_ipc", *transports]
-        self.config = parse_job_config(doc, env={}, source=str(opts.job_file))
+        self.config = parse_job_config(doc, env={}, source=str(opts.job_file or "<job>"))
         # The supervisor's own channels (readiness, stats, the final report) speak the job's TLS:
         # the services' servers accept nothing else.
         tls.configure(self.config.tls)
@@ -270,6 +301,30 @@ class Supervisor:
         self.phase_seconds["model"] = time.monotonic() - started
         self.doc["model"]["path"] = self.model_path
         self._write_job(self.doc)
+
+    def _load_job(self) -> JobConfig:
+        """The job: a file, an object (`kuberl.run`), or the resolved job.yaml of the run folder
+        to resume, whose Redis is its embedded one again (started from its AOF) and whose
+        endpoints are picked again."""
+        opts = self.options
+        if opts.resume is not None:
+            saved = opts.resume / "job.yaml"
+            try:
+                doc = yaml.safe_load(saved.read_text())
+            except OSError:
+                raise ConfigError(
+                    f"--resume {opts.resume}: no job.yaml there; give a run folder of "
+                    "`kuberl run` (runs/<job>-<time>)"
+                ) from None
+            if (opts.resume / "redis").is_dir():
+                doc["redis"]["url"] = None
+            doc.pop("endpoints", None)
+            return parse_job_config(doc, source=str(saved), overrides=opts.overrides)
+        if opts.job is not None:
+            job = opts.job
+            doc = job.model_dump(mode="json") if isinstance(job, JobConfig) else job
+            return parse_job_config(doc, source="<kuberl.run job>", overrides=opts.overrides)
+        return load_job_config(opts.job_file, overrides=opts.overrides)
 
     def _rel(self, path: Path) -> str:
         with contextlib.suppress(ValueError):
@@ -612,22 +667,34 @@ class Supervisor:
             f"at step {self.last_step}"
         )
 
+    def _prompt_accounting(self) -> dict[str, Any]:
+        """Every prompt's fate and the staleness the final weights were trained at, from the
+        buffer's Redis (still up) and trained.jsonl: for summary.json and chaos.json."""
+        from kuberl.local import accounting
+
+        assert self.config is not None
+        lineage = accounting.trained_lineage(accounting.read_rows(self.run_dir / "trained.jsonl"))
+        report = accounting.staleness_trained(lineage, self.config.trainer.max_staleness)
+        try:
+            url = self.doc["redis"]["url"]
+            password = os.environ.get(self.config.redis.password_env) or None
+            # A chaos run may have just restarted Redis (its AOF loading); otherwise a Redis
+            # that does not answer at once is not coming back for the report.
+            wait = 60.0 if self.chaos is not None else 5.0
+            buffer = accounting.read_buffer_state(url, self.config.job.name, password, wait)
+            report.update(accounting.prompt_accounting(buffer, lineage))
+        except Exception as exc:  # still write what is known; the missing keys say it failed
+            log.exception("accounting.failed")
+            report["accounting_error"] = f"{type(exc).__name__}: {exc}"
+        return report
+
     def _chaos_accounting(self, status: str) -> None:
         """chaos.json: the fault record and every prompt's fate (Redis must still be up)."""
         from kuberl.local import accounting
 
-        assert self.config is not None
         record = self.chaos.record()
         lineage = accounting.trained_lineage(accounting.read_rows(self.run_dir / "trained.jsonl"))
-        report: dict[str, Any] = {"status": status, **record}
-        try:
-            url = self.doc["redis"]["url"]
-            password = os.environ.get(self.config.redis.password_env) or None
-            buffer = accounting.read_buffer_state(url, self.config.job.name, password)
-            report.update(accounting.prompt_accounting(buffer, lineage))
-        except Exception as exc:  # still write what is known; the missing keys say it failed
-            log.exception("chaos.accounting_failed")
-            report["accounting_error"] = f"{type(exc).__name__}: {exc}"
+        report: dict[str, Any] = {"status": status, **record, **self.accounting}
         timeline = self.progress.timeline if self.progress else []
         versions = accounting.replica_versions(timeline, lineage, self.replica_names)
         report["versions_monotonic"] = {n: v["monotonic"] for n, v in versions.items()}
@@ -705,16 +772,24 @@ class Supervisor:
                 group.stop_all(grace=10)  # anything left
         finally:
             self.poller.close()
-            if self.chaos is not None:
+            if self.config is not None:
                 try:
                     self._check_redis()  # killed at the very end: bring it back to read it
-                    self._chaos_accounting(status)
+                    self.accounting = self._prompt_accounting()
+                    if self.chaos is not None:
+                        self._chaos_accounting(status)
                 except Exception:
-                    log.exception("chaos.report_failed")
+                    log.exception("accounting.report_failed")
             if self.redis is not None:
                 self.redis.stop()
             if self.shm_dir is not None:
                 shutil.rmtree(self.shm_dir, ignore_errors=True)
+        if not self.prepared:
+            # Nothing ran: a folder of this run would hold only its failure, and the next run
+            # of the job is easier to find without it.
+            if self.made_run_dir:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            return
         if self.config is not None:
             self._write_report(status, final_buffer, final_replicas, sync)
 
@@ -808,6 +883,7 @@ class Supervisor:
                 "plots": plots,
                 "groups_trained_twice": twice,
             },
+            accounting=self.accounting,
         )
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.summary = summary

@@ -39,7 +39,7 @@ log = get_logger(__name__)
 READY_TIMEOUT_SECONDS = 120.0
 STREAM_LIMIT = 64 * 1024 * 1024
 CHUNK_SIZE = 32
-# Queue priorities: samples re-run alone after a failed chunk go before new ones.
+# Queue priorities within one rank: samples re-run alone after a failed chunk go first.
 SOLO, NEW = 0, 1
 
 _restarts = metrics.counter(
@@ -57,6 +57,7 @@ class _Request:
     future: asyncio.Future[dict[str, Any]]
     running: str = ""
     solo: bool = False
+    rank: int = 0  # its place in its caller's batch (see WorkerPool.run)
 
 
 @dataclass
@@ -78,7 +79,7 @@ class WorkerPool:
         self.timeout = timeout
         self.chunk_size = chunk_size
         self._config_line = config_json.encode() + b"\n"
-        self._queue: asyncio.PriorityQueue[tuple[int, int, _Request]] = asyncio.PriorityQueue()
+        self._queue: asyncio.PriorityQueue[tuple[int, int, int, _Request]] = asyncio.PriorityQueue()
         self._ids = itertools.count()
         self._workers: list[_Worker | None] = [None] * size
         self._tasks: list[asyncio.Task[None]] = []
@@ -108,11 +109,17 @@ class WorkerPool:
                 await self._kill(worker)
                 self._workers[slot] = None
 
-    async def run(self, verifiers: list[str], sample: dict[str, Any]) -> dict[str, Any]:
-        """Results by verifier name: `{"score": ...}` or `{"error": reason, "message": ...}`."""
+    async def run(
+        self, verifiers: list[str], sample: dict[str, Any], rank: int = 0
+    ) -> dict[str, Any]:
+        """Results by verifier name: `{"score": ...}` or `{"error": reason, "message": ...}`.
+
+        `rank` is the sample's place in its caller's batch: the queue serves rank 0 of every
+        waiting batch, then rank 1, ..., so concurrent callers share the workers round-robin and
+        a batch of slow or hanging samples cannot hold another caller's scores behind it."""
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        request = _Request(next(self._ids), verifiers, sample, future)
-        self._queue.put_nowait((NEW, request.id, request))
+        request = _Request(next(self._ids), verifiers, sample, future, rank=rank)
+        self._queue.put_nowait((rank, NEW, request.id, request))
         return await future
 
     async def _spawn(self) -> _Worker:
@@ -164,7 +171,7 @@ class WorkerPool:
         """Up to chunk_size queued requests whose callers still wait; a solo one goes alone."""
         chunk: list[_Request] = []
         while not chunk:
-            _, _, first = await self._queue.get()
+            *_, first = await self._queue.get()
             if first.future.done():  # its caller went away while it queued
                 continue
             chunk.append(first)
@@ -172,7 +179,7 @@ class WorkerPool:
             size = min(self.chunk_size, -(-(self._queue.qsize() + 1) // self.size))
             while not first.solo and len(chunk) < size and not self._queue.empty():
                 entry = self._queue.get_nowait()
-                request = entry[2]
+                request = entry[-1]
                 if request.solo:
                     self._queue.put_nowait(entry)
                     break
@@ -202,7 +209,7 @@ class WorkerPool:
             else:
                 for request in unanswered:
                     request.solo, request.running = True, ""
-                    self._queue.put_nowait((SOLO, request.id, request))
+                    self._queue.put_nowait((request.rank, SOLO, request.id, request))
             await self._replace(slot, "timeout" if reason == "timeout" else "died")
 
     async def _exchange(self, worker: _Worker, chunk: list[_Request]) -> tuple[str, str] | None:

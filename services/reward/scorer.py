@@ -225,7 +225,7 @@ class Scorer:
         for i, (sample, combo) in enumerate(zip(samples, combinations, strict=True)):
             pooled = [n for n in combo if self._backends[n] == "pool"]
             if pooled:
-                jobs.append(self._pooled(sample, pooled, outcomes[i]))
+                jobs.append(self._pooled(sample, pooled, outcomes[i], i))
             for name in combo:
                 backend = self._backends[name]
                 if backend == "sandbox":
@@ -268,10 +268,10 @@ class Scorer:
         _seconds.labels(name).observe(time.perf_counter() - started)
 
     async def _pooled(
-        self, sample: RewardSample, names: list[str], into: dict[str, Outcome]
+        self, sample: RewardSample, names: list[str], into: dict[str, Outcome], rank: int
     ) -> None:
         with_tokens = any(name not in BUILTINS for name in names)
-        results = await self.pool.run(names, sample.to_json(with_tokens=with_tokens))
+        results = await self.pool.run(names, sample.to_json(with_tokens=with_tokens), rank)
         for name, result in results.items():
             if "error" in result:
                 into[name] = VerifierFailure(result["error"], result["message"])

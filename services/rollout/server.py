@@ -207,7 +207,7 @@ class RolloutService(Service):
         config = self.config
         port = config.rollout.server.port
         endpoint = f"{socket.gethostname()}:{port}" if port else ""
-        if self.engine.kind == "torch":
+        if self.engine.kind in ("torch", "simulated"):
             device = getattr(config.rollout.engine, "device", "cpu")
             # On a GPU the trainer's buckets can be copied device to device (same GPU) or
             # broadcast over NCCL; every engine can take shared memory, gloo and snapshots.
@@ -223,6 +223,9 @@ class RolloutService(Service):
                 transports=(*gpu, "shm", "gloo", "snapshot"),
                 device=device,
                 shm_in_place=True,
+                # Versions it holds pass on to other engines (weight-sync's relay tree).
+                peer_host=_pod_address() if config.weight_sync.relay_fanout else "",
+                peer_bytes_per_second=config.weight_sync.snapshot_bytes_per_second,
             )
         else:
             tp_size = getattr(config.rollout.engine, "tp_size", 1)
@@ -309,6 +312,14 @@ class RolloutService(Service):
             self._in_loop(got, lambda: engine.apply_snapshot(Path(f.name), got, folder))
         finally:  # moved into place when applied; a model-sized file never stays behind
             Path(f.name).unlink(missing_ok=True)
+
+
+def _pod_address() -> str:
+    """The address other pods reach this one at (its hostname's, the pod IP on Kubernetes)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def create_service(config: JobConfig) -> RolloutService:

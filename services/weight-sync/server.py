@@ -2,7 +2,8 @@
 
 `kuberl serve weight_sync` runs it. Control plane: engines register, heartbeat (a long poll that
 returns as soon as an update is pending) and leave; one silent for `missed_heartbeats` beats is
-dropped. The trainer announces a version (`Publish`, strictly increasing, else FAILED_PRECONDITION),
+dropped. The trainer announces a version (`Publish`, above the latest committed one, else
+FAILED_PRECONDITION; a new announcement replaces one never completed),
 hands over its bytes — written straight into this service's shared memory on the same host
 (`CommitPublish`), or streamed in checked chunks (`UploadSnapshot`) — and returns: the trainer never
 waits for engines. The service is then the relay: for every engine present and idle it starts an
@@ -47,15 +48,17 @@ from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
 from kuberl.common import metrics
 from kuberl.common.channels import aio_channel
 from kuberl.common.config import JobConfig, WeightSyncConfig
-from kuberl.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from kuberl.common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from kuberl.common.logs import get_logger
+from kuberl.common.roles import require_instance
 from kuberl.common.server import Service
-from kuberl.common.weights.chunks import ChunkReceiver, CorruptSnapshot, iter_chunks
+from kuberl.common.weights.chunks import ChunkReceiver, CorruptSnapshot, Pacer, iter_chunks
 from kuberl.common.weights.manifest import Manifest
 from kuberl.common.weights.transports import transport_name, transport_value
 from kuberl.common.weights.transports.broadcast import BroadcastSender
 from kuberl.common.weights.transports.cuda_ipc import gpu_uuid, split_cuda_ipc
 from kuberl.weight_sync.registry import Assignment, Engine, Registry
+from kuberl.weight_sync.relay import SERVICE, Relay
 from kuberl.weight_sync.store import DigestMismatch, StoredVersion, VersionStore
 
 log = get_logger(__name__)
@@ -64,8 +67,8 @@ SERVICE_NAME = "kuberl.weight_sync.v1.WeightSyncService"
 #: Longest a heartbeat long poll is held, whatever the engine asks.
 MAX_POLL_SECONDS = 30.0
 #: The pause before an engine whose update failed is sent the current version again, doubled
-#: for every failure in a row up to `RETRY_MAX_SECONDS`. An engine that cannot load a version
-#: (its model does not match it) failed and got it again every few milliseconds, for good.
+#: for every failure in a row up to `RETRY_MAX_SECONDS`, so an engine that cannot load a version
+#: (its model does not match it) is not resent it in a tight loop.
 RETRY_FIRST_SECONDS = 0.5
 RETRY_MAX_SECONDS = 30.0
 
@@ -116,6 +119,9 @@ class _Metrics:
         self.notify_failures = metrics.counter(
             f"{p}_notify_failures_total", "Best-effort NotifyWeightsUpdate pushes that failed"
         )
+        self.relayed = metrics.counter(
+            f"{p}_relayed_bytes_total", "Snapshot bytes engines streamed to each other (relay)"
+        )
 
 
 #: Values of the `engines_behind` gauge's `behind` label: "ahead" is an engine holding a version
@@ -153,9 +159,13 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     # every call UNAVAILABLE meanwhile, so no handler runs before `store` is open.
     starting = "restoring its last version"
 
-    def __init__(self, config: WeightSyncConfig, job: str = "kuberl", address: str = "") -> None:
+    def __init__(
+        self, config: WeightSyncConfig, job: str = "kuberl", address: str = "", roles: bool = False
+    ) -> None:
         self.config = config
         self.job = job
+        #: tls.roles: an engine acts only under its own identity (kuberl.common.roles).
+        self.roles = roles
         self.hostname = socket.gethostname()
         self.advertise_host = config.advertise_host or _default_advertise_host()
         #: host:port engines use for StreamSnapshot; empty = the address they registered at.
@@ -164,11 +174,13 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         #: The relay's GPU for NCCL broadcasts ("" without one: no engine gets nccl).
         self.relay_gpu = ""
         self.registry = Registry(config.heartbeat_seconds, config.missed_heartbeats)
+        self.relay = Relay(config.relay_fanout)
+        self.pacer = Pacer(config.snapshot_bytes_per_second)
         self.store: VersionStore | None = None
         self.metrics = _Metrics()
         self.current = 0
         self.announced: dict[int, _Announced] = {}
-        self.highest_announced = 0
+        self.latest_announced = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
@@ -227,6 +239,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def stop(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
+        self.relay = Relay(0)  # nobody is admitted while the assignments end
         for engine in self.registry.engines.values():
             self._end_assignment(engine)
         if self.store is not None:
@@ -239,15 +252,25 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
 
     # ------------------------------------------------------------------ engines
 
+    def _own_engine(self, context: grpc.aio.ServicerContext, engine_id: str) -> None:
+        if self.roles:
+            try:
+                require_instance(context, engine_id, "engine")
+            except PermissionDenied:
+                self.metrics.rejected.labels("foreign_engine").inc()
+                raise
+
     async def RegisterEngine(
         self, request: pb.RegisterEngineRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterEngineResponse:
+        self._own_engine(context, request.engine.engine_id)
         for t in request.engine.transports:
             if transport_name(t) == "unspecified":
                 self.metrics.rejected.labels("bad_transport").inc()
                 raise InvalidArgument(f"engine transports: unknown transport value {t}")
         engine, new = self.registry.register(request.engine)
         engine.wake = engine.wake or asyncio.Event()
+        self.relay.join(engine.engine_id, request.engine.peer_endpoint)
         # A version whose fan-out already began reaches this engine by snapshot.
         engine.catch_up_below = self.current + 1
         if new:
@@ -271,6 +294,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatResponse:
+        self._own_engine(context, request.engine_id)
         engine = self.registry.get(request.engine_id)
         if engine is None:
             return pb.HeartbeatResponse(current_version=self.current, known=False)
@@ -281,6 +305,8 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             # It holds what it was sent: its ReportLoaded was lost. Kept open, the assignment
             # was handed out again at every heartbeat and left the engine out of the next
             # version's fan-out until it timed out.
+            self._count_relayed(engine, assignment.version)
+            self.relay.holds(engine.engine_id, request.loaded_version)
             self._end_assignment(engine)
             self._unpin(engine, request.loaded_version)
         self._catch_up(engine)
@@ -305,9 +331,11 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def LeaveEngine(
         self, request: pb.LeaveEngineRequest, context: grpc.aio.ServicerContext
     ) -> pb.LeaveEngineResponse:
+        self._own_engine(context, request.engine_id)
         engine = self.registry.remove(request.engine_id)
         if engine is not None:
             self._end_assignment(engine)
+            self.relay.leave(engine.engine_id)
             self._unpin(engine)
             engine.wake.set()
             self.metrics.leaves.labels("leave").inc()
@@ -318,6 +346,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     async def ReportLoaded(
         self, request: pb.ReportLoadedRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReportLoadedResponse:
+        self._own_engine(context, request.engine_id)
         engine = self.registry.get(request.engine_id)
         if engine is None:
             self.metrics.rejected.labels("unknown_engine").inc()
@@ -330,11 +359,14 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         transport = transport_name(source.transport) if source else "unknown"
         if overdue is not None and request.version >= overdue.version:
             engine.overdue = None
+        relayed_from = self.relay.source_of(engine.engine_id)
         if request.ok:
             self._note_loaded(engine, request.version)
+            self.relay.holds(engine.engine_id, request.version)
             engine.last_error = ""
             if assignment is not None and assignment.version == request.version:
                 seconds = time.monotonic() - assignment.started
+                self._count_relayed(engine, request.version)
                 self.metrics.update_seconds.labels(transport).observe(seconds)
                 # Broadcasts are counted by the relay's sender and snapshots by StreamSnapshot
                 # (which serves other downloads too); shm and CUDA IPC move no bytes through
@@ -346,6 +378,8 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                 transport=transport, seconds=round(request.load_seconds, 4),
             )  # fmt: skip
         else:
+            if relayed_from is not None:
+                self.relay.failed_source(relayed_from)
             engine.last_error = request.error
             engine.failures += 1
             pause = min(RETRY_FIRST_SECONDS * 2 ** (engine.failures - 1), RETRY_MAX_SECONDS)
@@ -384,17 +418,10 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         if version <= 0:
             self.metrics.rejected.labels("bad_version").inc()
             raise InvalidArgument(f"version must be a positive integer, got {version}")
-        if version > self.current and version in self.announced:
-            # The trainer's retry of a publish that never committed (its shared-memory write
-            # failed, its CommitPublish never arrived): start it again. It was refused as not
-            # above the latest version, and after a few tries the trainer gave the version up.
-            log.warning("publish.retried", version=version)
-            self._forget(version)
-        latest = max(self.current, self.highest_announced)
-        if version <= latest:
+        if version <= self.current:
             self.metrics.rejected.labels("stale_version").inc()
             raise FailedPrecondition(
-                f"version {version} is not above the latest published version {latest}; "
+                f"version {version} is not above the latest published version {self.current}; "
                 "versions must increase"
             )
         offered = set(request.transports) or {pb.TRANSPORT_SNAPSHOT}
@@ -414,11 +441,15 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                 "the trainer must offer shm (on this service's host) or snapshot (a gRPC "
                 f"upload); it offered {sorted(transport_name(t) for t in offered)}"
             )
-        # A lower announced version can no longer win: forget it.
-        for old in [v for v in self.announced if v < version]:
+        # One announcement at a time, the latest: one that was never completed (a retry of the
+        # same version, or any client's Publish that sent no bytes) cannot block this one.
+        superseded = sorted(self.announced)
+        for old in superseded:
             self.announced.pop(old)
             self.store.discard(old)
-        self.highest_announced = version
+        if superseded and superseded != [version]:
+            log.warning("publish.superseded", version=version, announced=superseded)
+        self.latest_announced = version
         announced = _Announced(version, transport, time.monotonic())
         ipc_engines = 0
         if (
@@ -466,7 +497,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             self.metrics.rejected.labels("not_announced").inc()
             raise FailedPrecondition(
                 f"version {version} was not announced for {transport_name(transport)} by "
-                f"Publish, or a later version superseded it (latest {self.highest_announced})"
+                f"Publish, or another announcement superseded it (latest {self.latest_announced})"
             )
         return announced
 
@@ -476,7 +507,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         assert self.store is not None
         self.announced.pop(version, None)
         self.store.discard(version)
-        self.highest_announced = max([self.current, *self.announced])
+        self.latest_announced = max([self.current, *self.announced])
 
     async def UploadSnapshot(
         self, request_iterator: AsyncIterator[pb.SnapshotChunk], context: grpc.aio.ServicerContext
@@ -511,8 +542,8 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                     # (they went on into its deleted file to the last chunk).
                     self.metrics.rejected.labels("superseded").inc()
                     raise FailedPrecondition(
-                        f"version {version} was superseded by version {self.highest_announced} "
-                        "while it was sent"
+                        f"version {version} was superseded by the announcement of "
+                        f"{self.latest_announced} while it was sent"
                     )
                 if receiver.received + len(chunk.data) > limit:
                     self.metrics.rejected.labels("too_large").inc()
@@ -709,6 +740,12 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             self._assign(engine, stored, pb.TRANSPORT_SNAPSHOT)
 
     def _assign(self, engine: Engine, stored: StoredVersion, transport: int) -> None:
+        source = SERVICE
+        if transport == pb.TRANSPORT_SNAPSHOT:
+            relay = self.relay.source(engine.engine_id, stored.version)
+            if relay is None:
+                return  # every source is busy: assigned when one frees (`_admit_waiting`)
+            source = relay
         now = time.monotonic()
         timeout = self.config.broadcast_timeout_seconds
         instruction = pb.UpdateInstruction(
@@ -729,7 +766,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             instruction.handles_json = stored.cuda_ipc_sets.pop(0).to_json()
         elif transport == pb.TRANSPORT_SNAPSHOT:
             # Empty: the address the engine already talks to (right behind a Kubernetes Service).
-            instruction.snapshot_endpoint = self.address
+            instruction.snapshot_endpoint = source or self.address
         elif transport in (pb.TRANSPORT_GLOO, pb.TRANSPORT_NCCL):
             nccl = transport == pb.TRANSPORT_NCCL
             sender = BroadcastSender(
@@ -826,6 +863,18 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         assignment, engine.assignment = engine.assignment, None
         if assignment is not None and assignment.sender is not None:
             assignment.sender.close()
+        if self.relay.finished(engine.engine_id) is not None:
+            self._admit_waiting()
+
+    def _admit_waiting(self) -> None:
+        """Engines waiting for a relay slot take the ones free now (each refused one waits on)."""
+        for _ in range(self.relay.waiting_count()):
+            engine_id = self.relay.next_waiting()
+            engine = self.registry.get(engine_id) if engine_id is not None else None
+            if engine is not None:
+                self._catch_up(engine)
+                if engine.assignment is None and self.relay.is_waiting(engine.engine_id):
+                    return  # no slot left
 
     def _unpin(self, engine: Engine, reported: int | None = None) -> None:
         """Release the shared-memory versions the engine is done with: all (it left), else those
@@ -851,6 +900,12 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             serving = engine.shm_in_place and stored.version == engine.loaded_version
             if serving or stored.version > engine.loaded_version:
                 self.store.retire(stored.segment)
+
+    def _count_relayed(self, engine: Engine, version: int) -> None:
+        """`engine` got `version` from a peer (heard of by its report or, if that was lost, by its
+        heartbeat: the assignment ends at whichever comes first)."""
+        if self.relay.source_of(engine.engine_id) not in (None, SERVICE):
+            self.metrics.relayed.inc(self._version_bytes(version))
 
     def _count_out(self, transport: str, nbytes: int, seconds: float) -> None:
         self.metrics.bytes.labels(transport, "out").inc(nbytes)
@@ -886,6 +941,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         for engine in self.registry.expired():
             self.registry.remove(engine.engine_id)
             self._end_assignment(engine)
+            self.relay.leave(engine.engine_id)
             self._retire_held(engine)
             self._unpin(engine)
             self.metrics.timeouts.labels("heartbeat").inc()
@@ -956,6 +1012,8 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             for chunk in iter_chunks(
                 stored.version, pieces(), chunk_bytes=chunk_bytes, manifest_first=stored.manifest
             ):
+                if wait := self.pacer.delay(len(chunk.data)):
+                    await asyncio.sleep(wait)
                 yield chunk
         finally:
             self.store.unpin(stored)
@@ -984,4 +1042,4 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
 
 def create_service(config: JobConfig) -> WeightSyncService:
     """Entry point of `kuberl serve weight_sync`."""
-    return WeightSyncService(config.weight_sync, job=config.job.name)
+    return WeightSyncService(config.weight_sync, job=config.job.name, roles=config.tls.roles)

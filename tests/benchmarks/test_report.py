@@ -157,6 +157,38 @@ LINES: dict[str, dict[str, Any]] = {
         },
     },
     "trainer_mfu": {"skipped": True, "reason": "no CUDA device"},
+    "scale": {
+        "runs": [
+            {
+                "replicas": 4,
+                "lease_ms": {"p50": 3.0, "p99": 5.0},
+                "put_ms": {"p50": 8.0, "p99": 10.0},
+                "cpu_ms_per_1k_traj": {"buffer_plus_redis": 800.0},
+            },
+            {
+                "replicas": 256,
+                "lease_ms": {"p50": 20.0, "p99": 40.0},
+                "put_ms": {"p50": 30.0, "p99": 60.0},
+                "cpu_ms_per_1k_traj": {"buffer_plus_redis": 600.0},
+            },
+        ],
+        "fan_out": {
+            "star": {"4": {"seconds": 1.0}, "64": {"seconds": 9.0}},
+            "relay": {"4": {"seconds": 1.0}, "64": {"seconds": 2.5}},
+        },
+        "buffers_at_largest": {"one": {"traj_per_s": 500.0}, "two": {"traj_per_s": 600.0}},
+        "summary": {
+            "cpu_per_1k_ratio_largest_to_smallest": 0.75,
+            "fan_out_ratio_64_to_4": 2.5,
+            "two_buffers_ratio": 1.2,
+            "goals_met": {
+                "p99_ms": False,
+                "cpu_ratio": True,
+                "fan_out_ratio": True,
+                "two_buffers": False,
+            },
+        },
+    },
 }
 MFU_ON_H100 = {
     "benchmark": "trainer_mfu",
@@ -191,6 +223,20 @@ def test_result_lines_become_table_rows_with_goal_and_verdict() -> None:
         "| box: 2-core x86_64 CPU, no GPU, load 2.0-3.0 | 2026-11-23 12:00 UTC |"
     )
     assert expected in text.splitlines()
+
+
+def test_the_scale_rows_compare_the_largest_n_to_the_smallest_and_relay_to_star() -> None:
+    rows = [
+        line for line in report.render(_results(), {}, note="").splitlines() if "scale:" in line
+    ]
+    cells = [row.split(" | ")[1:6] for row in rows]
+    assert cells == [
+        ["40.0 / 60.0 ms", "5.0 / 10.0 ms at 4", "6.00x", "<= 50 ms", "**no**"],
+        ["600 ms", "800 ms at 4", "0.75x", "<= 1.5x", "yes"],
+        ["2.50 s", "1.00 s to 4; star 9.00 s to 64", "2.50x", "<= 3x", "yes"],
+        ["600 traj/s", "500 traj/s (one replica)", "1.20x",
+         ">= 1.7x (or the bound named in docs/scale.md)", "**no**"],
+    ]  # fmt: skip
 
 
 def test_the_trl_headline_row_says_not_reached_when_kuberl_never_got_there() -> None:

@@ -276,13 +276,17 @@ def test_a_service_that_keeps_failing_ends_the_run_with_its_last_log_lines(tmp_p
     job = _short_job(tmp_path, warm_start=False)
     doc = yaml.safe_load(job.read_text())
     doc["job"]["local"]["max_restarts"] = 1
-    doc["reward"]["custom"] = {"boom": {"function": "tests.e2e.no_such_module:score"}}
-    doc["reward"]["verifiers"] = {"boom": 1.0}
+    # A causal LM where a reward model belongs: a model folder, so it passes the checks before
+    # the start, and the reward service fails loading it at every start.
+    from kuberl.common.modelbuild import build_model
+
+    doc["reward"]["reward_model"] = {"path": str(build_model(tmp_path / "not-an-rm"))}
+    doc["reward"]["verifiers"] = {"rm": 1.0}
     job.write_text(yaml.safe_dump(doc))
     proc = _kuberl_run(job, tmp_path / "run")
     out, _ = proc.communicate(timeout=300)
     tail = out[out.find("the job cannot go on") :]
-    assert (proc.returncode, "reward" in out, "no_such_module" in tail) == (1, True, True), out
+    assert (proc.returncode, "reward" in out, "num_labels is 2" in tail) == (1, True, True), out
 
 
 @pytest.mark.slow

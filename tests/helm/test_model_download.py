@@ -1,7 +1,7 @@
 """A model named by Hugging Face id (`model.path: Qwen/Qwen2.5-7B-Instruct`): one Job downloads it
 into the models volume with the token from a Secret, every pod that mounts the volume waits for
 the download and reads the same folder, and only the Job may leave the cluster, only when asked.
-The Job's script runs here against a fake hub (tests/helm/fake_hub.py: the real hub cannot be
+The Job's script runs here against the hub stand-in (tests/hub_standin.py: the real hub cannot be
 reached)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from tests.helm.chart import VALUE_SETS, pod_spec, render, render_values, workloads
-from tests.helm.fake_hub import fake_hub
 from tests.helm.upgrade import refused_changes
+from tests.hub_standin import hub_standin
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk not installed")
 
@@ -128,7 +128,12 @@ def test_the_jobs_script_downloads_once_with_the_token_and_marks_the_folder(tmp_
     container = _download(render("hub-model"))
     env = {k: v for k, v in _env(container).items() if isinstance(v, str)}
     files = {"config.json": b'{"model_type": "qwen2"}', "model.safetensors": b"\0" * 4096}
-    with fake_hub(HUB_ID, files) as hub:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name, body in files.items():
+        (repo / name).write_bytes(body)
+    with hub_standin() as hub:
+        hub.add("model", HUB_ID, repo)
         env |= {
             "KUBERL_MODEL_DIR": str(tmp_path / "models" / HUB_ID),
             "HF_HOME": str(tmp_path / "models" / ".cache" / "huggingface"),
@@ -136,11 +141,11 @@ def test_the_jobs_script_downloads_once_with_the_token_and_marks_the_folder(tmp_
             "HF_TOKEN": "hf_secret_from_the_secret",
         }
         first = _run_download(container, env)
-        fetched = sorted(hub.downloads())
+        fetched = sorted(p.rsplit("/", 1)[1] for p in hub.downloads())
         second = _run_download(container, env)
     folder = tmp_path / "models" / HUB_ID
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
-    assert fetched == sorted(files) and sorted(hub.downloads()) == sorted(files)
+    assert fetched == sorted(files) and len(hub.downloads()) == len(files)
     assert {auth for _, _, auth in hub.requests} == {"Bearer hf_secret_from_the_secret"}
     assert (folder / "model.safetensors").read_bytes() == files["model.safetensors"]
     assert (folder / ".kuberl-download-complete").read_text() == f"{HUB_ID}@main\n"
@@ -150,7 +155,7 @@ def test_the_jobs_script_downloads_once_with_the_token_and_marks_the_folder(tmp_
 def test_a_failed_download_leaves_no_mark(tmp_path: Path) -> None:
     container = _download(render("hub-model"))
     env = {k: v for k, v in _env(container).items() if isinstance(v, str)}
-    with fake_hub("someone/else", {}) as hub:
+    with hub_standin() as hub:
         env |= {
             "KUBERL_MODEL_DIR": str(tmp_path / HUB_ID),
             "HF_HOME": str(tmp_path / "hf"),

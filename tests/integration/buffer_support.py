@@ -200,9 +200,9 @@ def corrupt_put(kind: str) -> tuple[list[tpb.Group], list[str]]:
     elif kind == "repeated_sample_index":
         t.sample_index = 0
     elif kind == "unknown_prompt":
-        return [make_group("nope:0")], []
+        return [make_group("nope:0")], ["0-1"]
     elif kind == "epoch_never_queued":
-        return [make_group("train:0", epoch=5)], []
+        return [make_group("train:0", epoch=5)], ["0-1"]
     elif kind == "lease_count":
         return [make_group("train:0"), make_group("train:1")], ["1-0"]
     elif kind == "no_groups":

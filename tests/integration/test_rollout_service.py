@@ -166,7 +166,7 @@ class Buffer:
         """Up to n groups from a stream (acknowledged, as a trainer would)."""
         batch = self.stub.GetBatch(
             bpb.GetBatchRequest(
-                num_groups=n, max_staleness=-1, consumer="test", wait_seconds=wait, kind=kind
+                num_groups=n, max_staleness=-1, consumer="trainer", wait_seconds=wait, kind=kind
             ),
             timeout=60,
         )

@@ -118,6 +118,7 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
             "snapshot_dir": str(tmp / "snapshots"),
             "shm_dir": str(tmp / "shm"),
         }
+        doc["trainer"] = {"mode": "rl", "sft_steps": 1}  # the buffer takes SFT groups it reads
         job.write_text(yaml.safe_dump(doc))
         with (
             start_buffer(job, tmp) as buffer,

@@ -547,12 +547,13 @@ def test_versions_stay_monotonic_under_concurrent_publishes(
     assert loaded == sorted(set(loaded)) and loaded[-1] == final
 
 
-def test_a_version_below_one_announced_is_refused_and_bytes_of_a_superseded_one_never_commit(
+def test_a_later_announcement_supersedes_a_pending_one_and_its_bytes_never_commit(
     service: ServiceProcess,
 ) -> None:
     # The deterministic half of monotonic versions: v+1's upload is under way (its first chunk
-    # sent: checked at commit, or at that chunk if it arrives late) when a later trainer
-    # announces and commits v+2; v+1's last bytes then arrive.
+    # sent: checked at commit, or at that chunk if it arrives late) when v is announced (above
+    # the committed version: it replaces v+1's announcement) and then a later trainer announces
+    # and commits v+2; v+1's last bytes then arrive.
     v = _next_version(service)
     go = threading.Event()
     codes: dict[str, grpc.StatusCode] = {}
@@ -600,13 +601,13 @@ def test_a_version_below_one_announced_is_refused_and_bytes_of_a_superseded_one_
     )
     refused, ok = grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OK
     assert codes == {
-        "announce v+1": ok, "announce v": refused, "announce v+2": ok, "upload v+2": ok,
+        "announce v+1": ok, "announce v": ok, "announce v+2": ok, "upload v+2": ok,
         "upload v+1": refused, "announce v+2 again": refused,
     }  # fmt: skip
     assert current == v + 2
-    # Every refusal counted: two stale announcements, and v+1's bytes (refused at their first
-    # chunk if it came after v+2's announcement, else at commit).
-    assert (stale, unannounced + superseded) == (2, 1)
+    # Every refusal counted: one stale announcement (v+2 again, once committed), and v+1's
+    # bytes (refused at their first chunk if it came after another announcement, else at commit).
+    assert (stale, unannounced + superseded) == (1, 1)
 
 
 def test_a_service_sigkilled_and_restarted_keeps_its_version_and_hands_it_to_a_new_engine(

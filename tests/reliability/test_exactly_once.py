@@ -148,6 +148,10 @@ def _eight_groups(
             batch_ack_timeout_seconds=2,
             job=f"eo{uuid.uuid4().hex[:8]}",
         )
+        if sft:  # the buffer takes SFT groups only in a job that reads them
+            doc = yaml.safe_load(base.read_text())
+            doc["trainer"] = {"mode": "rl", "sft_steps": 1}
+            base.write_text(yaml.safe_dump(doc))
         with start_buffer(base, tmp) as buffer, Client(buffer.address) as client:
             prompts = list(client.lease(count).prompts)
             for i, p in enumerate(prompts):

@@ -119,7 +119,7 @@ class Buffer:
                 bpb.GetBatchRequest(
                     num_groups=n - len(groups),
                     max_staleness=-1,
-                    consumer="test",
+                    consumer="trainer",
                     wait_seconds=1.0,
                     kind=tpb.STREAM_KIND_TRAIN,
                 ),

@@ -39,6 +39,7 @@ class Authority:
         *,
         dns: tuple[str, ...] = ("localhost",),
         ips: tuple[str, ...] = ("127.0.0.1",),
+        uris: tuple[str, ...] = (),
         days: int = 2,
         not_before_days: int = 1,
     ) -> Pair:
@@ -47,6 +48,7 @@ class Authority:
         now = dt.datetime.now(dt.UTC)
         sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
         sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
+        sans += [x509.UniformResourceIdentifier(u) for u in uris]  # roles: spiffe://kuberl/...
         cert = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))

@@ -198,9 +198,15 @@ CODE_WORDS = re.compile(
 LOADERS = {
     ("services/common/plugins.py", "load_plugin"): "the loader itself",
     ("services/buffer/server.py", "BufferService.__init__"): "buffer.filters",
+    ("services/common/plugins.py", "Registry.resolve"): (
+        "trainer.algorithm.advantage / policy_loss (a registered name or module:function)"
+    ),
     ("services/reward/verifiers/custom.py", "load"): "reward.custom.<name>.function",
     ("services/rollout/functions.py", "load_rollout_function"): "rollout.rollout_function",
     ("services/rollout/tools.py", "ToolRegistry.__init__"): "rollout.multi_turn.tools",
+    ("services/common/preflight.py", "_check_plugins"): (
+        "every plugin the job file names, checked before a run starts"
+    ),
     ("services/cli.py", "_cmd_serve"): "kuberl.<service>.server, service from argparse choices",
     ("services/cli.py", "build_parser"): "kuberl.<provider>.cli from a fixed tuple",
 }

@@ -138,12 +138,6 @@ def test_every_service_still_runs_and_serves_after_all_the_fuzzing(cluster: Clus
     cluster.assert_healthy()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="weight-sync keeps the highest version ever announced by Publish, committed or not, "
-    "and refuses every version at or below it: one Publish(version=2**63-1) from any job client "
-    "blocks all later publishes until the service restarts (reported; see docs/security.md)",
-)
 def test_a_huge_announced_but_never_sent_version_does_not_block_the_next_publish(
     cluster: Cluster,
 ) -> None:

@@ -239,8 +239,13 @@ SERVE_CASES: dict[str, tuple[str, dict[str, Any], list[str]]] = {
     ),
     "trainer, model.path missing": (
         "trainer",
-        {"model": {"path": "models/not-here"}},
-        ["model.path: models/not-here/config.json does not exist"],
+        {"model": {"path": "./models/not-here"}},  # `models/not-here` would be a hub id
+        ["models/not-here/config.json does not exist"],
+    ),
+    "trainer, a hub id not in the cache, offline": (
+        "trainer",
+        {"model": {"path": "no-org/no-model"}},
+        ["model.path: no-org/no-model is not in the Hugging Face cache", "hf download no-org/no-"],
     ),
     "trainer, sft_data missing": (
         "trainer",
@@ -279,7 +284,10 @@ def test_serve_refuses_to_start_without_the_files_the_service_reads(
     doc = {**doc, service: {**doc.get(service, {}), "server": LOCAL}}
     job = _job(tmp_path, doc)
     checked = _kuberl("config", "check", str(job))
-    served = _kuberl("serve", service, "--config", str(job), "--port-file", str(tmp_path / "p"))
+    offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}  # never the real hub
+    served = _kuberl(
+        "serve", service, "--config", str(job), "--port-file", str(tmp_path / "p"), env=offline
+    )
     missing = [line for line in expected if line not in served.stderr]
     assert (checked.returncode, served.returncode, missing) == (0, 2, []), served.stderr
     assert not (tmp_path / "p").exists()  # it never listened

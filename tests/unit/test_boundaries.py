@@ -11,6 +11,8 @@ rule of the package that makes it:
 - `kuberl.cli`, the console script that dispatches to every service, may also reach a service's
   entrypoints, `kuberl.<service>.server` and `kuberl.<service>.cli`, and only inside a function:
   `kuberl --help` loads no service, and a command loads only the service it runs.
+- the root package `kuberl`, whose `kuberl.run()` is the Python API of `kuberl run`, may reach
+  `kuberl.local.api` the same way, inside a function.
 
 An import is `import x`, `from x import y` (relative ones resolved, `y` counted as a possible
 submodule), or `importlib.import_module("x")`; the fields of an f-string target read as any name,
@@ -116,6 +118,9 @@ def allowed(importer: str, imp: Import) -> bool:
     if importer == CLI and target in (*SERVICES, ANY):
         parts = imp.target.split(".")
         return imp.lazy and len(parts) >= 3 and parts[2] in ENTRYPOINTS
+    if importer == "kuberl":
+        api = "kuberl.local.api"
+        return imp.lazy and (imp.target == api or imp.target.startswith(f"{api}."))
     return False
 
 
@@ -202,6 +207,21 @@ CASES = {
         "cli.py",
         "def f():\n    from kuberl.buffer import store\n",
         ["kuberl.buffer"],
+    ),
+    "the root package importing the supervisor's internals": (
+        "__init__.py",
+        "def run():\n    from kuberl.local.supervisor import Supervisor\n",
+        ["kuberl.local.supervisor"],
+    ),
+    "the root package importing the Python API at module level": (
+        "__init__.py",
+        "from kuberl.local.api import run\n",
+        ["kuberl.local.api"],
+    ),
+    "allowed: the root package's lazy Python API": (
+        "__init__.py",
+        "def run():\n    from kuberl.local.api import run\n",
+        [],
     ),
     "allowed: own package, common, api, the root": (
         "weight-sync/server.py",

@@ -55,6 +55,8 @@ async def buffer(
     eval_prompts: int = 0,
     epochs: int = 1,
     job: str | None = None,
+    trainer: dict[str, Any] | None = None,
+    endpoints: dict[str, str] | None = None,
     **buffer_cfg: Any,
 ) -> AsyncIterator[BufferService]:
     """A started BufferService of a fresh job (or `job`) on the shared Redis."""
@@ -81,6 +83,8 @@ async def buffer(
             "data": data,
             "rollout": {"group_size": GROUP_SIZE},
             "buffer": buffer_cfg,
+            "trainer": trainer or {},
+            "endpoints": endpoints or {},
         },
         env={},
     )
@@ -187,9 +191,9 @@ def test_a_rejected_request_stores_none_of_its_valid_groups(redis_url: str, tmp_
             leased = (await lease(svc, 2)).prompts
             good = make_group(leased[0].prompt_id)
             with pytest.raises(InvalidArgument):
-                await put(svc, [good, make_group("nope:1")])
+                await put(svc, [good, make_group("nope:1")], [leased[0].lease_id, "0-1"])
             pending = (await stats(svc)).groups_pending
-            return pending, await put(svc, [good])
+            return pending, await put(svc, [good], [leased[0].lease_id])
 
     assert run(scenario()) == (0, [bpb.PUT_STATUS_ACCEPTED])
 
@@ -317,7 +321,11 @@ def test_a_custom_filter_drops_by_its_verdict_and_a_failing_one_keeps_the_group(
     async def scenario() -> tuple[int, dict[str, int]]:
         async with buffer(redis_url, tmp_path, filters=filters) as svc:
             a, b = (await lease(svc, 2)).prompts
-            await put(svc, [make_group(a.prompt_id, length=4), make_group(b.prompt_id, length=40)])
+            await put(
+                svc,
+                [make_group(a.prompt_id, length=4), make_group(b.prompt_id, length=40)],
+                [a.lease_id, b.lease_id],
+            )
             batch = await get(svc, 2)
             return len(batch.groups), dict(batch.dropped)
 
@@ -713,7 +721,7 @@ def test_rejection_sampling_puts_kept_samples_as_sft_groups_that_complete_train_
     redis_url: str, tmp_path: Path
 ) -> None:
     async def scenario() -> tuple[list[int], list[int], int, bool]:
-        async with buffer(redis_url, tmp_path, prompts=2) as svc:
+        async with buffer(redis_url, tmp_path, prompts=2, trainer={"mode": "sft"}) as svc:
             a, b = (await lease(svc, 2)).prompts
             kept = make_group(a.prompt_id, size=2)
             none = tpb.Group(prompt_id=b.prompt_id, epoch=b.epoch)
@@ -890,7 +898,7 @@ def test_a_group_for_a_prompt_of_another_stream_is_refused(redis_url: str, tmp_p
             await svc.StartEval(bpb.StartEvalRequest(), None)  # type: ignore[arg-type]
             (e, *_) = (await lease(svc, 2, kind=EVAL)).prompts
             with pytest.raises(InvalidArgument) as err:
-                await put(svc, [make_group(e.prompt_id, e.epoch)], kind=TRAIN)
+                await put(svc, [make_group(e.prompt_id, e.epoch)], [e.lease_id], kind=TRAIN)
             return err.value.message, (await stats(svc)).groups_pending
 
     message, pending = run(scenario())

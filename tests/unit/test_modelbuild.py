@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kuberl.common.config import parse_job_config
+from kuberl.common.config import ConfigError, parse_job_config
 from kuberl.common.modelbuild import build_model, build_tokenizer, load_tokenizer, resolve_model
 from tests.support import GSM8K_TRAIN as GSM8K
 
@@ -72,7 +72,7 @@ def test_resolve_builds_once_into_the_cache_and_reuses_it(tmp_path: Path) -> Non
 
 def test_a_model_path_without_a_config_is_refused(tmp_path: Path) -> None:
     config = parse_job_config({"model": {"path": str(tmp_path)}}, env={})
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(ConfigError, match="model.path: .* has no config.json"):
         resolve_model(config)
 
 

@@ -37,6 +37,7 @@ from kuberl.common.config.rollout import (
     RolloutConfig,
     SamplingConfig,
     SGLangEngineConfig,
+    SimulatedEngineConfig,
     TorchEngineConfig,
 )
 from kuberl.common.config.rules import JOB_RULES
@@ -86,6 +87,7 @@ __all__ = [
     "SandboxConfig",
     "Section",
     "ServerConfig",
+    "SimulatedEngineConfig",
     "TLSConfig",
     "TensorBoardTracking",
     "TorchEngineConfig",

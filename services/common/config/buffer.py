@@ -48,3 +48,10 @@ class BufferConfig(Section):
         description="How long the record of an acknowledged batch is kept so that a repeated "
         "Ack answers already_acked (afterwards it is NOT_FOUND).",
     )
+    max_sequence_tokens: int = Field(
+        0,
+        ge=0,
+        description="Most prompt + response tokens of one sample a put may carry (0 = the "
+        "model's max_position_embeddings, read from model.path/config.json when the buffer "
+        "can read it, else no bound: set it where the buffer does not mount the model).",
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from kuberl.common.config.base import Section
 
@@ -17,14 +17,38 @@ class ColumnsConfig(Section):
     )
 
 
+#: Local files read as they are; anything else of a file's shape is refused at once.
+DATA_FILE_SUFFIXES = (".jsonl", ".ndjson", ".parquet")
+OTHER_FILE_SUFFIXES = (".json", ".csv", ".tsv", ".txt", ".arrow", ".yaml", ".yml", ".gz", ".zip")
+
+
 class DatasetConfig(Section):
-    path: str = Field(description="A .jsonl or .parquet file.")
+    path: str = Field(
+        description="A .jsonl or .parquet file, a folder saved by `datasets` (`save_to_disk`) "
+        "or holding data files, or a Hugging Face hub dataset id (`openai/gsm8k`), fetched "
+        "once into the HF cache and read with `datasets` (`subset`, `split`)."
+    )
     name: str | None = Field(None, description="Name in the job; defaults to the file stem.")
+    subset: str | None = Field(
+        None, description="The dataset's configuration (`main` of openai/gsm8k), if it has several."
+    )
+    split: str = Field("train", description="Split of a folder or hub dataset.")
+    revision: str | None = Field(None, description="Branch, tag or commit of a hub dataset.")
     columns: ColumnsConfig = Field(default_factory=ColumnsConfig)
     limit: int = Field(0, ge=0, description="Use only the first N rows (0 = all).")
     verifiers: dict[str, float] | None = Field(
         None, description="Reward verifiers and weights for this dataset (default: reward's)."
     )
+
+    @field_validator("path")
+    @classmethod
+    def _readable_format(cls, value: str) -> str:
+        if value.lower().endswith(OTHER_FILE_SUFFIXES):
+            raise ValueError(
+                f"{value}: unsupported dataset format; give a .jsonl or .parquet file, a folder "
+                "saved by `datasets` (save_to_disk) or a hub dataset id such as openai/gsm8k"
+            )
+        return value
 
 
 class DataConfig(Section):

@@ -43,33 +43,47 @@ class JobConfig(Section):
             rule(self)
         return self
 
-    def check_files(self, service: str) -> None:
-        """Raise ConfigError unless the files `service` reads at start are here.
+    def check_files(self, service: str, base: Path | None = None) -> None:
+        """Raise ConfigError unless the files `service` reads at start are here ("all": every
+        service's, as `kuberl run` and `kuberl config check --files` ask).
 
         `kuberl serve <service>` calls this before it binds a port, so a wrong path fails at
         once with the field that names it, instead of as a traceback deep in the start-up.
-        `kuberl config check` does not: a job file is often checked away from the volumes its
-        pods mount. Relative paths are taken from the working directory, as the services do.
+        Plain `kuberl config check` does not: a job file is often checked away from the volumes
+        its pods mount. Relative paths are taken from `base` (default: the working directory),
+        as the services do; hub ids (`org/name`) are left to `kuberl.common.hub`.
         """
+        from kuberl.common.hub import is_hub_id
+
+        root = base or Path.cwd()
+        wanted = ("buffer", "reward", "rollout", "trainer") if service == "all" else (service,)
         problems: list[str] = []
 
-        def need(field: str, path: str | None, what: str, fix: str) -> None:
-            if path and not Path(path).exists():
-                problems.append(f"{field}: {path} does not exist ({what}); {fix}")
+        def need(
+            field: str, path: str | None, what: str, fix: str, file: str = "", hub: bool = False
+        ) -> None:
+            if not path or (hub and is_hub_id(path, root)):
+                return
+            p = Path(path).expanduser()
+            p = (p if p.is_absolute() else root / p) / file
+            if not p.exists():
+                problems.append(f"{field}: {p} does not exist ({what}); {fix}")
 
         model_fix = (
-            "mount the model there or fix the path, or set model.path: null to build a small "
-            "model (model.build)"
+            "fix the path or give a hub id (Qwen/Qwen2.5-0.5B-Instruct), or set model.path: null "
+            "to build a small model (model.build)"
         )
-        if service in ("rollout", "trainer") and self.model.path:
+        if {"rollout", "trainer"} & set(wanted) and self.model.path:
             need(
                 "model.path",
-                str(Path(self.model.path) / "config.json"),
+                self.model.path,
                 "a Hugging Face model folder has config.json",
                 model_fix,
+                "config.json",
+                hub=True,
             )
         tc = self.trainer
-        if service == "trainer" and tc.sft_data and (tc.mode == "sft" or tc.sft_steps):
+        if "trainer" in wanted and tc.sft_data and (tc.mode == "sft" or tc.sft_steps):
             need(
                 "trainer.sft_data",
                 tc.sft_data,
@@ -77,21 +91,25 @@ class JobConfig(Section):
                 "fix the path, or set trainer.sft_data: null",
             )
         rm = self.reward.reward_model
-        if service == "reward" and rm is not None and "rm" in self.reward.verifiers:
+        if "reward" in wanted and rm is not None and "rm" in self.reward.verifiers:
             need(
                 "reward.reward_model.path",
-                str(Path(rm.path) / "config.json"),
+                rm.path,
                 "a Hugging Face sequence-classification folder",
-                "mount it or fix the path",
+                "mount it, fix the path or give a hub id",
+                "config.json",
+                hub=True,
             )
-        if service == "buffer":
+        if "buffer" in wanted:
             for kind in ("train", "eval"):
                 for i, ds in enumerate(getattr(self.data, kind)):
                     need(
                         f"data.{kind}[{i}].path",
                         ds.path,
-                        "a .jsonl or .parquet file",
-                        "fix the path (relative paths start at the working directory)",
+                        "a .jsonl or .parquet file, or a dataset folder",
+                        f"fix the path (relative paths start at {root}), or give a hub "
+                        "dataset id such as openai/gsm8k",
+                        hub=True,
                     )
             for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
                 need(

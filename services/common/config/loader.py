@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from kuberl.common.config.base import ConfigError
-from kuberl.common.config.env import env_overrides, set_path
+from kuberl.common.config.env import cli_overrides, env_overrides, set_path
 from kuberl.common.config.errors import describe_error
 from kuberl.common.config.jobfile import JobConfig
 
@@ -21,15 +21,18 @@ def parse_job_config(
     data: Mapping[str, Any] | None,
     env: Mapping[str, str] | None = None,
     source: str = "<job>",
+    overrides: Sequence[str] = (),
 ) -> JobConfig:
-    """Validate a job document after applying env overrides; raise ConfigError on any problem."""
+    """Validate a job document after applying env overrides, then the command line's
+    `section.field=value` overrides; raise ConfigError on any problem."""
     if not isinstance(data, Mapping | type(None)):
         raise ConfigError(f"{source}: the job file must be a mapping of sections")
     doc: dict[str, Any] = copy.deepcopy(dict(data or {}))  # overrides never reach the caller's
     origins: dict[str, str] = {}
-    for path, value, name in env_overrides(os.environ if env is None else env):
-        set_path(doc, path, value, f"environment {name}")
-        origins[".".join(path)] = f"environment {name}"
+    changes = env_overrides(os.environ if env is None else env) + cli_overrides(overrides)
+    for path, value, origin in changes:
+        set_path(doc, path, value, origin)
+        origins[".".join(path)] = origin
     try:
         return JobConfig.model_validate(doc)
     except ValidationError as exc:
@@ -39,10 +42,15 @@ def parse_job_config(
         ) from None
 
 
-def load_job_config(path: str | Path | None, env: Mapping[str, str] | None = None) -> JobConfig:
-    """Read a job YAML file (None: defaults only) and validate it with env overrides."""
+def load_job_config(
+    path: str | Path | None,
+    env: Mapping[str, str] | None = None,
+    overrides: Sequence[str] = (),
+) -> JobConfig:
+    """Read a job YAML file (None: defaults only) and validate it with env and command-line
+    overrides."""
     if path is None:
-        return parse_job_config({}, env, "<defaults>")
+        return parse_job_config({}, env, "<defaults>", overrides)
     p = Path(path)
     try:
         text = p.read_text()
@@ -56,7 +64,7 @@ def load_job_config(path: str | Path | None, env: Mapping[str, str] | None = Non
         raise ConfigError(
             f"{p}: the job file must be a mapping of sections, got {type(data).__name__}"
         )
-    return parse_job_config(data, env, str(p))
+    return parse_job_config(data, env, str(p), overrides)
 
 
 def dump_job_config(config: JobConfig) -> str:

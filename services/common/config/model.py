@@ -25,7 +25,13 @@ class BuildModelConfig(Section):
 
 class ModelConfig(Section):
     path: str | None = Field(
-        None, description="Local HF model folder (weights + tokenizer). Null builds one (`build`)."
+        None,
+        description="Local HF model folder (weights + tokenizer), or a Hugging Face hub id "
+        "(`Qwen/Qwen2.5-0.5B-Instruct`) fetched once into the HF cache (HF_HOME, token from "
+        "HF_TOKEN). Null builds one (`build`).",
+    )
+    revision: str | None = Field(
+        None, description="Branch, tag or commit of a hub id in `path` (default: main)."
     )
     build: BuildModelConfig = Field(default_factory=BuildModelConfig)
     dtype: Literal["float32", "bfloat16", "float16"] = Field(

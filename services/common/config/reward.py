@@ -26,7 +26,11 @@ class VerifierSpec(Section):
 class RewardModelConfig(Section):
     """A sequence-classification reward model (`kuberl.reward.verifiers.reward_model`)."""
 
-    path: str = Field(description="Local HF sequence-classification model folder.")
+    path: str = Field(
+        description="Local HF sequence-classification model folder, or a hub id fetched once "
+        "into the HF cache."
+    )
+    revision: str | None = Field(None, description="Branch, tag or commit of a hub id.")
     batch_size: int = Field(16, ge=1)
     device: str = "cpu"
     max_length: int = Field(

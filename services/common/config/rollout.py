@@ -82,6 +82,22 @@ class SGLangEngineConfig(Section):
     )
 
 
+class SimulatedEngineConfig(Section):
+    """A benchmark engine without a model (`kuberl.rollout.engine.simulated`): random tokens at a
+    set rate and length distribution, so one process can host many replicas' engines."""
+
+    kind: Literal["simulated"] = "simulated"
+    tokens_per_second: float = Field(
+        200.0, gt=0, description="Decode rate of every sequence (sequences run in parallel)."
+    )
+    response_tokens: int = Field(256, ge=1, description="Median response length (tokens).")
+    length_sigma: float = Field(
+        0.5, ge=0, description="Log-normal spread of response lengths (0: all the same)."
+    )
+    vocab_size: int = Field(32_000, ge=2, description="Token ids are drawn below this.")
+    seed: int | None = Field(None, description="Seed of the draws (null: job.seed).")
+
+
 def _engine_kind(value: Any) -> str:
     """The engine section's `kind`, `torch` when left out, so that an engine section without it
     (`{max_batch_size: 4}`, or KUBERL_ROLLOUT__ENGINE__DEVICE alone) is the default engine."""
@@ -90,7 +106,9 @@ def _engine_kind(value: Any) -> str:
 
 
 EngineConfig = Annotated[
-    Annotated[TorchEngineConfig, Tag("torch")] | Annotated[SGLangEngineConfig, Tag("sglang")],
+    Annotated[TorchEngineConfig, Tag("torch")]
+    | Annotated[SGLangEngineConfig, Tag("sglang")]
+    | Annotated[SimulatedEngineConfig, Tag("simulated")],
     Discriminator(_engine_kind),
 ]
 

@@ -43,6 +43,14 @@ class TLSConfig(Section):
         description="Name clients expect in the servers' certificates instead of the host they "
         "dial (e.g. one certificate for every service; testing only otherwise).",
     )
+    roles: bool = Field(
+        False,
+        description="Per-RPC roles (mutual TLS only): each component's certificate names it "
+        "with a URI SAN spiffe://kuberl/<job>/<component>[/<instance>], and each service lets "
+        "only the roles that need them call its state-changing methods (rollout leases and "
+        "puts, the trainer reads, acknowledges, sets versions and publishes); anything else is "
+        "PERMISSION_DENIED. Needs one certificate per component (docs/security.md).",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> TLSConfig:
@@ -57,6 +65,10 @@ class TLSConfig(Section):
         if (self.client_cert_file is None) != (self.client_key_file is None):
             raise ValueError(
                 "client_cert_file and client_key_file go together: set both or neither"
+            )
+        if self.roles and not self.require_client_cert:
+            raise ValueError(
+                "tls.roles reads the caller's certificate: set tls.require_client_cert: true"
             )
         if self.require_client_cert:
             if not self.ca_file:

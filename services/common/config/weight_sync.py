@@ -53,6 +53,22 @@ class WeightSyncConfig(Section):
         "for heartbeat_seconds x missed_heartbeats is dropped from the pool.",
     )
     missed_heartbeats: int = Field(3, ge=1, description="Drop an engine after this many.")
+    snapshot_bytes_per_second: float = Field(
+        0.0,
+        ge=0,
+        description="Most snapshot bytes per second one pod streams, all its streams together "
+        "(the service, and each engine passing versions on): keeps weight-sync from filling a "
+        "NIC the buffer and trainer share. 0: no limit.",
+    )
+    relay_fanout: int = Field(
+        0,
+        ge=0,
+        description="Snapshot relay tree: engines that hold a version stream it on to at most "
+        "this many others at a time (and the service to this many), so a version reaches N "
+        "engines in ~log(N) transfer times and the service streams this many at once, not N. "
+        "torch and simulated engines serve peers; SGLang engines only download. 0: the "
+        "service streams every snapshot itself.",
+    )
     broadcast_timeout_seconds: float = Field(
         60.0,
         gt=0,

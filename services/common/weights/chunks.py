@@ -11,6 +11,8 @@ or truncated stream with `CorruptSnapshot` (a ValueError, so servers answer INVA
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 import google_crc32c
@@ -23,6 +25,25 @@ DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 
 class CorruptSnapshot(ValueError):
     """A snapshot stream failed a check (checksum, order, size, version); nothing was kept."""
+
+
+class Pacer:
+    """Keeps the snapshot bytes one process streams (all its streams together) under a rate,
+    as a pod's share of a NIC would: `delay(n)` is how long to wait before sending n bytes."""
+
+    def __init__(self, bytes_per_second: float = 0.0) -> None:
+        self.rate = bytes_per_second  # 0: no limit
+        self._next = 0.0
+        self._lock = threading.Lock()
+
+    def delay(self, nbytes: int) -> float:
+        if self.rate <= 0:
+            return 0.0
+        with self._lock:
+            now = time.monotonic()
+            start = max(self._next, now)
+            self._next = start + nbytes / self.rate
+            return start - now
 
 
 def crc32c(data: bytes | memoryview) -> int:

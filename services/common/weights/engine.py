@@ -26,6 +26,7 @@ from kuberl.common.channels import DEFAULT_MAX_MESSAGE_BYTES, sync_channel
 from kuberl.common.logs import get_logger
 from kuberl.common.weights.chunks import DEFAULT_CHUNK_BYTES
 from kuberl.common.weights.manifest import Manifest
+from kuberl.common.weights.peer import PeerServer
 from kuberl.common.weights.transports import (
     BufferPool,
     Receiver,
@@ -71,6 +72,8 @@ class EngineClient:
         gpu: str | None = None,
         shm_in_place: bool = False,
         ranks: int = 1,
+        peer_host: str = "",
+        peer_bytes_per_second: float = 0.0,
     ) -> None:
         """`gpu`: the UUID of the engine's GPU, which decides CUDA IPC eligibility (None: looked
         up from `device`; "" on the CPU). `shm_in_place`: over `shm`, `load` gets views of the
@@ -78,7 +81,10 @@ class EngineClient:
         the next `load`: for engines that copy into their own parameters anyway, or that serve
         from the views and switch to each new dict at load. `ranks`: how many ranks the engine
         joins a broadcast group with, from the instruction's `rank` up (an SGLang server joins
-        with each tensor-parallel rank: its tp size); the relay sizes the group by it."""
+        with each tensor-parallel rank: its tp size); the relay sizes the group by it.
+        `peer_host`: serve the held version to other engines on this address (a free port;
+        weight-sync's relay tree, `weight_sync.relay_fanout`); "" serves nobody; at most
+        `peer_bytes_per_second` (0: no cap)."""
         if ranks < 1:
             raise ValueError(f"ranks must be at least 1, got {ranks}")
         if (load is None) == (apply is None):
@@ -115,6 +121,9 @@ class EngineClient:
         self.history: deque[tuple[int, str]] = deque(maxlen=HISTORY_KEPT)
         #: Transport of the update being delivered to `load` right now.
         self.current_transport = ""
+        self.peer = (
+            PeerServer(peer_host, max_message_bytes, peer_bytes_per_second) if peer_host else None
+        )
 
     # ------------------------------------------------------------------ public API
 
@@ -135,6 +144,7 @@ class EngineClient:
             gpu_uuid=self.gpu_uuid,
             shm_in_place=self.shm_in_place,
             ranks=self.ranks,
+            peer_endpoint=self.peer.endpoint if self.peer is not None else "",
         )
         answer = self._stub.RegisterEngine(pb.RegisterEngineRequest(engine=info), timeout=30)
         self.engine_id = answer.engine_id
@@ -146,6 +156,8 @@ class EngineClient:
 
     def start(self) -> int:
         """Register, then heartbeat and receive updates in background threads."""
+        if self.peer is not None:
+            self.peer.start()
         current = self.register()
         for target, name in ((self._heartbeat_loop, "heartbeat"), (self._work_loop, "receive")):
             thread = threading.Thread(target=target, name=f"weight-sync-{name}", daemon=True)
@@ -199,6 +211,8 @@ class EngineClient:
                 log.warning("engine.leave_failed", code=exc.code().name)
         for thread in self._threads:
             thread.join(timeout=self.heartbeat_seconds + 5)
+        if self.peer is not None:
+            self.peer.stop()
         self._channel.close()
 
     def __enter__(self) -> EngineClient:
@@ -317,6 +331,8 @@ class EngineClient:
         assert self._load is not None
         self._load(manifest.views(flat), version)
         self._buffers.hold(flat)
+        if self.peer is not None:
+            self.peer.hold(version, manifest, flat)
         self._set_version(version)
 
     def _set_version(self, version: int) -> None:

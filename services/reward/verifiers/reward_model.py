@@ -36,9 +36,12 @@ class RewardModel:
         import torch
         from transformers import AutoModelForSequenceClassification
 
+        from kuberl.common.hub import resolve_model
         from kuberl.common.modelbuild import load_tokenizer
 
-        path = self.config.path
+        path = str(
+            resolve_model(self.config.path, self.config.revision, "reward.reward_model.path")
+        )
         tokenizer = load_tokenizer(path)
         model = AutoModelForSequenceClassification.from_pretrained(
             path, local_files_only=True, torch_dtype=torch.float32

@@ -1,4 +1,5 @@
-"""Rollout engines: the interface (`base`), the in-process `torch` engine and the `sglang` client.
+"""Rollout engines: the interface (`base`), the in-process `torch` engine, the `sglang` client
+and the model-free `simulated` engine of the scale benchmark.
 
 `create_engine` builds the one a job's `rollout.engine` section names; engines import their heavy
 dependencies (torch, transformers, httpx) only when built.
@@ -51,6 +52,10 @@ def create_engine(config: JobConfig, model_path: Path) -> Engine:
             attn_implementation=engine.attn_implementation,
             batch_wait_seconds=engine.batch_wait_seconds,
         )
+    if engine.kind == "simulated":
+        from kuberl.rollout.engine.simulated import SimulatedEngine
+
+        return SimulatedEngine(engine, seed=config.job.seed)
     from kuberl.rollout.engine.sglang import SGLangEngine
 
     return SGLangEngine(engine, model_path=str(model_path))

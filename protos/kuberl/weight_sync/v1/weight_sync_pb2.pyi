@@ -85,7 +85,7 @@ class UpdateInstruction(_message.Message):
     def __init__(self, version: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., group: _Optional[_Union[BroadcastGroup, _Mapping]] = ..., rank: _Optional[int] = ..., snapshot_endpoint: _Optional[str] = ..., handles_json: _Optional[str] = ..., deadline_seconds: _Optional[float] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("engine_id", "endpoint", "transports", "device", "host", "loaded_version", "last_seen_seconds", "ranks", "last_transport", "last_error", "gpu_uuid", "shm_in_place")
+    __slots__ = ("engine_id", "endpoint", "transports", "device", "host", "loaded_version", "last_seen_seconds", "ranks", "last_transport", "last_error", "gpu_uuid", "shm_in_place", "peer_endpoint")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class EngineInfo(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     SHM_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
+    PEER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     endpoint: str
     transports: _containers.RepeatedScalarFieldContainer[Transport]
@@ -110,7 +111,8 @@ class EngineInfo(_message.Message):
     last_error: str
     gpu_uuid: str
     shm_in_place: bool
-    def __init__(self, engine_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., device: _Optional[str] = ..., host: _Optional[str] = ..., loaded_version: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., ranks: _Optional[int] = ..., last_transport: _Optional[_Union[Transport, str]] = ..., last_error: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., shm_in_place: _Optional[bool] = ...) -> None: ...
+    peer_endpoint: str
+    def __init__(self, engine_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., device: _Optional[str] = ..., host: _Optional[str] = ..., loaded_version: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., ranks: _Optional[int] = ..., last_transport: _Optional[_Union[Transport, str]] = ..., last_error: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., shm_in_place: _Optional[bool] = ..., peer_endpoint: _Optional[str] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
     __slots__ = ("engine",)
