@@ -1,7 +1,8 @@
 """`job.tracking` through `kuberl run`: a short RL job with W&B (offline), TensorBoard and MLflow
 (file store) must leave, in each, the trainer's step and eval metrics, the job config and sample
 tables; its trainer, killed mid-run and restarted by the supervisor from its checkpoint, must
-continue the same tracked runs at the step it resumed from. No network (`OFFLINE_ENV`)."""
+continue the same tracked runs at the step it resumed from, and so must a run stopped with
+Ctrl-C and gone on with by `kuberl run --resume`. No network (`OFFLINE_ENV`)."""
 
 from __future__ import annotations
 
@@ -75,16 +76,13 @@ def _rl_steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in rows if r.get("kind") == "rl"]
 
 
-@pytest.fixture(scope="module")
-def tracked_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("tracking-run")
-    run_dir = tmp / "run"
+def _env(tmp: Path) -> dict[str, str]:
     tracking = [
         {"backend": "wandb", "dir": str(tmp / "wb"), "samples_every": 1},
         {"backend": "tensorboard", "dir": str(tmp / "tb"), "samples_every": 1},
         {"backend": "mlflow", "tracking_uri": f"file:{tmp / 'mlruns'}", "samples_every": 1},
     ]
-    env = {
+    return {
         **os.environ,
         **OFFLINE_ENV,
         "PYTHONUNBUFFERED": "1",
@@ -93,22 +91,24 @@ def tracked_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         # start's last 15 s with it, here all of it.
         "WANDB__TRANSACTION_LOG_FLUSH_INTERVAL": "0.5",
     }
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kuberl.cli",
-            "run",
-            str(_short_job(tmp)),
-            "--run-dir",
-            str(run_dir),
-        ],
+
+
+def _kuberl_run(tmp: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kuberl.cli", "run", *args],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=env,
+        env=_env(tmp),
     )
+
+
+@pytest.fixture(scope="module")
+def tracked_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("tracking-run")
+    run_dir = tmp / "run"
+    proc = _kuberl_run(tmp, str(_short_job(tmp)), "--run-dir", str(run_dir))
     killed_after: int | None = None
     deadline = time.monotonic() + 400
     while proc.poll() is None and time.monotonic() < deadline and killed_after is None:
@@ -189,3 +189,37 @@ def test_mlflow_has_one_run_with_every_step_metrics_config_and_samples(
     artifacts = {a.path for a in client.list_artifacts(run_id, "samples/eval")}
     assert artifacts, "no eval sample tables"
     assert run.info.status == "FINISHED"
+
+
+def test_kuberl_run_resume_continues_every_tracked_run(tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    run_dir = tmp_path / "run"
+    first = _kuberl_run(tmp_path, str(_short_job(tmp_path)), "--run-dir", str(run_dir))
+    try:
+        deadline = time.monotonic() + 300
+        while first.poll() is None and time.monotonic() < deadline and len(_rl_steps(run_dir)) < 2:
+            time.sleep(0.1)
+        first.send_signal(signal.SIGINT)
+        out, _ = first.communicate(timeout=150)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    stopped_at = max(_rl_steps(run_dir))
+    assert first.returncode == 130 and stopped_at < TOTAL_STEPS, out[-3000:]
+    second = _kuberl_run(tmp_path, "--resume", str(run_dir))
+    out, _ = second.communicate(timeout=400)
+    assert second.returncode == 0, out[-3000:]
+
+    every_step = list(range(1, TOTAL_STEPS + 1))
+    (wb,) = wandb_runs(tmp_path / "wb").values()  # a graceful stop flushed all of the first
+    assert len(wb.folders) == 2
+    assert sorted({r["_step"] for r in wb.history if "loss/total" in r}) == every_step
+    (tb,) = tensorboard_runs(tmp_path / "tb").values()
+    assert sorted({s for s, _ in tensorboard_scalars(tb, "loss/total")}) == every_step
+    os.environ.update(MLFLOW_ALLOW_FILE_STORE="true")
+    client = MlflowClient(tracking_uri=f"file:{tmp_path / 'mlruns'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "kuberl"]
+    (run,) = client.search_runs([experiment.experiment_id])
+    steps = {m.step for m in client.get_metric_history(run.info.run_id, "loss/total")}
+    assert sorted(steps) == every_step
