@@ -191,6 +191,7 @@ def test_mlflow_has_one_run_with_every_step_metrics_config_and_samples(
     assert run.info.status == "FINISHED"
 
 
+@pytest.mark.slow
 def test_kuberl_run_resume_continues_every_tracked_run(tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
