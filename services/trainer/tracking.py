@@ -38,8 +38,8 @@ SAMPLE_COLUMNS = ("prompt", "response", "reward")
 
 
 @dataclass
-class Sample:
-    """One generated sample of a table, decoded."""
+class SampleRow:
+    """One row of a sample table: a generated sample, decoded."""
 
     prompt: str
     response: str
@@ -69,7 +69,7 @@ class Tracker(ABC):
     def metrics(self, values: dict[str, float], step: int) -> None: ...
 
     @abstractmethod
-    def samples(self, name: str, rows: Sequence[Sample], step: int) -> None:
+    def samples(self, name: str, rows: Sequence[SampleRow], step: int) -> None:
         """A table of samples under `samples/<name>` (train, eval)."""
 
     @abstractmethod
@@ -98,7 +98,7 @@ class TensorBoardTracker(Tracker):
             self.writer.add_scalar(k, v, step)
         self.writer.flush()
 
-    def samples(self, name: str, rows: Sequence[Sample], step: int) -> None:
+    def samples(self, name: str, rows: Sequence[SampleRow], step: int) -> None:
         def cell(text: str) -> str:
             return text.replace("|", "\\|").replace("\n", "<br>")
 
@@ -137,7 +137,7 @@ class WandbTracker(Tracker):
     def metrics(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
 
-    def samples(self, name: str, rows: Sequence[Sample], step: int) -> None:
+    def samples(self, name: str, rows: Sequence[SampleRow], step: int) -> None:
         table = self.wandb.Table(
             columns=list(SAMPLE_COLUMNS), data=[[r.prompt, r.response, r.reward] for r in rows]
         )
@@ -192,7 +192,7 @@ class MlflowTracker(Tracker):
         for i in range(0, len(batch), 1000):
             self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
 
-    def samples(self, name: str, rows: Sequence[Sample], step: int) -> None:
+    def samples(self, name: str, rows: Sequence[SampleRow], step: int) -> None:
         # `log_table`'s own layout, without the pandas it needs (mlflow-skinny has none).
         table = {
             "columns": list(SAMPLE_COLUMNS),
@@ -303,8 +303,8 @@ class Tracking:
     def close(self) -> None:
         self._each("close")
 
-    def _sample(self, prompt: Iterable[int], response: Iterable[int], reward: float) -> Sample:
-        return Sample(self.decode(prompt), self.decode(response), float(reward))
+    def _sample(self, prompt: Iterable[int], response: Iterable[int], reward: float) -> SampleRow:
+        return SampleRow(self.decode(prompt), self.decode(response), float(reward))
 
     def _each(self, method: str, *args: Any) -> None:
         for cfg, tracker in list(self.trackers):

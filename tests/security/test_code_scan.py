@@ -207,6 +207,9 @@ LOADERS = {
     ("services/common/preflight.py", "_check_plugins"): (
         "every plugin the job file names, checked before a run starts"
     ),
+    ("services/trainer/tracking.py", "backend_module"): (
+        "a tracking backend's package, a fixed name per backend of job.tracking"
+    ),
     ("services/cli.py", "_cmd_serve"): "kuberl.<service>.server, service from argparse choices",
     ("services/cli.py", "build_parser"): "kuberl.<provider>.cli from a fixed tuple",
 }
