@@ -37,9 +37,12 @@ def test_the_job_file_turns_roles_on_and_loads_with_the_real_loader() -> None:
     job = yaml.safe_load(render("tls-roles").get("ConfigMap", "job")["data"]["job.yaml"])
     config = parse_job_config(job, env={}, source="job ConfigMap (tls-roles)")
     assert (config.tls.roles, config.tls.require_client_cert, config.job.name) == (True, True, JOB)
-    assert "roles" not in yaml.safe_load(
-        render("mutual-tls").get("ConfigMap", "job")["data"]["job.yaml"]
-    )["tls"]
+    assert (
+        "roles"
+        not in yaml.safe_load(render("mutual-tls").get("ConfigMap", "job")["data"]["job.yaml"])[
+            "tls"
+        ]
+    )
 
 
 def test_every_kuberl_container_has_roles_in_its_tls_environment() -> None:
