@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kuberl-setup
-EXTRAS := buffer,reward,rollout,trainer,weight-sync,local,dev
+EXTRAS := buffer,reward,rollout,trainer,weight-sync,local,tracking,dev
 
 .PHONY: setup test lint mypy format protos demo chaos bench images image-test clean help
 

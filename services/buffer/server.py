@@ -565,7 +565,7 @@ class BufferService(Service):
                 try:
                     keep = fn(group)
                     if not isinstance(keep, bool | np.bool_):
-                        # None (a missing return) once dropped every group for good.
+                        # A missing return (None) must not silently drop every group.
                         raise TypeError(f"returned {type(keep).__name__}, not a bool")
                 except (Exception, SystemExit, KeyboardInterrupt) as exc:
                     # A broken filter must not lose data or stop training: the group is kept.

@@ -443,8 +443,8 @@ class BufferStore:
     async def loaded_dataset(self, name: str, path: str, kind: str, num_epochs: int) -> int | None:
         """The number of prompts of dataset `name` if it is loaded already (None if not), its
         epochs raised to `num_epochs`: the job's count and the dataset's own, which decides
-        whether the new epochs queue its prompts (once only the job's was raised, and the new
-        epochs were queued empty, for good)."""
+        whether the new epochs queue its prompts: raising only the job's would queue them
+        empty."""
         existing = await self._retry(lambda: self.r.hget(self.keys.datasets, name), "load")
         if existing is None:
             return None

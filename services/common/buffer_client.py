@@ -1,10 +1,9 @@
 """The buffer's client stub, in `kuberl.common` because other services call the buffer with it.
 
 `BufferStub` is the generated stub whose `PutTrajectories` serializes each group on its own
-(`kuberl.common.wire.serialize_split`) or sends bytes made by `encode_put` as they are: a request
-message built around the groups and serialized in one piece cost 2.2 ms and ~1,100 page faults per
-8-group put on the 2-core VM, `encode_put` 0.09 ms and ~3 (docs/buffer.md). The server sees the
-same message either way.
+(`kuberl.common.wire.serialize_split`) or sends bytes made by `encode_put` as they are, since one
+`SerializeToString` of a large request costs an order of magnitude more (docs/buffer.md). The
+server sees the same message either way.
 """
 
 from __future__ import annotations

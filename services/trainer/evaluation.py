@@ -45,6 +45,8 @@ class Evaluator:
         self.dist = dist
         self.delivery = delivery
         self.stop = stop
+        #: The groups of rank 0's last round (its sample tables).
+        self.last_groups: list[Group] = []
 
     def evaluate(self, cursor: ckpt.Cursor, newest_checkpoint: str) -> dict[str, float]:
         """Round `cursor.eval_round` of the current weights (published before): its metrics
@@ -94,7 +96,8 @@ class Evaluator:
                 if g.epoch == round_:
                     seen[g.group_id] = Group.from_proto(g)
             self.delivery.ack(resp.batch_id)
-        return eval_metrics(list(seen.values()), self.tc.eval_correct_threshold, want)
+        self.last_groups = list(seen.values())
+        return eval_metrics(self.last_groups, self.tc.eval_correct_threshold, want)
 
 
 def eval_metrics(groups: Sequence[Group], threshold: float, expected: int) -> dict[str, float]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from kuberl.common.config import JobConfig
@@ -42,6 +43,7 @@ from kuberl.trainer.publishing import PolicyPublisher
 from kuberl.trainer.rl import RLStep
 from kuberl.trainer.sft import SFTFile, SFTStep
 from kuberl.trainer.telemetry import Reporter, TrainedLog, speed
+from kuberl.trainer.tracking import Tracking
 
 log = get_logger(__name__)
 
@@ -98,6 +100,7 @@ class Trainer:
             self.status.error = f"{type(exc).__name__}: {exc}"
             raise
         finally:
+            self.reporter.close()
             self.status.finished = True
             self.control.notify()
 
@@ -185,7 +188,7 @@ class Trainer:
         if self.cursor.policy_version % self.tc.publish_every == 0:
             self._publish()
         metrics["step_seconds"] = time.perf_counter() - started
-        self._record(metrics, "sft" if sft else "rl")
+        self._record(metrics, "sft" if sft else "rl", batch)
 
     # ------------------------------------------------------------------ batches
 
@@ -295,8 +298,8 @@ class Trainer:
         if result:
             self.status.metrics.update(result)
             round_ = self.cursor.eval_round - 1
-            self.reporter.write(
-                {"kind": "eval", "round": round_, "step": self.cursor.step, **result}
+            self.reporter.eval(
+                result, round_, self.cursor.step, self.evaluator.last_groups, self._trained()
             )
 
     def _sync_status(self) -> None:
@@ -306,11 +309,17 @@ class Trainer:
         if self.cursor.metrics:
             self.status.metrics.update(self.cursor.metrics)
 
-    def _record(self, metrics: dict[str, float], kind: str) -> None:
+    def _record(self, metrics: dict[str, float], kind: str, batch: Batch) -> None:
         # The status took the step already (`_advance`, before the checkpoint).
         self.status.metrics.update(metrics)
         self.status.metrics["step"] = float(self.cursor.step)
-        self.reporter.step(metrics, kind, self.cursor.step, self.cursor.policy_version)
+        self.reporter.step(
+            metrics, kind, self.cursor.step, self.cursor.policy_version, batch, self._trained()
+        )
+
+    def _trained(self) -> int:
+        """Steps trained so far, an RL job's warm-up included: the trackers' x-axis."""
+        return self.cursor.sft_step + self.cursor.step
 
     # ------------------------------------------------------------------ setup
 
@@ -323,6 +332,15 @@ class Trainer:
         if self.dist.is_main:
             self._connect()
         self._resume()
+        if self.dist.is_main and self.config.job.tracking:
+            self.reporter.tracking = Tracking.open(
+                self.config,
+                self.base,
+                self.checkpoints.root,
+                resumed=bool(self.status.saved[0]),
+                decode=self._decode,
+                step=self._trained(),
+            )
         self.trained_log.write(
             {
                 "event": "start",
@@ -341,6 +359,9 @@ class Trainer:
             step=self.cursor.step,
             seconds=round(time.perf_counter() - started, 2),
         )
+
+    def _decode(self, ids: Iterable[int]) -> str:
+        return str(self.models.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True))
 
     def _connect(self) -> None:
         """Rank 0: the buffer (unless the job reads only an SFT file) and weight-sync."""

@@ -1,7 +1,8 @@
 """What the trainer reports about its steps: Prometheus gauges, the structured step log, the
-metrics JSONL (`KUBERL_METRICS_JSONL`), the trained-batches JSONL (`KUBERL_TRAINED_JSONL`, read
-by `kuberl run --chaos` accounting), throughput and model FLOPs utilisation, and how the
-micro-batch metrics of every rank merge into one figure per step."""
+metrics JSONL (`KUBERL_METRICS_JSONL`), the experiment trackers (`tracking`), the
+trained-batches JSONL (`KUBERL_TRAINED_JSONL`, read by `kuberl run --chaos` accounting),
+throughput and model FLOPs utilisation, and how the micro-batch metrics of every rank merge into
+one figure per step."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ import torch
 from kuberl.common import metrics as prom
 from kuberl.common.config import AlgorithmConfig
 from kuberl.common.logs import get_logger
+from kuberl.common.trajectory import Group
 from kuberl.trainer.batch import Batch
 from kuberl.trainer.distributed import DistInfo, gather_json
 from kuberl.trainer.engine import full_numel
 from kuberl.trainer.models import Models
+from kuberl.trainer.tracking import Tracking
 
 log = get_logger(__name__)
 
@@ -183,14 +186,25 @@ def merge_ranks(records: list[tuple[dict[str, float], int]], dist: DistInfo) -> 
 
 
 class Reporter:
-    """Rank 0's step reports: gauges, the step log line and the metrics JSONL."""
+    """Rank 0's step reports: gauges, the step log line, the metrics JSONL and the trackers
+    (`tracking`, set by the trainer's setup on rank 0), whose x-axis is `trained`: the steps
+    trained so far, an RL job's SFT warm-up included."""
 
     def __init__(self, dist: DistInfo, total_steps: int) -> None:
         self.dist = dist
         self.total_steps = total_steps
         self.metrics_file = os.environ.get(METRICS_JSONL_ENV)
+        self.tracking: Tracking | None = None
 
-    def step(self, metrics: dict[str, float], kind: str, step: int, version: int) -> None:
+    def step(
+        self,
+        metrics: dict[str, float],
+        kind: str,
+        step: int,
+        version: int,
+        batch: Batch | None = None,
+        trained: int | None = None,
+    ) -> None:
         STEPS.labels(kind).inc()
         STEP_SECONDS.observe(metrics.get("step_seconds", 0.0))
         STEP_GAUGE.set(step)
@@ -221,6 +235,25 @@ class Reporter:
                 **metrics,
             }
         )
+        if self.tracking is not None:
+            trained = step if trained is None else trained
+            self.tracking.metrics({**metrics, "step": step, "policy_version": version}, trained)
+            if batch is not None:
+                self.tracking.train_samples(batch, trained)
+
+    def eval(
+        self, result: dict[str, float], round_: int, step: int, groups: list[Group], trained: int
+    ) -> None:
+        """An eval round's metrics and samples (rank 0)."""
+        self.write({"kind": "eval", "round": round_, "step": step, **result})
+        if self.tracking is not None:
+            self.tracking.metrics({**result, "eval/round": round_}, trained)
+            self.tracking.eval_samples(groups, trained)
+
+    def close(self) -> None:
+        if self.tracking is not None:
+            self.tracking.close()
+            self.tracking = None
 
     def write(self, row: dict[str, Any]) -> None:
         """One row of the metrics JSONL (rank 0); non-finite figures become null."""

@@ -67,8 +67,8 @@ SERVICE_NAME = "kuberl.weight_sync.v1.WeightSyncService"
 #: Longest a heartbeat long poll is held, whatever the engine asks.
 MAX_POLL_SECONDS = 30.0
 #: The pause before an engine whose update failed is sent the current version again, doubled
-#: for every failure in a row up to `RETRY_MAX_SECONDS`. An engine that cannot load a version
-#: (its model does not match it) failed and got it again every few milliseconds, for good.
+#: for every failure in a row up to `RETRY_MAX_SECONDS`, so an engine that cannot load a version
+#: (its model does not match it) is not resent it in a tight loop.
 RETRY_FIRST_SECONDS = 0.5
 RETRY_MAX_SECONDS = 30.0
 

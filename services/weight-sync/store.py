@@ -3,8 +3,8 @@
 The folder is in shared memory (/dev/shm) when it can be, so a trainer on the same host writes a
 version straight into it and same-host engines map it and copy from it; otherwise it is on disk.
 Versions live in segments (`seg<N>.bin`), recycled rather than created per version: writing 1 GB
-into a fresh tmpfs file costs page allocation (~0.2 GB/s on the 2-core test VM), rewriting the
-pages of a used one is a plain copy. A segment is reused only when it holds no retained version
+into a fresh tmpfs file costs page allocation, several times slower than rewriting the pages of
+a used one, which is a plain copy. A segment is reused only when it holds no retained version
 (the newest `retain` are kept) and nothing reads it (`pin`: an engine's shm update until the
 engine reports, a broadcast, a snapshot stream), so no reader ever sees a version change under
 it; when all are busy a new segment is made. A committed segment is memory-mapped once and the

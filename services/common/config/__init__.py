@@ -43,6 +43,12 @@ from kuberl.common.config.rollout import (
 from kuberl.common.config.rules import JOB_RULES
 from kuberl.common.config.sandbox import SandboxConfig
 from kuberl.common.config.tls import TLSConfig
+from kuberl.common.config.tracking import (
+    MlflowTracking,
+    TensorBoardTracking,
+    TrackerConfig,
+    WandbTracking,
+)
 from kuberl.common.config.trainer import OptimizerConfig, TrainerConfig
 from kuberl.common.config.weight_sync import TransportName, WeightSyncConfig
 
@@ -68,6 +74,7 @@ __all__ = [
     "JobMeta",
     "KLConfig",
     "LocalModeConfig",
+    "MlflowTracking",
     "ModelConfig",
     "MultiTurnConfig",
     "OptimizerConfig",
@@ -82,10 +89,13 @@ __all__ = [
     "ServerConfig",
     "SimulatedEngineConfig",
     "TLSConfig",
+    "TensorBoardTracking",
     "TorchEngineConfig",
+    "TrackerConfig",
     "TrainerConfig",
     "TransportName",
     "VerifierSpec",
+    "WandbTracking",
     "WeightSyncConfig",
     "dump_job_config",
     "env_overrides",

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from kuberl.common.config.base import Section
+from kuberl.common.config.tracking import TrackerConfig
 
 
 class LocalModeConfig(Section):
@@ -57,6 +58,11 @@ class JobMeta(Section):
     run_dir: str = Field("runs", description="Where local runs write their run folder.")
     local: LocalModeConfig = Field(
         default_factory=LocalModeConfig, description="Local mode (`kuberl run`) only."
+    )
+    tracking: list[TrackerConfig] = Field(
+        default_factory=list,
+        description="Experiment trackers (`backend`: wandb, tensorboard, mlflow) the trainer "
+        "sends its metrics, the job config and generated samples to (docs/trainer.md).",
     )
 
 

@@ -60,8 +60,8 @@ class BufferPool:
     into it while the engine keeps serving the one it holds, untouched. `hold(buffer)` after the
     engine loaded a version from it makes it the held one. A failed update never becomes held,
     so the retry lands in the same spare buffer and the held version stays whole. After the
-    first two versions nothing is allocated any more (fresh memory costs page faults: on the
-    2-core test VM, ~0.2 GB/s for new pages against several GB/s for a copy into touched ones).
+    first two versions nothing is allocated any more (fresh memory pages fault in, far slower than
+    a copy into pages already touched).
     The tensors given to `load` therefore stay valid until the version after next is received;
     an engine that serves from them directly must switch to each new dict when it is loaded."""
 
