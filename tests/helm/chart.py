@@ -1,7 +1,8 @@
 """Rendering helm/kuberl with the real Helm engine (helm-python-sdk, Helm's Go code through its C
 ABI) and validating what comes out: Kubernetes manifests with kubernetes-validate's published
-OpenAPI schemas, custom resources (ServiceMonitor, PodMonitor, PrometheusRule, ScaledObject) with
-the cloudcoil models generated from the prometheus-operator and KEDA CRD schemas.
+OpenAPI schemas, custom resources (ServiceMonitor, PodMonitor, PrometheusRule, ScaledObject,
+Certificate) with the cloudcoil models generated from the prometheus-operator, KEDA and
+cert-manager CRD schemas.
 
 The value sets below are the configurations the chart promises to support; every test in
 tests/helm renders them through `render()`, which caches one render per value set.
@@ -100,6 +101,17 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "monitoring-pods": {"metrics": {"podMonitor": {"enabled": True}}},
     "mutual-tls": {
         "tls": {"enabled": True, "secretName": "kuberl-grpc-tls"},
+    },
+    # Per-RPC roles: a certificate per component from a cert-manager ClusterIssuer, the trainer's
+    # from a Secret made ahead, the rollout replicas' from cert-manager's csi-driver.
+    "tls-roles": {
+        "job": {"job": {"name": "gsm8k-grpo"}},
+        "tls": {
+            "enabled": True,
+            "roles": {"enabled": True},
+            "certManager": {"issuerRef": {"name": "kuberl-ca", "kind": "ClusterIssuer"}},
+            "componentSecrets": {"trainer": "trainer-from-vault"},
+        },
     },
     # examples/gsm8k-qwen.yaml as its header says to install it: the job file as `job`, and a
     # cluster's model and data volumes, SGLang engines and GPU trainer nodes.
@@ -256,6 +268,7 @@ CUSTOM_KINDS = {
         "PrometheusRule",
     ),
     ("keda.sh/v1alpha1", "ScaledObject"): ("cloudcoil.models.keda.v1alpha1", "ScaledObject"),
+    ("cert-manager.io/v1", "Certificate"): ("cloudcoil.models.cert_manager.v1", "Certificate"),
 }
 
 

@@ -40,7 +40,9 @@ def test_every_builtin_manifest_validates_strictly(value_set: str, kube: str) ->
     assert problems == []
 
 
-@pytest.mark.parametrize("value_set", ["monitoring", "monitoring-pods", "autoscaling-keda"])
+@pytest.mark.parametrize(
+    "value_set", ["monitoring", "monitoring-pods", "autoscaling-keda", "tls-roles"]
+)
 def test_custom_resources_match_their_crd_models(value_set: str) -> None:
     pytest.importorskip("cloudcoil.models.keda", reason="cloudcoil CRD models not installed")
     docs = [d for d in render(value_set).docs if (d["apiVersion"], d["kind"]) in CUSTOM_KINDS]

@@ -470,7 +470,8 @@ at /etc/kuberl-tls. The same settings go into every container's environment (KUB
 {{- end }}
 
 {{- define "kuberl.tlsSettings" -}}
-{{- if not .Values.tls.secretName }}
+{{- $roles := include "kuberl.tlsRoles" . }}
+{{- if not (or .Values.tls.secretName $roles) }}
 {{- fail "tls.enabled needs tls.secretName: a Secret with tls.crt, tls.key and ca.crt (e.g. from a cert-manager Certificate, see docs/security.md)" }}
 {{- end -}}
 enabled: true
@@ -479,6 +480,46 @@ cert_file: /etc/kuberl-tls/tls.crt
 key_file: /etc/kuberl-tls/tls.key
 require_client_cert: {{ .Values.tls.requireClientCert }}
 server_name_override: {{ include "kuberl.tlsServerName" . | quote }}
+{{- if $roles }}
+roles: true
+{{- end }}
+{{- end }}
+
+{{/*
+"true" when per-RPC roles are on (tls.roles.enabled), after checking what they need: mutual TLS,
+and a cert-manager issuer. Each rollout replica's certificate must name its pod
+(spiffe://kuberl/<job>/rollout/<pod name>, the engine id weight-sync checks), which no Secret
+made ahead can do for a Deployment's pods; cert-manager's csi-driver issues one per pod.
+*/}}
+{{- define "kuberl.tlsRoles" -}}
+{{- if .Values.tls.roles.enabled }}
+{{- if not (and .Values.tls.enabled .Values.tls.requireClientCert) }}
+{{- fail "tls.roles.enabled reads each caller's certificate: it needs mutual TLS, set tls.enabled: true and tls.requireClientCert: true" }}
+{{- end }}
+{{- if not .Values.tls.certManager.issuerRef.name }}
+{{- fail "tls.roles.enabled needs tls.certManager.issuerRef.name (a cert-manager Issuer or ClusterIssuer): every rollout replica needs its own certificate naming its pod (spiffe://kuberl/<job>/rollout/<pod name>), which cert-manager's csi-driver issues; tls.componentSecrets may replace the Certificates of buffer, reward, weightSync and trainer, not the rollout's" }}
+{{- end -}}
+true
+{{- end }}
+{{- end }}
+
+{{/* The URI SAN of a component's certificate (kuberl.common.roles.Identity): (dict "root" $ "role" "weight_sync" ["instance" "..."]). */}}
+{{- define "kuberl.tlsIdentity" -}}
+spiffe://kuberl/{{ dig "job" "name" "kuberl" .root.Values.job }}/{{ .role }}{{ with .instance }}/{{ . }}{{ end }}
+{{- end }}
+
+{{/* The Secret of a component's own certificate under roles: (dict "root" $ "role" "weight_sync"). */}}
+{{- define "kuberl.tlsComponentSecret" -}}
+{{- $key := .role | camelcase | untitle }}
+{{- default (printf "%s-%s-tls" (include "kuberl.fullname" .root) (.role | replace "_" "-")) (index .root.Values.tls.componentSecrets $key) }}
+{{- end }}
+
+{{/* The cert-manager issuerRef of the per-component certificates. */}}
+{{- define "kuberl.tlsIssuerRef" -}}
+{{- $ref := .Values.tls.certManager.issuerRef -}}
+name: {{ $ref.name }}
+kind: {{ default "Issuer" $ref.kind }}
+group: {{ default "cert-manager.io" $ref.group }}
 {{- end }}
 
 {{- define "kuberl.tlsEnv" -}}
@@ -498,12 +539,39 @@ server_name_override: {{ include "kuberl.tlsServerName" . | quote }}
 {{- end }}
 {{- end }}
 
+{{/*
+The certificate volume of a kuberl pod: (dict "root" $ "role" "<component>", the roles.py name).
+The shared tls.secretName, or under roles the component's own Secret; rollout pods get a
+csi-driver volume whose certificate names the pod (the replica id is the pod name).
+*/}}
 {{- define "kuberl.tlsVolume" -}}
-{{- if .Values.tls.enabled }}
+{{- $root := .root }}
+{{- if $root.Values.tls.enabled }}
 - name: grpc-tls
+{{- if not (include "kuberl.tlsRoles" $root) }}
   secret:
-    secretName: {{ .Values.tls.secretName }}
+    secretName: {{ $root.Values.tls.secretName }}
     defaultMode: 0440
+{{- else if eq .role "rollout" }}
+{{- $ref := include "kuberl.tlsIssuerRef" $root | fromYaml }}
+  csi:
+    driver: csi.cert-manager.io
+    readOnly: true
+    volumeAttributes:
+      csi.cert-manager.io/issuer-name: {{ $ref.name | quote }}
+      csi.cert-manager.io/issuer-kind: {{ $ref.kind | quote }}
+      csi.cert-manager.io/issuer-group: {{ $ref.group | quote }}
+      csi.cert-manager.io/dns-names: {{ include "kuberl.tlsServerName" $root | quote }}
+      csi.cert-manager.io/uri-sans: {{ include "kuberl.tlsIdentity" (dict "root" $root "role" "rollout" "instance" "${POD_NAME}") | quote }}
+      csi.cert-manager.io/key-usages: "digital signature,key encipherment,server auth,client auth"
+      {{- with $root.Values.podSecurityContext.fsGroup }}
+      csi.cert-manager.io/fs-group: {{ . | quote }}
+      {{- end }}
+{{- else }}
+  secret:
+    secretName: {{ include "kuberl.tlsComponentSecret" . }}
+    defaultMode: 0440
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -545,12 +613,12 @@ server_name_override: {{ include "kuberl.tlsServerName" . | quote }}
 {{/*
 The volumes of every kuberl container: the job file, /tmp, and a writable working directory
 (relative paths of the job, e.g. the cache of a locally built model, land there; the root
-filesystem is read-only).
+filesystem is read-only), and the gRPC certificate: (dict "root" $ "role" "<component>").
 */}}
 {{- define "kuberl.jobVolume" -}}
 - name: job
   configMap:
-    name: {{ include "kuberl.fullname" . }}-job
+    name: {{ include "kuberl.fullname" .root }}-job
 - name: tmp
   emptyDir:
     sizeLimit: 1Gi
@@ -772,7 +840,7 @@ spec:
             {{- toYaml . | nindent 12 }}
             {{- end }}
       volumes:
-        {{- include "kuberl.jobVolume" $root | nindent 8 }}
+        {{- include "kuberl.jobVolume" (dict "root" $root "role" (.component | replace "-" "_")) | nindent 8 }}
         {{- if and .redis (not $root.Values.redis.enabled) $root.Values.externalRedis.tls.caSecret }}
         - name: redis-ca
           secret:
