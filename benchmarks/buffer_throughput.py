@@ -193,6 +193,8 @@ def run_service(
                     "requeue_stale": False,
                     "lease_timeout_seconds": 600,
                     "batch_ack_timeout_seconds": 600,
+                    # No model here: the bound the buffer would read from one is set instead.
+                    "max_sequence_tokens": PROMPT_TOKENS + RESPONSE_TOKENS,
                 },
             }
         )
