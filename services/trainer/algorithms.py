@@ -67,6 +67,7 @@ __all__ = [
     "aggregate_loss",
     "compute_advantages",
     "compute_gae",
+    "decoupled_ppo_policy_loss",
     "discounted_returns",
     "discounted_suffix_sum",
     "drgrpo_advantages",
@@ -84,6 +85,7 @@ __all__ = [
     "reinforce_pp_advantages",
     "resolve_algorithm",
     "rloo_advantages",
+    "second_moment_mask",
     "token_level_rewards",
     "value_loss_and_metrics",
 ]
@@ -183,6 +185,8 @@ class PolicyLossInputs:
     old_logprobs: Tensor  # [B, T] log pi_old(a_t), detached (see the module docstring)
     advantages: Tensor  # [B, T]
     mask: Tensor  # [B, T] bool: the tokens that count
+    # [B, T] log pi_behav(a_t), the rollout engine's own (the policy that sampled), detached
+    rollout_logprobs: Tensor | None = None
 
 
 AdvantageEstimator = Callable[[AdvantageInputs, AlgorithmConfig], tuple[Tensor, Tensor]]
@@ -670,6 +674,64 @@ def gspo_policy_loss(
     return loss, {"ratio": ratio.detach(), "clipped": (clipped > unclipped).detach()}
 
 
+def second_moment_mask(log_ratio: Tensor, mask: Tensor, threshold: float) -> Tensor:
+    """M2PO's trust region (Zheng et al. 2025): the tokens to keep, [B, T] bool, so that the mean
+    of log_ratio^2 over the kept ones is at most `threshold`, leaving out the fewest tokens, those
+    with the largest log_ratio^2 (ties: the later in row-major order). False off the mask."""
+    valid = _valid(mask)
+    m2 = torch.where(valid, log_ratio.detach().float() ** 2, torch.inf).flatten()  # [B*T]
+    order = m2.argsort(stable=True)  # ascending; padding (inf) last
+    n = int(valid.sum())
+    running_mean = m2[order[:n]].cumsum(0) / torch.arange(1, n + 1, device=m2.device)  # [n]
+    # The mean of the k smallest grows with k, so the kept tokens are a prefix of the order.
+    keep_n = int((running_mean <= threshold).sum())
+    keep = torch.zeros_like(m2, dtype=torch.bool)
+    keep[order[:keep_n]] = True
+    return keep.view(valid.shape)  # [B, T]
+
+
+def decoupled_ppo_policy_loss(
+    logprobs: Tensor,
+    prox_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+    behaviour_cap: float | None = 5.0,
+    cap_action: str = "mask",
+    m2_threshold: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """AReaL's decoupled PPO (Fu et al. 2025): w * ppo(r), r = pi / pi_prox clipped as in
+    `ppo_policy_loss`, w = pi_prox / pi_behav detached: the trust region is around the trainer's
+    policy at the step's start, and w corrects for the older policy that sampled. Tokens with
+    w > behaviour_cap are dropped (cap_action "mask") or get w = cap ("clamp"); with
+    m2_threshold, M2PO's `second_moment_mask` of log w drops more. Dropped tokens have w = 0.
+    [B, T] -> [B, T] loss and indicators like `ppo_policy_loss`, plus behaviour_weight and
+    behaviour_dropped."""
+    valid = _valid(mask)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    loss, stats = ppo_policy_loss(
+        logprobs, prox_logprobs, advantages, clip_low, clip_high, dual_clip
+    )
+    log_w = torch.where(valid, prox_logprobs - rollout_logprobs, zero).detach()  # [B, T]
+    weight = log_w.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()  # [B, T]
+    keep = valid  # [B, T]
+    if behaviour_cap is not None and cap_action == "mask":
+        keep = keep & (weight <= behaviour_cap)
+    elif behaviour_cap is not None and cap_action == "clamp":
+        weight = weight.clamp_max(behaviour_cap)
+    elif behaviour_cap is not None:
+        raise ValueError(f"unknown cap_action {cap_action!r}; expected mask or clamp")
+    if m2_threshold is not None:
+        keep = keep & second_moment_mask(log_w, valid, m2_threshold)
+    weight = torch.where(keep, weight, zero)  # [B, T]
+    stats["behaviour_weight"] = weight
+    stats["behaviour_dropped"] = valid & ~keep
+    return loss * weight, stats
+
+
 @register_policy_loss("ppo")
 def _ppo(inputs: PolicyLossInputs, config: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """`ppo_policy_loss` with the configured clips: loss [B, T], stats ratio / clipped /
@@ -694,6 +756,30 @@ def _gspo(inputs: PolicyLossInputs, config: AlgorithmConfig) -> tuple[Tensor, di
         inputs.mask,
         config.clip_low,
         config.clip_high,
+    )
+
+
+@register_policy_loss("decoupled_ppo")
+def _decoupled_ppo(
+    inputs: PolicyLossInputs, config: AlgorithmConfig
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """`decoupled_ppo_policy_loss`, pi_prox = old_logprobs, with the configured clips and
+    `decoupled` bounds: loss [B, T], stats as ppo's plus behaviour_weight / behaviour_dropped."""
+    if inputs.rollout_logprobs is None:
+        raise ValueError("decoupled_ppo needs the rollout engine's logprobs (rollout_logprobs)")
+    d = config.decoupled
+    return decoupled_ppo_policy_loss(
+        inputs.logprobs,
+        inputs.old_logprobs,
+        inputs.rollout_logprobs,
+        inputs.advantages,
+        inputs.mask,
+        config.clip_low,
+        config.clip_high,
+        config.dual_clip,
+        d.behaviour_cap,
+        d.cap_action,
+        d.m2_threshold,
     )
 
 
@@ -763,7 +849,7 @@ def policy_loss_and_metrics(
         trained, rollout, valid, imp.mode, imp.cap, imp.threshold, imp.level
     )
     policy_loss = POLICY_LOSSES.resolve(config.policy_loss, "trainer.algorithm.policy_loss")
-    pg, stats = policy_loss(PolicyLossInputs(logprobs, old, advantages, valid), config)
+    pg, stats = policy_loss(PolicyLossInputs(logprobs, old, advantages, valid, rollout), config)
     _check_same_shape(valid, loss=pg, **stats)
     pg_loss = agg(pg * weights)  # []
     loss = pg_loss

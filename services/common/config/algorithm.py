@@ -12,7 +12,7 @@ from kuberl.common.config.base import Section
 #: The advantage estimators and policy losses `kuberl.trainer.algorithms` registers under these
 #: names; a job names one of them or a plugin, `package.module:function`.
 BUILTIN_ADVANTAGES = ("grpo", "drgrpo", "rloo", "reinforce_pp", "gae")
-BUILTIN_POLICY_LOSSES = ("ppo", "gspo")
+BUILTIN_POLICY_LOSSES = ("ppo", "gspo", "decoupled_ppo")
 PLUGIN_PATH = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*$"
 
 
@@ -79,6 +79,32 @@ class ImportanceConfig(Section):
     )
 
 
+class DecoupledConfig(Section):
+    """`decoupled_ppo`: AReaL's decoupled PPO objective (Fu et al. 2025, arXiv 2505.24298).
+
+    loss = -w * min(r * A, clip(r) * A), r = pi / pi_prox, w = pi_prox / pi_behav (detached),
+    where pi_prox is the trainer's policy at the start of the step and pi_behav the rollout
+    engine's (possibly several versions older). The bounds below keep w's variance in check."""
+
+    behaviour_cap: float | None = Field(
+        5.0,
+        gt=1,
+        description="Bound on w = pi_prox / pi_behav (AReaL's behav_imp_weight_cap); null: none.",
+    )
+    cap_action: Literal["mask", "clamp"] = Field(
+        "mask",
+        description="mask: a token whose w exceeds behaviour_cap is left out of the gradient "
+        "(it still counts in the loss normaliser), as AReaL does; clamp: w = min(w, cap), TIS.",
+    )
+    m2_threshold: float | None = Field(
+        None,
+        gt=0,
+        description="M2PO (Zheng et al. 2025, arXiv 2510.01161), a staleness-aware bound: the "
+        "tokens with the largest (log w)^2 are left out until the mean (log w)^2 of the rest is "
+        "at most this (the paper uses 0.04); computed over each micro-batch. null: off.",
+    )
+
+
 class AlgorithmConfig(Section):
     """The RL algorithm: advantage estimator, policy loss, KL and mismatch correction.
 
@@ -104,7 +130,11 @@ class AlgorithmConfig(Section):
         "ppo",
         description="A built-in loss or a plugin `package.module:function` "
         "(docs/algorithms.md). ppo: token-level clipped ratio; gspo: sequence-level ratio "
-        "exp(mean token log-ratio), clipped per sequence (use small clips, e.g. 3e-4 / 4e-4).",
+        "exp(mean token log-ratio), clipped per sequence (use small clips, e.g. 3e-4 / 4e-4); "
+        "decoupled_ppo: AReaL's decoupled objective, ppo's ratio against the trainer's policy "
+        "at the step's start times a bounded behaviour weight pi_prox / pi_rollout (see "
+        "`decoupled`); it replaces importance, which it turns off unless set (then it must be "
+        "none).",
         json_schema_extra=_builtin_or_plugin_schema(BUILTIN_POLICY_LOSSES),
     )
     clip_low: float = Field(0.2, ge=0)
@@ -128,6 +158,7 @@ class AlgorithmConfig(Section):
     )
     kl: KLConfig = Field(default_factory=KLConfig)
     importance: ImportanceConfig = Field(default_factory=ImportanceConfig)
+    decoupled: DecoupledConfig = Field(default_factory=DecoupledConfig)
     ppo_epochs: int = Field(1, ge=1)
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per batch and epoch.")
     gamma: float = Field(1.0, ge=0, le=1)
@@ -150,6 +181,28 @@ class AlgorithmConfig(Section):
     @classmethod
     def _known_policy_loss(cls, value: str) -> str:
         return _builtin_or_plugin(value, BUILTIN_POLICY_LOSSES, "policy loss")
+
+    @model_validator(mode="after")
+    def _decoupled_loss_owns_the_behaviour_weight(self) -> AlgorithmConfig:
+        if self.policy_loss != "decoupled_ppo":
+            return self
+        if "importance" not in self.model_fields_set:
+            self.importance = ImportanceConfig(mode="none")
+        elif self.importance.mode != "none":
+            raise ValueError(
+                f"policy_loss decoupled_ppo weighs tokens by pi_prox / pi_rollout itself, and "
+                f"importance.mode {self.importance.mode!r} would apply that correction a second "
+                "time: set importance.mode: none (bound the weight with decoupled.behaviour_cap)"
+            )
+        updates = self.ppo_epochs * self.mini_batches
+        if updates > 1 and not self.recompute_old_logprobs:
+            raise ValueError(
+                f"policy_loss decoupled_ppo needs pi_prox, the policy at the start of the step, "
+                f"and with {updates} updates per batch (ppo_epochs * mini_batches) it is known "
+                "only if recompute_old_logprobs is true. Set recompute_old_logprobs: true (one "
+                "extra forward pass per step), or use one update per batch"
+            )
+        return self
 
     @model_validator(mode="after")
     def _importance_needs_old_logprobs(self) -> AlgorithmConfig:

@@ -1,0 +1,313 @@
+"""Does staleness cost learning? The demo task at equal samples, on-policy against stale arms.
+
+Every arm trains the demo of `examples/demo.yaml` (`kuberl run`: buffer, reward, weight-sync, two
+rollout replicas, the trainer) for the same RL steps from the same warm start (built once, as in
+`vs_trl.py`), so all arms train the same number of samples. An arm is a `trainer.max_staleness`
+and a policy loss with its importance correction:
+
+    s0            max_staleness 0 (strictly on-policy), the demo's loss: ppo + TIS (cap 2)
+    s1, s2        max_staleness 1 / 2, the same loss (its TIS weight is pi_prox / pi_behav:
+                  with one update per batch this is the decoupled objective with a clamped cap)
+    s1-decoupled  decoupled_ppo, AReaL's form (behaviour weight masked above cap 5)
+    s2-decoupled
+    s1-m2po       decoupled_ppo with M2PO's second-moment mask (tau 0.04) instead of the cap
+    s1-none       ppo without any correction (stale samples treated as fresh)
+    s2-none
+
+The seeds are the pairing: seed i runs every arm (the arms' order rotates from seed to seed so
+that a change in the machine's load does not always hit the same arm). Each saved policy is
+judged by `vs_trl.Evaluator`: greedy decoding of the 200 held-out questions, gsm8k verifier.
+Per run: the final accuracy (the mean of the last three evaluations, as in vs_trl) and the mean
+over the second half of training (less noisy). Over the runs: per arm the median and spread;
+per stale arm the paired differences from s0 (mean, standard error, median), the issue's goal
+being |s1 - s0| <= 0.005.
+
+The script appends one JSON line per finished run to `--results` (default
+docs/staleness-experiments.jsonl) and skips the (arm, seed) runs already there with the same
+settings, so it can be stopped and resumed, or run for more seeds later:
+
+    .venv/bin/python benchmarks/staleness.py --seeds 8               # every arm, seeds 0-7
+    .venv/bin/python benchmarks/staleness.py --seeds 2 --arms s0,s1  # a quick subset
+    .venv/bin/python benchmarks/staleness.py --summary               # only summarise the file
+
+The last line printed is one JSON object: the per-arm figures, the paired differences and the
+machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from vs_trl import (
+    DEMO,
+    REPO,
+    Evaluator,
+    load_demo,
+    machine,
+    read_jsonl,
+    rl_settings,
+    run_kuberl,
+    smoothed,
+    warm_start,
+)
+
+RESULTS = REPO / "docs" / "staleness-experiments.jsonl"
+BASELINE = "s0"
+GOAL = 0.005
+
+#: Each arm's overrides of the demo job: trainer.max_staleness and trainer.algorithm fields.
+ARMS: dict[str, dict[str, Any]] = {
+    "s0": {"max_staleness": 0},
+    "s1": {"max_staleness": 1},
+    "s2": {"max_staleness": 2},
+    "s1-decoupled": {
+        "max_staleness": 1,
+        "algorithm": {"policy_loss": "decoupled_ppo", "importance": {"mode": "none"}},
+    },
+    "s2-decoupled": {
+        "max_staleness": 2,
+        "algorithm": {"policy_loss": "decoupled_ppo", "importance": {"mode": "none"}},
+    },
+    "s1-m2po": {
+        "max_staleness": 1,
+        "algorithm": {
+            "policy_loss": "decoupled_ppo",
+            "importance": {"mode": "none"},
+            "decoupled": {"behaviour_cap": None, "m2_threshold": 0.04},
+        },
+    },
+    "s1-none": {"max_staleness": 1, "algorithm": {"importance": {"mode": "none"}}},
+    "s2-none": {"max_staleness": 2, "algorithm": {"importance": {"mode": "none"}}},
+}
+DEFAULT_ARMS = ("s0", "s1", "s2", "s1-decoupled", "s2-decoupled")
+
+
+def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `update` merged in, nested dicts key by key."""
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def arm_job(doc: dict[str, Any], arm: str) -> dict[str, Any]:
+    """The demo job with `arm`'s overrides. The rollout may run `max_staleness + 1` steps of
+    groups ahead (at least the demo's own bound), so that the stale arms do get stale data."""
+    job = copy.deepcopy(doc)
+    overrides = ARMS[arm]
+    tc = job["trainer"]
+    tc["max_staleness"] = overrides["max_staleness"]
+    tc["algorithm"] = merge(tc.get("algorithm", {}), overrides.get("algorithm", {}))
+    ahead = tc["groups_per_step"] * (overrides["max_staleness"] + 1)
+    job["buffer"]["max_inflight_groups"] = max(job["buffer"].get("max_inflight_groups", 0), ahead)
+    return job
+
+
+def run_arm(
+    doc: dict[str, Any],
+    arm: str,
+    seed: int,
+    model: Path,
+    ev: Evaluator,
+    start_acc: float,
+    settings: dict[str, Any],
+    work: Path,
+    timeout: float,
+) -> dict[str, Any]:
+    """One `kuberl run` of `arm` with `seed`, its policies evaluated; one results line."""
+    load = os.getloadavg()[0]
+    res = run_kuberl(
+        arm_job(doc, arm),
+        model,
+        settings["rl_steps"],
+        settings["eval_every"],
+        work / f"{arm}-seed{seed}",
+        timeout,
+        seed=seed,
+    )
+    curve = ev.curve(res["snapshots"], start_acc)
+    smooth = smoothed(curve, 3)
+    half = curve[-1]["step"] / 2
+    late = [float(p["accuracy"]) for p in curve if p["step"] > half] or [curve[-1]["accuracy"]]
+    return {
+        "benchmark": "staleness",
+        "arm": arm,
+        "seed": seed,
+        "overrides": ARMS[arm],
+        "settings": settings,
+        "start_accuracy": start_acc,
+        "final_accuracy": round(smooth[-1], 4),
+        "final_accuracy_last_eval": curve[-1]["accuracy"],
+        "second_half_accuracy": round(statistics.fmean(late), 4),
+        "curve": curve,
+        "samples": res["samples"],
+        "steps": res["steps"],
+        "wall_seconds": round(res["wall_seconds"], 1),
+        "cpu_seconds": round(res["cpu_seconds"], 1),
+        "staleness_max": res["summary"].get("staleness_max"),
+        "groups_dropped": res["summary"].get("groups_dropped"),
+        "load_average_start_end": [round(load, 1), round(os.getloadavg()[0], 1)],
+        "machine": machine(),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+# ---------------------------------------------------------------------------- summary
+
+
+def _spread(values: list[float]) -> dict[str, Any]:
+    ordered = sorted(values)
+    q = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else [ordered[0]] * 3
+    return {
+        "n": len(values),
+        "median": round(statistics.median(ordered), 4),
+        "q1": round(q[0], 4),
+        "q3": round(q[2], 4),
+        "min": round(ordered[0], 4),
+        "max": round(ordered[-1], 4),
+        "mean": round(statistics.fmean(ordered), 4),
+        "sd": round(statistics.stdev(ordered), 4) if len(ordered) > 1 else None,
+    }
+
+
+def _paired(diffs: list[float]) -> dict[str, Any]:
+    n = len(diffs)
+    stderr = statistics.stdev(diffs) / math.sqrt(n) if n > 1 else None
+    return {
+        "pairs": n,
+        "mean": round(statistics.fmean(diffs), 4),
+        "stderr": round(stderr, 4) if stderr is not None else None,
+        "median": round(statistics.median(diffs), 4),
+        "min": round(min(diffs), 4),
+        "max": round(max(diffs), 4),
+    }
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per arm: the spread of its runs' accuracies and wall time; per stale arm: the paired
+    differences from the on-policy arm (same seed), accuracy and wall-time ratio."""
+    by_arm: dict[str, dict[int, dict[str, Any]]] = {}
+    for r in rows:
+        by_arm.setdefault(r["arm"], {})[int(r["seed"])] = r
+    arms: dict[str, Any] = {}
+    base = by_arm.get(BASELINE, {})
+    for arm, runs in sorted(by_arm.items()):
+        listed = list(runs.values())
+        fig: dict[str, Any] = {
+            "seeds": sorted(runs),
+            "final_accuracy": _spread([r["final_accuracy"] for r in listed]),
+            "second_half_accuracy": _spread([r["second_half_accuracy"] for r in listed]),
+            "wall_seconds_median": round(statistics.median(r["wall_seconds"] for r in listed), 1),
+            "staleness_max": max((r.get("staleness_max") or 0) for r in listed),
+        }
+        shared = sorted(set(runs) & set(base))
+        if arm != BASELINE and shared:
+            fig["vs_on_policy"] = {
+                key: _paired([runs[s][key] - base[s][key] for s in shared])
+                for key in ("final_accuracy", "second_half_accuracy")
+            }
+            fig["vs_on_policy"]["ratio_wall_seconds_median"] = round(
+                statistics.median(
+                    runs[s]["wall_seconds"] / base[s]["wall_seconds"] for s in shared
+                ),
+                3,
+            )
+        arms[arm] = fig
+    s1 = arms.get("s1", {}).get("vs_on_policy", {}).get("final_accuracy")
+    return {
+        "benchmark": "staleness",
+        "runs": len(rows),
+        "arms": arms,
+        "goal": f"final accuracy at equal samples, s1 - s0 within +-{GOAL}",
+        "goal_met": None if s1 is None else abs(s1["mean"]) <= GOAL,
+        "eval": "greedy, 200 held-out questions, gsm8k verifier; final = mean of last 3 evals",
+        "machine": rows[-1]["machine"] if rows else machine(),
+    }
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=8, help="seeds first-seed ... + seeds - 1")
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"of {', '.join(ARMS)}")
+    parser.add_argument("--rl-steps", type=int, help="RL steps (default: the job's)")
+    parser.add_argument("--eval-every", type=int, default=20, help="steps between saved policies")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="JSON lines, appended")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/kuberl-staleness"))
+    parser.add_argument("--warm-start", type=Path, help="reuse this warm-start HF folder")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="per run, seconds")
+    parser.add_argument("--summary", action="store_true", help="only summarise --results")
+    args = parser.parse_args(argv)
+
+    rows = read_jsonl(args.results) if args.results.exists() else []
+    if args.summary:
+        print(json.dumps(summarize(rows)))
+        return 0
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        parser.error(f"unknown arms {unknown}; expected some of {', '.join(ARMS)}")
+    doc = load_demo(DEMO)
+    demo = rl_settings(doc)
+    settings = {
+        "rl_steps": args.rl_steps or demo["rl_steps"],
+        "sft_steps": demo["sft_steps"],
+        "eval_every": args.eval_every,
+        "group_size": demo["group_size"],
+        "groups_per_step": demo["groups_per_step"],
+        "lr": demo["lr"],
+    }
+    done = {(r["arm"], int(r["seed"])) for r in rows if r.get("settings") == settings}
+    args.work.mkdir(parents=True, exist_ok=True)
+    model = args.warm_start
+    if model is None:
+        exported = args.work / "warm-start" / "checkpoints"
+        latest = exported / "latest"
+        if latest.exists():
+            model = exported / latest.read_text().strip() / "hf"
+        else:
+            model = warm_start(doc, settings["sft_steps"], args.work / "warm-start", args.timeout)
+    ev = Evaluator(model, Path(demo["eval_file"]), demo["max_new_tokens"])
+    start_acc = ev.accuracy()
+    print(f"warm start {model}: greedy accuracy {start_acc}", file=sys.stderr)
+    for i, seed in enumerate(range(args.first_seed, args.first_seed + args.seeds)):
+        order = arms[i % len(arms) :] + arms[: i % len(arms)]
+        for arm in order:
+            if (arm, seed) in done:
+                continue
+            t = time.time()
+            row = run_arm(doc, arm, seed, model, ev, start_acc, settings, args.work, args.timeout)
+            args.results.parent.mkdir(parents=True, exist_ok=True)
+            with args.results.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            rows.append(row)
+            print(
+                f"{arm} seed {seed}: final {row['final_accuracy']} second half "
+                f"{row['second_half_accuracy']} staleness_max {row['staleness_max']} "
+                f"({time.time() - t:.0f} s)",
+                file=sys.stderr,
+            )
+    print(json.dumps(summarize([r for r in rows if r.get("settings") == settings])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
