@@ -1,6 +1,7 @@
 """The RL algorithms of the trainer as pure tensor functions: advantages (GRPO, Dr.GRPO, RLOO,
-REINFORCE++, PPO with GAE), policy and value losses (PPO clip with clip-higher and dual-clip, GSPO),
-KL to the reference policy (k1/k2/k3) and the train-inference mismatch correction (TIS/MIS).
+REINFORCE++, PPO with GAE), policy and value losses (PPO clip with clip-higher and dual-clip, GSPO,
+AReaL's decoupled PPO for stale data), KL to the reference policy (k1/k2/k3) and the
+train-inference mismatch correction (TIS/MIS).
 
 Advantage estimators and policy losses are extension points: each is a function registered under
 a name (`@register_advantage("grpo")`, `@register_policy_loss("ppo")`), and a job names one in

@@ -12,6 +12,7 @@ from kuberl.common.config.algorithm import (
     BUILTIN_ADVANTAGES,
     BUILTIN_POLICY_LOSSES,
     AlgorithmConfig,
+    DecoupledConfig,
     ImportanceConfig,
     KLConfig,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DatasetConfig",
+    "DecoupledConfig",
     "Endpoints",
     "EngineConfig",
     "ImportanceConfig",
