@@ -680,15 +680,15 @@ def second_moment_mask(log_ratio: Tensor, mask: Tensor, threshold: float) -> Ten
     of log_ratio^2 over the kept ones is at most `threshold`, leaving out the fewest tokens, those
     with the largest log_ratio^2 (ties: the later in row-major order). False off the mask."""
     valid = _valid(mask)
-    m2 = torch.where(valid, log_ratio.detach().float() ** 2, torch.inf).flatten()  # [B*T]
-    order = m2.argsort(stable=True)  # ascending; padding (inf) last
-    n = int(valid.sum())
-    running_mean = m2[order[:n]].cumsum(0) / torch.arange(1, n + 1, device=m2.device)  # [n]
-    # The mean of the k smallest grows with k, so the kept tokens are a prefix of the order.
-    keep_n = int((running_mean <= threshold).sum())
-    keep = torch.zeros_like(m2, dtype=torch.bool)
-    keep[order[:keep_n]] = True
-    return keep.view(valid.shape)  # [B, T]
+    m2 = torch.where(valid, log_ratio.detach().float() ** 2, torch.inf).flatten()  # [N]
+    order = m2.argsort(stable=True)  # ascending, padding (inf) last
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)  # [N] position in the order
+    counts = torch.arange(1, order.numel() + 1, device=m2.device)  # [N]
+    # The mean of the k smallest grows with k, so the kept tokens are a prefix of the order;
+    # padding's inf never passes, and no host sync is needed.
+    keep_n = (m2[order].cumsum(0) / counts <= threshold).sum()  # []
+    return (rank < keep_n).view(valid.shape) & valid  # [B, T]
 
 
 def decoupled_ppo_policy_loss(
