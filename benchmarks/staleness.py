@@ -170,6 +170,19 @@ def run_arm(
     }
 
 
+def pending_runs(
+    rows: list[dict[str, Any]], arms: list[str], seeds: range, settings: dict[str, Any]
+) -> list[tuple[str, int]]:
+    """The (arm, seed) runs still to do, seed by seed, each seed's arms in an order rotated by
+    one from the previous seed's; a run in `rows` with the same settings is done."""
+    done = {(r["arm"], int(r["seed"])) for r in rows if r.get("settings") == settings}
+    todo = []
+    for i, seed in enumerate(seeds):
+        order = arms[i % len(arms) :] + arms[: i % len(arms)]
+        todo += [(arm, seed) for arm in order if (arm, seed) not in done]
+    return todo
+
+
 # ---------------------------------------------------------------------------- summary
 
 
@@ -278,7 +291,6 @@ def main(argv: list[str] | None = None) -> int:
         "groups_per_step": demo["groups_per_step"],
         "lr": demo["lr"],
     }
-    done = {(r["arm"], int(r["seed"])) for r in rows if r.get("settings") == settings}
     args.work.mkdir(parents=True, exist_ok=True)
     model = args.warm_start
     if model is None:
@@ -291,23 +303,21 @@ def main(argv: list[str] | None = None) -> int:
     ev = Evaluator(model, Path(demo["eval_file"]), demo["max_new_tokens"])
     start_acc = ev.accuracy()
     print(f"warm start {model}: greedy accuracy {start_acc}", file=sys.stderr)
-    for i, seed in enumerate(range(args.first_seed, args.first_seed + args.seeds)):
-        order = arms[i % len(arms) :] + arms[: i % len(arms)]
-        for arm in order:
-            if (arm, seed) in done:
-                continue
-            t = time.time()
-            row = run_arm(doc, arm, seed, model, ev, start_acc, settings, args.work, args.timeout)
-            args.results.parent.mkdir(parents=True, exist_ok=True)
-            with args.results.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-            rows.append(row)
-            print(
-                f"{arm} seed {seed}: final {row['final_accuracy']} second half "
-                f"{row['second_half_accuracy']} staleness_max {row['staleness_max']} "
-                f"({time.time() - t:.0f} s)",
-                file=sys.stderr,
-            )
+    for arm, seed in pending_runs(
+        rows, arms, range(args.first_seed, args.first_seed + args.seeds), settings
+    ):
+        t = time.time()
+        row = run_arm(doc, arm, seed, model, ev, start_acc, settings, args.work, args.timeout)
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        with args.results.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        rows.append(row)
+        print(
+            f"{arm} seed {seed}: final {row['final_accuracy']} second half "
+            f"{row['second_half_accuracy']} staleness_max {row['staleness_max']} "
+            f"({time.time() - t:.0f} s)",
+            file=sys.stderr,
+        )
     print(json.dumps(summarize([r for r in rows if r.get("settings") == settings])))
     return 0
 

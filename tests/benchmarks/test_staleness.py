@@ -1,0 +1,58 @@
+"""benchmarks/staleness.py: every arm is a valid demo job with its staleness, loss and in-flight
+bound; runs already in the results file are skipped; the summary pairs arms by seed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kuberl.common.config import parse_job_config
+from tests.benchmarks import load
+
+staleness = load("staleness")
+SETTINGS = {"rl_steps": 200, "eval_every": 20}
+
+
+@pytest.mark.parametrize("arm", sorted(staleness.ARMS))
+def test_every_arm_is_a_valid_demo_job_with_its_staleness_and_in_flight_bound(arm: str) -> None:
+    job = parse_job_config(staleness.arm_job(staleness.load_demo(staleness.DEMO), arm), env={})
+    want = staleness.ARMS[arm]
+    assert job.trainer.max_staleness == want["max_staleness"]
+    assert job.buffer.max_inflight_groups == 16 * (want["max_staleness"] + 1)
+    assert job.trainer.algorithm.policy_loss == want.get("algorithm", {}).get("policy_loss", "ppo")
+
+
+def _row(arm: str, seed: int, final: float, half: float, wall: float = 100.0) -> dict[str, Any]:
+    return {
+        "arm": arm,
+        "seed": seed,
+        "settings": SETTINGS,
+        "final_accuracy": final,
+        "second_half_accuracy": half,
+        "wall_seconds": wall,
+        "staleness_max": 1.0 if arm != "s0" else 0.0,
+        "machine": "test",
+    }
+
+
+def test_runs_already_recorded_with_the_same_settings_are_skipped_and_arms_rotate() -> None:
+    rows = [_row("s0", 0, 0.9, 0.9), {**_row("s1", 1, 0.9, 0.9), "settings": {"rl_steps": 6}}]
+    todo = staleness.pending_runs(rows, ["s0", "s1"], range(2), SETTINGS)
+    assert todo == [("s1", 0), ("s1", 1), ("s0", 1)]
+
+
+def test_the_summary_pairs_each_stale_arm_with_the_on_policy_run_of_its_seed() -> None:
+    # s1 - s0 by seed: final 0.92-0.90, 0.88-0.91, 0.95-0.93 = +0.02, -0.03, +0.02 (mean 0.0033,
+    # sd 0.0289, stderr 0.0167); s1 has a seed (3) without an s0 run: left out of the pairs
+    rows = [_row("s0", s, f, f, 100.0) for s, f in ((0, 0.90), (1, 0.91), (2, 0.93))]
+    rows += [_row("s1", s, f, f, 120.0) for s, f in ((0, 0.92), (1, 0.88), (2, 0.95), (3, 0.5))]
+    out = staleness.summarize(rows)
+    paired = out["arms"]["s1"]["vs_on_policy"]
+    assert paired["final_accuracy"]["pairs"] == 3
+    assert paired["final_accuracy"]["mean"] == pytest.approx(0.0033, abs=1e-4)
+    assert paired["final_accuracy"]["stderr"] == pytest.approx(0.0167, abs=1e-4)
+    assert paired["ratio_wall_seconds_median"] == 1.2
+    assert out["arms"]["s1"]["final_accuracy"]["n"] == 4
+    assert out["arms"]["s0"]["final_accuracy"]["median"] == 0.91
+    assert out["goal_met"] is True
