@@ -256,6 +256,32 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def markdown(summary: dict[str, Any]) -> str:
+    """The summary as the table docs/benchmarks.md shows."""
+
+    def paired(fig: dict[str, Any] | None) -> str:
+        if not fig:
+            return "-"
+        err = f" ± {fig['stderr']:.3f}" if fig["stderr"] is not None else ""
+        return f"{fig['mean']:+.3f}{err} (median {fig['median']:+.3f})"
+
+    lines = [
+        "| arm | seeds | final accuracy, median [q1, q3] | 2nd half, median [q1, q3] | "
+        "final - on-policy (paired) | 2nd half - on-policy (paired) | wall vs on-policy |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for arm, fig in summary["arms"].items():
+        final, half = fig["final_accuracy"], fig["second_half_accuracy"]
+        vs = fig.get("vs_on_policy", {})
+        lines.append(
+            f"| {arm} | {len(fig['seeds'])} | {final['median']:.3f} [{final['q1']:.3f}, "
+            f"{final['q3']:.3f}] | {half['median']:.3f} [{half['q1']:.3f}, {half['q3']:.3f}] | "
+            f"{paired(vs.get('final_accuracy'))} | {paired(vs.get('second_half_accuracy'))} | "
+            f"{vs.get('ratio_wall_seconds_median', '-')} |"
+        )
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -275,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = read_jsonl(args.results) if args.results.exists() else []
     if args.summary:
-        print(json.dumps(summarize(rows)))
+        summary = summarize(rows)
+        print(markdown(summary))
+        print(json.dumps(summary))
         return 0
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]

@@ -56,3 +56,10 @@ def test_the_summary_pairs_each_stale_arm_with_the_on_policy_run_of_its_seed() -
     assert out["arms"]["s1"]["final_accuracy"]["n"] == 4
     assert out["arms"]["s0"]["final_accuracy"]["median"] == 0.91
     assert out["goal_met"] is True
+
+
+def test_the_markdown_table_has_a_row_per_arm_with_its_paired_difference() -> None:
+    rows = [_row("s0", s, 0.9, 0.9) for s in (0, 1)] + [_row("s1", 0, 0.92, 0.91)]
+    table = staleness.markdown(staleness.summarize(rows)).splitlines()
+    assert len(table) == 4
+    assert table[3].startswith("| s1 | 1 | 0.920") and "+0.020 (median +0.020)" in table[3]
