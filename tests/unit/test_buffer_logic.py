@@ -554,6 +554,31 @@ def test_a_waiting_lease_sees_room_freed_through_another_replica(
     assert seconds < 2, f"the other replica's lease started {seconds:.2f}s after the Ack"
 
 
+def test_a_lease_parked_on_a_full_window_looks_again_less_and_less_often(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # Room freed here wakes it at once (above); the looks for room freed through another
+    # replica back off from 0.1 s to 1 s, so a replica parked for a whole run is not a Redis
+    # script every 0.1 s (29 looks in 3 s then; 0.1 + 0.2 + 0.4 + 0.8 + 1 + 1 > 3 s now).
+    async def scenario() -> int:
+        async with buffer(redis_url, tmp_path, prompts=10, max_inflight_groups=3) as svc:
+            await _full_window(svc)
+            looks = 0
+            real = svc.db.lease
+
+            async def counted(*a: Any, **kw: Any) -> Any:
+                nonlocal looks
+                looks += 1
+                return await real(*a, **kw)
+
+            svc.db.lease = counted  # type: ignore[method-assign]
+            with pytest.raises(ResourceExhausted):
+                await lease(svc, 1, wait=3.0)
+            return looks
+
+    assert run(scenario()) <= 8
+
+
 def test_expired_leases_are_redelivered_even_at_the_inflight_limit(
     redis_url: str, tmp_path: Path
 ) -> None:
