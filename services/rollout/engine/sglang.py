@@ -46,13 +46,6 @@ SGLANG_VERSION = "0.5.23"
 # SGLang's "no top-k" (TOP_K_ALL in sglang/srt/sampling/sampling_params.py).
 TOP_K_ALL = 1 << 30
 _RETRY_STATUS = {429, 500, 502, 503, 504}
-#: The modules 0.5.23 can put LoRA adapters on (`SUPPORTED_LORA_TARGET_MODULES` in
-#: sglang/srt/utils/common.py, the choices of --lora-target-modules); the contract test reads them.
-SGLANG_LORA_TARGET_MODULES = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj",
-    "kv_b_proj", "wq_b", "wk", "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
-    "gate_up_proj", "embed_tokens", "lm_head", "qkvr", "wo_ud",
-)  # fmt: skip
 #: Adapters one running batch may mix: the version being served and the one before it, whose
 #: last requests may still run (SGLang counts the base model as one when a request has none).
 LORA_ADAPTERS_PER_BATCH = 2
