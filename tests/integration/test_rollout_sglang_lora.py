@@ -157,6 +157,28 @@ def test_the_replaced_adapter_is_unloaded_only_once_its_last_request_has_ended(
     assert not (tmp_path / first).exists()
 
 
+def test_a_request_retried_after_its_adapter_was_replaced_still_finds_it_loaded(
+    server, tmp_path: Path
+) -> None:
+    # Its first attempt fails with 503 while version 2 arrives; the retry names version 1's
+    # adapter again, which SGLang would otherwise have to load anew from its folder.
+    engine = _engine(server.url, tmp_path)
+
+    async def go() -> Any:
+        await engine.load_adapter(adapter(shift=1), 1)
+        first = engine._adapter
+        server.inject("/generate", status=503, delay=0.5)
+        task = asyncio.create_task(engine.generate([[1]], PARAMS))
+        await asyncio.sleep(0.1)
+        await engine.load_adapter(adapter(shift=2), 2)
+        return first, (await task)[0][0]
+
+    first, out = run(_closing(engine, go()))
+    retried = [b["lora_path"] for _, p, b in server.requests if p == "/generate"]
+    assert (retried, server.state.reloaded) == ([first, first], [])
+    assert (out.token_ids, out.version_start) == (expected([1], 4, shift=1), 1)
+
+
 def test_full_weights_where_an_adapter_was_expected_are_refused_naming_model_lora(
     server, tmp_path: Path
 ) -> None:
