@@ -2,7 +2,8 @@
 
 The rollout replica drives through it a server beside it (the SGLang container of the rollout
 pod, or `sglang.launch_server` started here when `launch` is set): generation, pause / abort, and
-weight updates from disk, by NCCL broadcast or by CUDA IPC. Every request is one route of 0.5.23's
+weight updates from disk, by NCCL broadcast or by CUDA IPC, or for a LoRA job (`model.lora`) each
+version as a LoRA adapter over the unchanged base model. Every request is one route of 0.5.23's
 `http_server.py` with a body of its `io_struct.py` request class, which
 `tests/contract/test_sglang_contract.py` checks against the installed package; behaviour is
 tested against `tests/integration/sglang_standin.py`, as no live SGLang runs where kuberl is
