@@ -122,6 +122,42 @@ def adapter_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folders[0]
 
 
+@pytest.fixture(scope="module")
+def attached() -> list[tuple[str, str, Any]]:
+    """Every (method, path, body) of a LoRA job's replica starting on a server it did not launch,
+    which lists a base model, an adapter an earlier replica left and one that is not kuberl's."""
+    captured: list[tuple[str, str, Any]] = []
+    cards = [
+        {"id": "base", "object": "model", "root": "/models/m"},
+        {
+            "id": "kuberl-0dead0-v3",
+            "object": "model",
+            "root": "/w/kuberl-0dead0-v3",
+            "parent": "base",
+        },
+        {"id": "someone-elses", "object": "model", "root": "/w/x", "parent": "base"},
+    ]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        captured.append((request.method, request.url.path, body))
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": cards})
+        return _answer(request)
+
+    async def drive() -> None:
+        engine = SGLangEngine(
+            SGLangEngineConfig(url="http://sglang:30000"),
+            transport=httpx.MockTransport(handler),
+            lora=LORA,
+        )
+        await engine.start()
+        await engine.close()
+
+    asyncio.run(drive())
+    return captured
+
+
 def _sglang_module(relative: str, name: str) -> Any:
     spec = importlib.util.spec_from_file_location(name, SGLANG / relative)
     assert spec is not None and spec.loader is not None
@@ -190,6 +226,30 @@ def test_a_replaced_adapter_is_unloaded_and_the_last_one_on_close(sent) -> None:
     loads = [b["lora_name"] for _, p, b in sent if p == "/load_lora_adapter"]
     unloads = [b["lora_name"] for _, p, b in sent if p == "/unload_lora_adapter"]
     assert unloads == loads
+
+
+def test_attaching_unloads_only_the_adapters_an_earlier_replica_left(attached) -> None:
+    unloads = [b["lora_name"] for _, p, b in attached if p == "/unload_lora_adapter"]
+    assert (unloads, _against_sglang(attached)) == (["kuberl-0dead0-v3"], [])
+
+
+def test_sglang_lists_loaded_adapters_as_model_cards_with_a_parent() -> None:
+    # What the start reads to find them: `available_models` adds one ModelCard per adapter in
+    # the registry, its id the adapter's name and its parent the served model.
+    source = (SGLANG / "srt/entrypoints/http_server.py").read_text()
+    listing = ast.unparse(
+        next(
+            n
+            for n in ast.parse(source).body
+            if isinstance(n, ast.AsyncFunctionDef) and n.name == "available_models"
+        )
+    )
+    protocol = ast.parse((SGLANG / "srt/entrypoints/openai/protocol.py").read_text())
+    card = next(n for n in protocol.body if isinstance(n, ast.ClassDef) and n.name == "ModelCard")
+    fields = {i.target.id for i in card.body if isinstance(i, ast.AnnAssign)}  # type: ignore[union-attr]
+    assert '@app.get("/v1/models"' in source.replace("'", '"')
+    assert "id=lora_ref.lora_name" in listing and "parent=served_model_names[0]" in listing
+    assert {"id", "parent", "root"} <= fields
 
 
 # -- launch flags -----------------------------------------------------------------------------

@@ -43,7 +43,8 @@ against this small stdlib HTTP server that answers the routes of SGLang 0.5.23's
   again from its path first (`_resolve_lora_path`; recorded in `reloaded`). An adapter shifts
   every generated token by the rounded sum of its tensors' values, so a test can tell which
   adapter made a sample. `weight_version` stays the base model's. Without LoRA enabled both
-  routes and a `/generate` naming an adapter are refused with 400.
+  routes and a `/generate` naming an adapter are refused with 400. `/v1/models` lists the base
+  model's card and one per loaded adapter (`parent`: the base).
 - missing required fields get FastAPI's 422, unknown routes 404.
 
 Faults are injected per route (`inject`): an HTTP status for the next k calls, a delay, a
@@ -228,6 +229,7 @@ class _Handler(BaseHTTPRequestHandler):
         routes = {
             ("GET", "/health_generate"): self._health,
             ("GET", "/health"): self._health,
+            ("GET", "/v1/models"): self._models,
             ("POST", "/generate"): self._generate,
             ("PUT", "/generate"): self._generate,
             ("POST", "/pause_generation"): self._pause,
@@ -621,6 +623,17 @@ class _Handler(BaseHTTPRequestHandler):
             return None, f"not PEFT LoRA weights: {strays[:3]}"
         total = sum(float(t.double().sum()) for t in tensors.values())
         return Adapter(path, int(config["r"]), round(total) % state.vocab_size), ""
+
+    def _models(self, body: dict[str, Any]) -> None:
+        # 0.5.23 `available_models`: the base model's card, then one per loaded adapter.
+        state = self.server.state
+        cards: list[dict[str, Any]] = [{"id": "base", "object": "model", "root": "base"}]
+        with state.cond:
+            cards += [
+                {"id": name, "object": "model", "root": a.path, "parent": "base"}
+                for name, a in state.adapters.items()
+            ]
+        self._send(200, {"object": "list", "data": cards})
 
     def _load_lora(self, body: dict[str, Any]) -> None:
         state = self.server.state

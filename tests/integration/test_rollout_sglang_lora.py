@@ -15,10 +15,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
 from kuberl.common.config import LoraConfig, SGLangEngineConfig
+from kuberl.common.lora import save_adapter
 from kuberl.rollout.engine.base import EngineRejected, SamplingParams
 from kuberl.rollout.engine.sglang import SGLangEngine
 from tests.integration.sglang_standin import SGLangStandIn
@@ -295,3 +297,23 @@ def test_a_replica_loads_each_published_adapter_through_weight_sync(
     assert (history, server.state.reloaded) == ([(1, transport), (2, transport)], [])
     # version 1's adapter when 2 replaced it, version 2's when the replica closed
     assert (len(loads), server.state.unloaded) == (2, loads)
+
+
+def test_a_replica_attaching_unloads_what_an_earlier_replica_left_and_nothing_else(
+    server, tmp_path: Path
+) -> None:
+    engine = _engine(server.url, tmp_path)
+    (tmp_path / "kuberl-0dead0-v7").mkdir()
+    save_dir = tmp_path / "peft"
+    save_adapter(save_dir, adapter(shift=1).items(), LORA)
+    for name in ("kuberl-0dead0-v7", "someone-elses"):
+        answer = httpx.post(
+            f"{server.url}/load_lora_adapter", json={"lora_name": name, "lora_path": str(save_dir)}
+        )
+        assert answer.status_code == 200
+    run(_closing(engine, engine.start()))
+    assert (server.state.unloaded, sorted(server.state.adapters)) == (
+        ["kuberl-0dead0-v7"],
+        ["someone-elses"],
+    )
+    assert not (tmp_path / "kuberl-0dead0-v7").exists()

@@ -477,6 +477,8 @@ class SGLangEngine(Engine):
                     f"{self.config.startup_timeout_seconds:.0f}s"
                 )
             await asyncio.sleep(1.0)
+        if self.lora is not None and not self.config.launch:
+            await self._drop_stale_adapters()
         log.info("sglang.ready", url=self.url, version=self._version)
 
     async def _recover(self) -> bool:
@@ -900,6 +902,29 @@ class SGLangEngine(Engine):
         if previous is not None:
             self._retire(previous)
         log.info("sglang.adapter_loaded", adapter=name, version=version)
+
+    async def _drop_stale_adapters(self) -> None:
+        """Unload, with their folders, the adapters an earlier replica left on a server it did
+        not launch (kuberl's names of another session): one that died never unloaded its last.
+        SGLang lists loaded adapters in `/v1/models` as cards with a `parent` (the base)."""
+        try:
+            listing = await self.call("GET", "/v1/models", timeout=30.0)
+        except EngineError as exc:
+            log.warning("sglang.adapters_not_listed", url=self.url, error=str(exc))
+            return
+        cards = listing.get("data") if isinstance(listing, dict) else None
+        ours = f"kuberl-{self._session}-"
+        stale = [
+            str(card["id"])
+            for card in cards or []
+            if isinstance(card, dict)
+            and card.get("parent")
+            and str(card.get("id", "")).startswith("kuberl-")
+            and not str(card["id"]).startswith(ours)
+        ]
+        if stale:
+            log.info("sglang.stale_adapters", url=self.url, adapters=stale)
+        await asyncio.gather(*(self._unload(name) for name in stale))
 
     def _hold(self, adapter: str | None) -> None:
         if adapter is not None:
