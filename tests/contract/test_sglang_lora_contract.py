@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import importlib.util
+import itertools
 import json
 import re
 import sys
@@ -367,6 +368,20 @@ def test_sglang_unloads_an_adapter_only_after_its_requests_and_reloads_one_named
         unload.index("self.lora_registry.unregister") < unload.index("wait_for_unload"),
         "self.lora_ref_cache[lora_path]" in resolve and "self.load_lora_adapter(" in resolve,
     ) == (True, True)
+
+
+def test_a_groups_prefill_names_its_samples_adapter_as_sglangs_own_prefill_does(sent) -> None:
+    # SGLang's parallel sampling keeps the adapter on its prefill-only copy: the radix cache
+    # keys a prefix by adapter, so a prefill under another adapter would not be found.
+    source = (SGLANG / "srt/managers/tokenizer_manager.py").read_text()
+    bodies = [b for _, p, b in sent if p == "/generate"]
+    pairs = [
+        (prefix["lora_path"], batch["lora_path"])
+        for prefix, batch in itertools.pairwise(bodies)
+        if str(prefix["rid"]).endswith("-prefix")
+    ]
+    assert "Keep LoRA on tokenized_obj for the correct prefix-cache key." in source
+    assert len(pairs) == 2 and all(a == b for a, b in pairs)
 
 
 def test_loading_an_adapter_leaves_sglangs_weight_version_alone() -> None:
