@@ -77,6 +77,9 @@ GOAL_RATIO_LONG = 0.6
 LONG_TASK = {
     "max_new_tokens": 128,  # the traces are 80-108 characters, one token each, plus EOS
     "groups_per_step": 8,  # 64 completions per step, one rollout batch of 8 prompts
+    # The demo's window of two steps ahead (32 groups at its 16 per step); the demo's 32 here
+    # would be four steps ahead, and with max_staleness 1 most of that is dropped as stale.
+    "max_inflight_groups": 16,
     "rl_steps": 100,
     "sft_steps": 300,
 }
@@ -111,6 +114,7 @@ def long_task(doc: dict[str, Any], out: Path) -> dict[str, Any]:
     job["data"]["train"] = [{"path": str(data / "train.jsonl"), "name": "arith-steps"}]
     job["data"]["eval"] = [{"path": str(data / "eval.jsonl"), "name": "arith-steps-heldout"}]
     job["rollout"]["sampling"]["max_new_tokens"] = LONG_TASK["max_new_tokens"]
+    job["buffer"]["max_inflight_groups"] = LONG_TASK["max_inflight_groups"]
     tc = job["trainer"]
     tc.update(
         sft_data=str(data / "sft.jsonl"),

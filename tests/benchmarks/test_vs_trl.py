@@ -306,5 +306,7 @@ def test_the_long_task_gives_both_sides_long_worked_traces_and_the_same_settings
     )
     assert min(lengths) >= 48 and max(lengths) <= settings["max_new_tokens"]
     assert Path(settings["train_file"]).parent == tmp_path / "data-long"
+    # Two steps ahead, as the demo's window is at its 16 groups per step.
+    assert doc["buffer"]["max_inflight_groups"] == 2 * settings["groups_per_step"]
     eval_prompts = {r["prompt"] for r in vs_trl.read_jsonl(Path(settings["eval_file"]))}
     assert not eval_prompts & {r["prompt"] for r in sft}
