@@ -817,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
     quick = {"rl_steps": 6, "sft_steps": 40, "eval_every": 2}
     rl_steps = args.rl_steps or (quick["rl_steps"] if args.quick else settings["rl_steps"])
     sft_steps = args.sft_steps or (quick["sft_steps"] if args.quick else settings["sft_steps"])
-    every = args.eval_every or (quick["eval_every"] if args.quick else 5 if long else 10)
+    every = args.eval_every or (quick["eval_every"] if args.quick else 10)
     repeat = args.repeat or (1 if args.quick else 4)
     settings.update(rl_steps=rl_steps, sft_steps=sft_steps, eval_every=every)
     where = machine()
