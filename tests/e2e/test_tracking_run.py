@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from tests.support import REPO
+from tests.support import REPO, short_demo_job
 from tests.tracking_readers import (
     OFFLINE_ENV,
     tensorboard_runs,
@@ -31,27 +30,10 @@ TOTAL_STEPS = 6
 
 
 def _short_job(tmp: Path) -> Path:
-    """examples/demo.yaml without its warm start, a checkpoint every step; eval rounds at the
-    start and the end only (a trainer killed inside a round waits out the round on restart)."""
-    doc = yaml.safe_load((REPO / "examples" / "demo.yaml").read_text())
-    doc["job"]["name"] = "tracking-e2e"
-    doc["data"]["eval"][0]["limit"] = 4
-    doc["rollout"]["group_size"] = 4
-    doc["rollout"]["prompts_per_batch"] = 4
-    doc["rollout"]["sampling"]["max_new_tokens"] = 4
-    doc["rollout"]["drain_seconds"] = 5
-    doc["buffer"]["max_inflight_groups"] = 8
-    doc["trainer"].update(
-        total_steps=TOTAL_STEPS,
-        groups_per_step=4,
-        eval_every=0,
-        checkpoint_every=1,
-        sft_steps=0,
-        batch_wait_seconds=5,
+    """examples/demo.yaml without its warm start, a checkpoint every step."""
+    return short_demo_job(
+        tmp, "tracking-e2e", eval_prompts=4, total_steps=TOTAL_STEPS, checkpoint_every=1
     )
-    path = tmp / "job.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
 
 
 def _trainer_pid(run_dir: Path) -> int | None:

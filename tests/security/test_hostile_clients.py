@@ -39,7 +39,7 @@ from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc
 from kuberl.common.channels import sync_channel
 from kuberl.common.trajectory import encode_array
 from tests.integration.buffer_support import make_group
-from tests.support import REPO
+from tests.support import REPO, short_demo_job
 
 GROUP_SIZE = 4
 TOTAL_STEPS = 300
@@ -98,25 +98,9 @@ class RunningJob:
 
 
 def _job(tmp: Path) -> Path:
-    doc = yaml.safe_load((REPO / "examples" / "demo.yaml").read_text())
-    doc["job"]["name"] = "hostile"
-    doc["job"]["run_dir"] = str(tmp / "runs")
-    doc["data"]["eval"][0]["limit"] = 8
-    doc["rollout"]["group_size"] = GROUP_SIZE
-    doc["rollout"]["prompts_per_batch"] = 4
-    doc["rollout"]["drain_seconds"] = 5
-    doc["buffer"]["max_inflight_groups"] = 16
-    doc["trainer"].update(
-        total_steps=TOTAL_STEPS,
-        groups_per_step=4,
-        eval_every=0,
-        checkpoint_every=0,
-        sft_steps=0,
-        batch_wait_seconds=5,
+    return short_demo_job(
+        tmp, "hostile", max_inflight_groups=16, total_steps=TOTAL_STEPS, checkpoint_every=0
     )
-    path = tmp / "job.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
 
 
 @pytest.fixture(scope="module")

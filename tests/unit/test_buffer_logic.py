@@ -9,7 +9,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -38,12 +38,6 @@ from tests.integration.buffer_support import (
 )
 
 TRAIN, EVAL, SFT = tpb.STREAM_KIND_TRAIN, tpb.STREAM_KIND_EVAL, tpb.STREAM_KIND_SFT
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), die_with_parent=True) as server:
-        yield server.url
 
 
 @asynccontextmanager
