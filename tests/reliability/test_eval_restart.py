@@ -67,13 +67,8 @@ def test_a_trainer_killed_mid_eval_round_evaluates_a_fresh_whole_round_once_rest
             finally:
                 first.stop()
             client.put([_group(second_half, EVAL_REWARDS, 2)], [second_half.lease_id], kind=EVAL)
-            second = ServiceProcess.kuberl(
-                "trainer",
-                job,
-                tmp_path,
-                name="trainer-2",
-                env={"KUBERL_METRICS_JSONL": str(metrics)},
-            )
+            env = {"KUBERL_METRICS_JSONL": str(metrics)}
+            second = ServiceProcess.kuberl("trainer", job, tmp_path, name="trainer-2", env=env)
             _, code, log = _until_exit(client, second, 240)
     rows = read_rows(metrics)
     evals = [(r["round"], r["eval/groups"], r["eval/missing_groups"]) for r in rows]
