@@ -51,6 +51,8 @@ log = get_logger(__name__)
 
 METRICS_JSONL_ENV = "KUBERL_METRICS_JSONL"  # the trainer appends one JSON row per step here
 TRAINED_JSONL_ENV = "KUBERL_TRAINED_JSONL"  # ... and one row per trained batch (group keys) here
+# The warm start's checkpoint folder: the RL trainer continues its tracked runs (job.tracking).
+TRACKING_WARM_UP_ENV = "KUBERL_TRACKING_WARM_UP"
 TICK_SECONDS = 1.0
 # Config section of each non-rollout service (rollout replicas are named rollout-<i>).
 SECTIONS = {"buffer": "buffer", "reward": "reward", "weight-sync": "weight_sync"}
@@ -406,11 +408,14 @@ class Supervisor:
         tc = self.config.trainer if self.config else None
         return bool(tc and tc.mode == "rl" and tc.sft_steps > 0 and tc.sft_data)
 
+    def _warm_start_checkpoints(self) -> Path:
+        return self.run_dir / "checkpoints" / "warm-start"
+
     def _warm_start(self) -> None:
         assert self.config is not None and self.group is not None and self.progress is not None
         tc = self.config.trainer
         doc = json.loads(json.dumps(self.doc))
-        checkpoints = self.run_dir / "checkpoints" / "warm-start"
+        checkpoints = self._warm_start_checkpoints()
         doc["trainer"].update(
             mode="sft",
             total_steps=tc.sft_steps,
@@ -511,6 +516,8 @@ class Supervisor:
             METRICS_JSONL_ENV: str(self.run_dir / "metrics.jsonl"),
             TRAINED_JSONL_ENV: str(self.run_dir / "trained.jsonl"),
         }
+        if self.warm_start_hf is not None:
+            env[TRACKING_WARM_UP_ENV] = str(self._warm_start_checkpoints())
         spec = self._spec(
             "trainer",
             self._trainer_argv(job),

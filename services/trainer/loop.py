@@ -43,7 +43,7 @@ from kuberl.trainer.publishing import PolicyPublisher
 from kuberl.trainer.rl import RLStep
 from kuberl.trainer.sft import SFTFile, SFTStep
 from kuberl.trainer.telemetry import Reporter, TrainedLog, speed
-from kuberl.trainer.tracking import Tracking
+from kuberl.trainer.tracking import Tracking, warm_up_folder
 
 log = get_logger(__name__)
 
@@ -340,6 +340,7 @@ class Trainer:
                 resumed=bool(self.status.saved[0]),
                 decode=self._decode,
                 step=self._trained(),
+                warm_up=warm_up_folder(),
             )
         self.trained_log.write(
             {
