@@ -226,6 +226,7 @@ class RolloutService(Service):
                 # Versions it holds pass on to other engines (weight-sync's relay tree).
                 peer_host=_pod_address() if config.weight_sync.relay_fanout else "",
                 peer_bytes_per_second=config.weight_sync.snapshot_bytes_per_second,
+                job=config.job.name,
             )
         else:
             tp_size = getattr(config.rollout.engine, "tp_size", 1)

@@ -74,6 +74,7 @@ class EngineClient:
         ranks: int = 1,
         peer_host: str = "",
         peer_bytes_per_second: float = 0.0,
+        job: str = "",
     ) -> None:
         """`gpu`: the UUID of the engine's GPU, which decides CUDA IPC eligibility (None: looked
         up from `device`; "" on the CPU). `shm_in_place`: over `shm`, `load` gets views of the
@@ -84,7 +85,7 @@ class EngineClient:
         with each tensor-parallel rank: its tp size); the relay sizes the group by it.
         `peer_host`: serve the held version to other engines on this address (a free port;
         weight-sync's relay tree, `weight_sync.relay_fanout`); "" serves nobody; at most
-        `peer_bytes_per_second` (0: no cap)."""
+        `peer_bytes_per_second` (0: no cap), to `job`'s engines only under roles."""
         if ranks < 1:
             raise ValueError(f"ranks must be at least 1, got {ranks}")
         if (load is None) == (apply is None):
@@ -122,7 +123,9 @@ class EngineClient:
         #: Transport of the update being delivered to `load` right now.
         self.current_transport = ""
         self.peer = (
-            PeerServer(peer_host, max_message_bytes, peer_bytes_per_second) if peer_host else None
+            PeerServer(peer_host, max_message_bytes, peer_bytes_per_second, job)
+            if peer_host
+            else None
         )
 
     # ------------------------------------------------------------------ public API
