@@ -227,6 +227,7 @@ class RolloutService(Service):
                 peer_host=_pod_address() if config.weight_sync.relay_fanout else "",
                 peer_bytes_per_second=config.weight_sync.snapshot_bytes_per_second,
                 job=config.job.name,
+                peer_port=config.rollout.peer_port,
             )
         else:
             tp_size = getattr(config.rollout.engine, "tp_size", 1)

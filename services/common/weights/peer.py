@@ -45,7 +45,7 @@ class Held:
 
 
 class PeerServer(pb_grpc.WeightSyncServiceServicer):
-    """Serves the held version's snapshot on `host`:<a free port> (`endpoint` once started)."""
+    """Serves the held version's snapshot on `host`:`port` (0: a free one; `endpoint`)."""
 
     def __init__(
         self,
@@ -53,6 +53,7 @@ class PeerServer(pb_grpc.WeightSyncServiceServicer):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         bytes_per_second: float = 0.0,
         job: str = "",
+        port: int = 0,
     ) -> None:
         """`bytes_per_second`: cap on what this engine streams (`snapshot_bytes_per_second`);
         `job`: whose engines may download, under roles."""
@@ -72,9 +73,11 @@ class PeerServer(pb_grpc.WeightSyncServiceServicer):
         self.roles = RoleCheck("rollout", job, source) if source is not None else None
         if settings.enabled:
             credentials = transport.server_credentials(settings)
-            self.port = self._server.add_secure_port(f"{host}:0", credentials)
+            self.port = self._server.add_secure_port(f"{host}:{port}", credentials)
         else:
-            self.port = self._server.add_insecure_port(f"{host}:0")
+            self.port = self._server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise RuntimeError(f"weight relay: cannot bind {host}:{port} (rollout.peer_port)")
         self.endpoint = f"{host}:{self.port}"
 
     def start(self) -> PeerServer:
