@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kuberl.common import metrics
-from kuberl.common.config import TLSConfig
+from kuberl.common.config import ConfigError, TLSConfig
 from kuberl.common.errors import PermissionDenied
 
 SCHEME = "spiffe://kuberl/"
@@ -130,8 +130,15 @@ class Tokens:
 
     @classmethod
     def load(cls, path: str | Path) -> Tokens:
-        doc = json.loads(Path(path).read_text())
-        found = {d: Identity.parse(doc["job"], name) for d, name in doc["identities"].items()}
+        try:
+            doc = json.loads(Path(path).read_text())
+            names = doc["identities"].items()
+            found = {d: Identity.parse(doc["job"], name) for d, name in names}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(
+                f"{IDENTITIES_ENV}={path}: not a readable identity file of a `kuberl run` "
+                f"({type(exc).__name__}: {exc}); unset it to check no roles"
+            ) from None
         return cls({d: who for d, who in found.items() if who is not None})
 
     def identify(self, context: Any) -> Identity | None:

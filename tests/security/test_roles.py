@@ -30,7 +30,7 @@ from kuberl.api.buffer.v1 import buffer_pb2_grpc
 from kuberl.api.weight_sync.v1 import weight_sync_pb2 as wpb
 from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc
 from kuberl.common.channels import health_status, sync_channel
-from kuberl.common.config import TLSConfig
+from kuberl.common.config import ConfigError, TLSConfig
 from kuberl.common.redis_server import EmbeddedRedis
 from kuberl.common.roles import (
     IDENTITIES_ENV,
@@ -278,3 +278,11 @@ def test_a_service_started_without_an_identity_file_checks_no_roles(tmp_path: Pa
                 stub = buffer_pb2_grpc.BufferServiceStub(channel)
                 answer = stub.SetPolicyVersion(bpb.SetPolicyVersionRequest(version=0), timeout=20)
     assert answer is not None
+
+
+def test_an_unreadable_identity_file_stops_the_service_naming_the_variable(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ConfigError, match=IDENTITIES_ENV):
+        identity_source(TLSConfig(), {IDENTITIES_ENV: str(tmp_path / "bad.json")})
