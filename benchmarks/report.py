@@ -52,6 +52,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "rollout_engine": [],
     "reward_throughput": [],
     "buffer_throughput": [],
+    "epoch_queue": [],
     "put_encoding": [],
     "weight_sync": [],
     "scale": [],
@@ -233,6 +234,21 @@ def rows_buffer_throughput(r: dict[str, Any]) -> list[Row]:
             f"{_num(r['raw_redis_traj_per_s'])} traj/s (raw Redis streams)",
             f"{r['ratio_service_to_raw']:.2f}x",
             f">= {goal.get('traj_per_s', 2500):,} traj/s and >= {goal.get('ratio', 0.5)}x",
+            _yes(r.get("goal_met")),
+        )
+    ]
+
+
+def rows_epoch_queue(r: dict[str, Any]) -> list[Row]:
+    sliced, whole = r["sliced"], r["whole_epoch"]
+    return [
+        Row(
+            f"buffer: longest Redis stall queueing an epoch of {r['prompts']:,} prompts "
+            f"(slices of {sliced['queue_slice_prompts']:,})",
+            f"{_num(sliced['longest_redis_stall_ms'])} ms",
+            f"{_num(whole['longest_redis_stall_ms'])} ms (the whole epoch in one script)",
+            f"{r['ratio_stall_sliced_to_whole']:.4f}x",
+            f"<= {r['goal']['longest_stall_ms']:.0f} ms",
             _yes(r.get("goal_met")),
         )
     ]
@@ -470,6 +486,7 @@ ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "rollout_engine": rows_rollout_engine,
     "reward_throughput": rows_reward_throughput,
     "buffer_throughput": rows_buffer_throughput,
+    "epoch_queue": rows_epoch_queue,
     "put_encoding": rows_put_encoding,
     "weight_sync": rows_weight_sync,
     "scale": rows_scale,
