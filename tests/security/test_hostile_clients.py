@@ -17,6 +17,7 @@ PERMISSION_DENIED and counted, the local-mode roles of kuberl.common.roles.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -368,7 +369,7 @@ def _codes(job: RunningJob, caller: str, calls: list[tuple[str, str, Any]]) -> d
     codes = {}
     for service, method, request in calls:
         call = getattr(job.stub(service, caller), method)
-        codes[method] = _code(lambda: call(request, timeout=30))  # noqa: B023 (called at once)
+        codes[method] = _code(functools.partial(call, request, timeout=30))
     return codes
 
 
