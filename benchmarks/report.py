@@ -55,6 +55,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "epoch_queue": [],
     "put_encoding": [],
     "weight_sync": [],
+    "lora_sync": [],
     "scale": [],
     "trainer_mfu": [],
 }
@@ -289,6 +290,35 @@ def rows_weight_sync(r: dict[str, Any]) -> list[Row]:
     return out
 
 
+def rows_lora_sync(r: dict[str, Any]) -> list[Row]:
+    lora, full = r["lora_bytes"], r["full_bytes"]
+    rank = r.get("lora", {}).get("rank", 16)
+    out = [
+        Row(
+            f"weight update bytes, {r.get('model', 'Qwen2-0.5B')}, LoRA r={rank} on every linear",
+            f"{lora / 1e6:,.1f} MB (adapters)",
+            f"{full / 1e6:,.0f} MB (full model)",
+            f"{100 * lora / full:.1f}%",
+            "<= 5%",
+            _yes(lora / full <= 0.05),
+        )
+    ]
+    engines = {"lora_torch": "in place (torch)", "lora_sglang": "SGLang path, stand-in server"}
+    for transport, x in r.get("transports", {}).items():
+        for kind, how in engines.items():
+            if kind not in x:
+                continue
+            out.append(
+                Row(
+                    f"weight update seconds over {transport}, LoRA r={rank}, {how}",
+                    f"{x[kind]['seconds']:.3f} s",
+                    f"{x['full']['seconds']:.2f} s (full model, torch engine)",
+                    f"{x[kind]['seconds'] / x['full']['seconds']:.3f}x",
+                )
+            )
+    return out
+
+
 def rows_scale(r: dict[str, Any]) -> list[Row]:
     runs = r.get("runs", [])
     if not runs:
@@ -489,6 +519,7 @@ ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "epoch_queue": rows_epoch_queue,
     "put_encoding": rows_put_encoding,
     "weight_sync": rows_weight_sync,
+    "lora_sync": rows_lora_sync,
     "scale": rows_scale,
     "vs_trl": rows_vs_trl,
     "trainer_mfu": rows_trainer_mfu,
