@@ -115,8 +115,8 @@ def merged(
     for name, tensor in state.items():
         if is_adapter_tensor(name):
             continue
-        layer, _, leaf = name.rpartition(".base_layer.")
-        if not leaf:  # not a wrapped layer's own tensor
+        layer, wrapped, leaf = name.rpartition(".base_layer.")
+        if not wrapped:  # not a wrapped layer's own tensor
             out.append((name, tensor))
             continue
         if leaf == "weight":
