@@ -23,6 +23,8 @@ import yaml
 from tests.support import REPO
 
 STEPS = 50
+# The run takes about 2 min on 2 idle cores; 5-12 min when the machine is shared.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def _job(tmp: Path) -> Path:
@@ -86,3 +88,33 @@ def test_the_final_adapter_loads_in_peft_over_the_warm_start_model(
     ]
     assert (config["r"], config["base_model_name_or_path"]) == (3, summary["warm_start_model"])
     assert not (final / "hf").exists() and float(b.abs().max()) > 0
+
+
+def test_a_lora_warm_start_trains_adapters_and_rl_starts_from_its_merged_export(
+    tmp_path: Path,
+) -> None:
+    doc = yaml.safe_load((REPO / "examples" / "demo-lora.yaml").read_text())
+    doc["job"].update(name="lora-warm", run_dir=str(tmp_path / "runs"))
+    doc["job"]["local"]["warm_start_lora"] = True
+    doc["data"]["eval"][0]["limit"] = 4
+    doc["rollout"].update(group_size=4, prompts_per_batch=4, drain_seconds=5)
+    doc["trainer"].update(total_steps=2, groups_per_step=4, eval_every=0, sft_steps=4)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kuberl.cli", "run", str(job), "--run-dir", str(run_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    warm = Path(summary["warm_start_model"])
+    checkpoints = run_dir / "checkpoints"
+    final = checkpoints / (checkpoints / "latest").read_text().strip()
+    config = json.loads((final / "adapter" / "adapter_config.json").read_text())
+    assert (warm.name, summary["steps"]) == ("merged", 2)
+    assert (warm.parent / "adapter" / "adapter_model.safetensors").exists()
+    assert config["base_model_name_or_path"] == str(warm)

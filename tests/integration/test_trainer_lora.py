@@ -154,6 +154,7 @@ def _worker(root: Path, model_dir: Path, sync: str) -> None:
             (out / "metrics.json").write_text(json.dumps({**metrics, **published}))
         barrier(info)
     _critic(root, model_dir, info, weights)
+    _sft(root, model_dir, info, weights)
     barrier(info)
 
 
@@ -179,6 +180,27 @@ def _critic(root: Path, model_dir: Path, info, weights) -> None:  # type: ignore
     if info.is_main:
         save_file(before, str(root / "critic-before.safetensors"))
         save_file(after, str(root / "critic-after.safetensors"))
+
+
+def _sft(root: Path, model_dir: Path, info, weights) -> None:  # type: ignore[no-untyped-def]
+    """Two steps of the SFT warm-up (`sft_steps`) at ZeRO-2 on the LoRA policy."""
+    from safetensors.torch import save_file
+
+    from kuberl.trainer.models import Models
+    from kuberl.trainer.sft import SFTStep
+
+    config = _job(root, model_dir, 2, "", publish_weights=False)
+    models = Models()
+    models.load_tokenizer(config, root)
+    models.load(config, info)
+    before = weights(models.engine.module)
+    step = SFTStep(config, models, info)
+    step(_batch(1))
+    step(_batch(2))
+    after = weights(models.engine.module)
+    if info.is_main:
+        save_file(before, str(root / "sft-before.safetensors"))
+        save_file(after, str(root / "sft-after.safetensors"))
 
 
 # ---------------------------------------------------------------- the test process
@@ -354,6 +376,14 @@ def test_the_merged_export_is_peft_models_merge(run) -> None:  # type: ignore[no
             "model.layers.0.mlp.up_proj.weight"
         ],
     )
+
+
+def test_the_sft_warm_up_trains_the_adapters_only(run) -> None:  # type: ignore[no-untyped-def]
+    root, _, _ = run
+    before = _load(root / "sft-before.safetensors")
+    after = _load(root / "sft-after.safetensors")
+    moved = {n for n in before if not (before[n] == after[n]).all()}
+    assert moved == _adapter_names(before)  # the second step moves the A matrices too
 
 
 def test_a_gae_critic_trains_its_own_adapters_and_value_head(run) -> None:  # type: ignore[no-untyped-def]
