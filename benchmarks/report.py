@@ -52,8 +52,10 @@ BENCHMARKS: dict[str, list[str]] = {
     "rollout_engine": [],
     "reward_throughput": [],
     "buffer_throughput": [],
+    "epoch_queue": [],
     "put_encoding": [],
     "weight_sync": [],
+    "lora_sync": [],
     "scale": [],
     "trainer_mfu": [],
 }
@@ -238,6 +240,21 @@ def rows_buffer_throughput(r: dict[str, Any]) -> list[Row]:
     ]
 
 
+def rows_epoch_queue(r: dict[str, Any]) -> list[Row]:
+    sliced, whole = r["sliced"], r["whole_epoch"]
+    return [
+        Row(
+            f"buffer: longest Redis stall queueing an epoch of {r['prompts']:,} prompts "
+            f"(slices of {sliced['queue_slice_prompts']:,})",
+            f"{_num(sliced['longest_redis_stall_ms'])} ms",
+            f"{_num(whole['longest_redis_stall_ms'])} ms (the whole epoch in one script)",
+            f"{r['ratio_stall_sliced_to_whole']:.4f}x",
+            f"<= {r['goal']['longest_stall_ms']:.0f} ms",
+            _yes(r.get("goal_met")),
+        )
+    ]
+
+
 def rows_put_encoding(r: dict[str, Any]) -> list[Row]:
     return [
         Row(
@@ -270,6 +287,35 @@ def rows_weight_sync(r: dict[str, Any]) -> list[Row]:
                 _yes(x["ratio_vs_raw_pair"] <= 1.5),
             )
         )
+    return out
+
+
+def rows_lora_sync(r: dict[str, Any]) -> list[Row]:
+    lora, full = r["lora_bytes"], r["full_bytes"]
+    rank = r.get("lora", {}).get("rank", 16)
+    out = [
+        Row(
+            f"weight update bytes, {r.get('model', 'Qwen2-0.5B')}, LoRA r={rank} on every linear",
+            f"{lora / 1e6:,.1f} MB (adapters)",
+            f"{full / 1e6:,.0f} MB (full model)",
+            f"{100 * lora / full:.1f}%",
+            "<= 5%",
+            _yes(lora / full <= 0.05),
+        )
+    ]
+    engines = {"lora_torch": "in place (torch)", "lora_sglang": "SGLang path, stand-in server"}
+    for transport, x in r.get("transports", {}).items():
+        for kind, how in engines.items():
+            if kind not in x:
+                continue
+            out.append(
+                Row(
+                    f"weight update seconds over {transport}, LoRA r={rank}, {how}",
+                    f"{x[kind]['seconds']:.3f} s",
+                    f"{x['full']['seconds']:.2f} s (full model, torch engine)",
+                    f"{x[kind]['seconds'] / x['full']['seconds']:.3f}x",
+                )
+            )
     return out
 
 
@@ -470,8 +516,10 @@ ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "rollout_engine": rows_rollout_engine,
     "reward_throughput": rows_reward_throughput,
     "buffer_throughput": rows_buffer_throughput,
+    "epoch_queue": rows_epoch_queue,
     "put_encoding": rows_put_encoding,
     "weight_sync": rows_weight_sync,
+    "lora_sync": rows_lora_sync,
     "scale": rows_scale,
     "vs_trl": rows_vs_trl,
     "trainer_mfu": rows_trainer_mfu,

@@ -197,6 +197,19 @@ def read_dataset(
     return rows
 
 
+#: The buffer's prompt streams' index mixed into the shuffle seed, so train and eval orders
+#: differ for one seed.
+SHUFFLE_STREAM = {"train": 0, "eval": 1}
+
+
+def epoch_sets_order(
+    sets: Sequence[tuple[str, int]], seed: int, epoch: int, stream: int = 0
+) -> list[str]:
+    """`epoch_order` of the prompts of datasets (name, number of prompts): ids `<name>:<row>`,
+    the buffer's prompt ids, in the order the buffer queues that epoch."""
+    return epoch_order([f"{n}:{i}" for n, count in sets for i in range(count)], seed, epoch, stream)
+
+
 def epoch_order(prompt_ids: Sequence[str], seed: int, epoch: int, stream: int = 0) -> list[str]:
     """The prompt ids of one epoch in their seeded order: a permutation of the sorted ids,
     determined by (seed, stream, epoch) alone."""

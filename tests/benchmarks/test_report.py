@@ -125,6 +125,19 @@ LINES: dict[str, dict[str, Any]] = {
         "relay": {"shm": {"4": {"seconds": 1.2, "ratio_vs_raw_pair": 1.2}}},
         "gpu": "skipped",
     },
+    "lora_sync": {
+        "model": "Qwen2-0.5B shapes, bf16, random values",
+        "lora": {"rank": 16},
+        "full_bytes": 1000 * 10**6,
+        "lora_bytes": 18 * 10**6,
+        "transports": {
+            "shm": {
+                "full": {"seconds": 1.0},
+                "lora_torch": {"seconds": 0.02},
+                "lora_sglang": {"seconds": 0.2},
+            }
+        },
+    },
     "vs_trl": {
         "trl": {
             "wall_seconds": 90.0,

@@ -87,3 +87,24 @@ def test_groups_trained_beyond_max_staleness_are_reported() -> None:
         summary["groups_trained_over_max_staleness"],
         summary["staleness_trained_max"],
     ) == (2, 824)
+
+
+def test_prompts_of_an_epoch_not_queued_yet_are_neither_handed_out_nor_lost(
+    redis_url: str, tmp_path: Path
+) -> None:
+    job = "acct-partial"
+
+    async def scenario() -> None:
+        async with buffer(redis_url, tmp_path, prompts=10, job=job, queue_slice_prompts=4) as svc:
+            prompts = (await lease(svc, 4)).prompts  # the first slice, all leased
+            await put(svc, [make_group(prompts[0].prompt_id)], [prompts[0].lease_id])
+
+    run(scenario())
+    state = read_buffer_state(redis_url, job)
+    assert state["state"]["train:fill_at"] == "4"  # 6 prompts of the epoch not queued yet
+    accounting = prompt_accounting(state, trained_lineage([{"event": "start", "step": 0}]))
+    summary = _summary(accounting)
+    assert (summary["prompts_lost"], summary["prompts_pending"]) == (
+        0,
+        {"total": 4, "why": {"leased": 3, "group_untrained": 1}},
+    )

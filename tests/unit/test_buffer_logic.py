@@ -251,9 +251,15 @@ def test_the_same_prompt_in_the_next_epoch_is_a_new_group(redis_url: str, tmp_pa
 def test_epochs_are_handed_out_whole_in_a_seeded_order_that_differs_per_epoch(
     redis_url: str, tmp_path: Path
 ) -> None:
-    async def order(job: str) -> list[tuple[str, int]]:
+    async def order(job: str, queue_slice: int = 1024) -> list[tuple[str, int]]:
         async with buffer(
-            redis_url, tmp_path, prompts=8, epochs=2, job=job, requeue_stale=False
+            redis_url,
+            tmp_path,
+            prompts=8,
+            epochs=2,
+            job=job,
+            requeue_stale=False,
+            queue_slice_prompts=queue_slice,
         ) as svc:
             out = []
             while not (resp := await lease(svc, 3)).exhausted:
@@ -263,11 +269,55 @@ def test_epochs_are_handed_out_whole_in_a_seeded_order_that_differs_per_epoch(
 
     first = run(order(f"a{uuid.uuid4().hex[:8]}"))
     second = run(order(f"b{uuid.uuid4().hex[:8]}"))
+    # Queued in slices of 2 (an epoch of 8 in 4 scripts): the same order, nothing twice.
+    assert run(order(f"c{uuid.uuid4().hex[:8]}", queue_slice=2)) == first
     epoch0 = [pid for pid, e in first if e == 0]
     epoch1 = [pid for pid, e in first if e == 1]
     assert first == second  # same seed, another job: the same order
     assert (first[:8] == [(p, 0) for p in epoch0], sorted(epoch0) == sorted(epoch1)) == (True, True)
     assert (epoch0 != epoch1, epoch0 != sorted(epoch0)) == (True, True)
+
+
+def test_an_epoch_is_queued_slice_by_slice_as_leases_reach_its_end(
+    redis_url: str, tmp_path: Path
+) -> None:
+    job = f"s{uuid.uuid4().hex[:8]}"
+
+    async def scenario() -> tuple[list[int], bool, list[str]]:
+        async with buffer(redis_url, tmp_path, prompts=10, job=job, queue_slice_prompts=4) as svc:
+            store = svc.db
+            queued = []
+            leased: list[str] = []
+            for _ in range(3):
+                resp = await lease(svc, 4)
+                leased += [p.prompt_id for p in resp.prompts]
+                queued.append(int(await store.r.xlen(store.keys.prompts("train"))))
+                await complete(svc, resp.prompts)
+            # After the epoch's last slice: nothing left to queue, and the job can end.
+            batch = await get(svc, 10)
+            await ack(svc, batch.batch_id)
+            return queued, (await lease(svc, 4)).exhausted, leased
+
+    queued, exhausted, leased = run(scenario())
+    # The stream held one slice at a time (4, 4, then the last 2), never the whole epoch.
+    assert queued == [4, 4, 2]
+    assert (sorted(leased), exhausted) == (sorted(f"train:{i}" for i in range(10)), True)
+
+
+def test_a_half_queued_epoch_is_not_exhausted_and_racing_fills_queue_once(
+    redis_url: str, tmp_path: Path
+) -> None:
+    async def scenario() -> tuple[bool, list[int], int]:
+        async with buffer(redis_url, tmp_path, prompts=6, queue_slice_prompts=3) as svc:
+            store = svc.db
+            first = await store.fill_next("train")
+            partly = await store.exhausted("train")
+            # Two replicas fill the next slice at once: one queues it, the other nothing.
+            raced = list(await asyncio.gather(store.fill_next("train"), store.fill_next("train")))
+            return partly, [first, *sorted(raced)], await store.fill_next("train")
+
+    partly, fills, after = run(scenario())
+    assert (partly, fills, after) == (False, [3, 0, 3], 0)
 
 
 def test_a_restarted_service_resumes_at_the_cursor(redis_url: str, tmp_path: Path) -> None:

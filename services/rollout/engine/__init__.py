@@ -59,4 +59,4 @@ def create_engine(config: JobConfig, model_path: Path) -> Engine:
         return SimulatedEngine(engine, seed=config.job.seed)
     from kuberl.rollout.engine.sglang import SGLangEngine
 
-    return SGLangEngine(engine, model_path=str(model_path))
+    return SGLangEngine(engine, model_path=str(model_path), lora=config.model.lora)
