@@ -74,7 +74,8 @@ def test_an_adapter_version_applied_in_place_serves_peft_logprobs(
 
     out = _run(engine, go)[0][0]
     expected = _peft_logprobs(base_dir, adapter_dir, prompt, out.token_ids)
-    unchanged = all(torch.equal(t, dict(engine.model.named_parameters())[n]) for n, t in base.items())
+    params = dict(engine.model.named_parameters())
+    unchanged = all(torch.equal(t, params[n]) for n, t in base.items())
     assert out.version_start == 1 and unchanged
     assert out.logprobs == pytest.approx(expected, abs=1e-4)
 
