@@ -10,7 +10,8 @@ reference (`kl.coef` > 0), and:
   the adapter and merged exports;
 - takes a second step, then loads that checkpoint into fresh models (`resume`) and takes the same
   second step there;
-- at ZeRO-3, takes a PPO step with GAE, whose critic has adapters of its own.
+- at ZeRO-3 (with activation checkpointing), takes a PPO step with GAE, whose critic has adapters
+  of its own; at ZeRO-2, two steps of the SFT warm-up.
 
 The test then checks against PEFT and plain transformers in this process: the policy's logprobs
 are PeftModel's for the exported adapter, the reference's are the base model's, the step moved
@@ -46,6 +47,8 @@ def _job(root: Path, model_dir: Path, stage: int, sync: str, **trainer: Any):  #
             "endpoints": {"weight_sync": sync},
             "trainer": {
                 "zero_stage": stage,
+                # ZeRO-3 recomputes each layer in the backward (adapters inside checkpoints)
+                "gradient_checkpointing": stage == 3,
                 "micro_batch_tokens": 24,
                 "resume": False,
                 "checkpoint_dir": str(root / f"stage{stage}" / "ckpt"),
