@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 import yaml
 
-from kuberl.common import preflight, tls
+from kuberl.common import preflight, roles, tls
 from kuberl.common.config import (
     ConfigError,
     JobConfig,
@@ -52,6 +52,7 @@ log = get_logger(__name__)
 METRICS_JSONL_ENV = "KUBERL_METRICS_JSONL"  # the trainer appends one JSON row per step here
 TRAINED_JSONL_ENV = "KUBERL_TRAINED_JSONL"  # ... and one row per trained batch (group keys) here
 TICK_SECONDS = 1.0
+ROLES_FOLDER = "roles"  # the run's identities: <process>.token and identities.json
 # Config section of each non-rollout service (rollout replicas are named rollout-<i>).
 SECTIONS = {"buffer": "buffer", "reward": "reward", "weight-sync": "weight_sync"}
 
@@ -134,6 +135,8 @@ class Supervisor:
         self.shm_dir: Path | None = None
         self.replica_names: list[str] = []
         self.endpoints: dict[str, str] = {}
+        self.tokens: dict[str, str] = {}  # process name -> its role token (kuberl.common.roles)
+        self.identities_file = ""
         self._reserved = PortReservation()  # the services' ports until they serve
         self.failure: ServiceFailed | None = None
         self.error: str | None = None
@@ -346,8 +349,25 @@ class Supervisor:
         assert self.config is not None
         return self.config.job.local
 
-    def _base_env(self, threads: str | None = None) -> dict[str, str]:
+    def _issue_tokens(self, replica_names: list[str]) -> None:
+        """Each process's identity for the run (kuberl.common.roles): a token of its own, and
+        the servers' identity file. Under `tls.roles` the certificates name them instead."""
+        assert self.config is not None
+        if self.config.tls.roles:
+            return
+        names = dict(SECTIONS)
+        names.update({name: f"rollout/{name}" for name in replica_names})
+        names["trainer"] = "trainer"
+        folder = self.run_dir / ROLES_FOLDER
+        self.tokens = roles.issue_tokens(folder, self.config.job.name, names)
+        self.identities_file = str(folder / "identities.json")
+
+    def _base_env(self, threads: str | None = None, process: str = "") -> dict[str, str]:
+        """What every process of the run gets; `process` names whose token it carries."""
         env = {f"KUBERL_ENDPOINTS__{k.upper()}": v for k, v in self.endpoints.items()}
+        if process in self.tokens:
+            env[roles.TOKEN_ENV] = self.tokens[process]
+            env[roles.IDENTITIES_ENV] = self.identities_file
         if self.local.device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
         if threads and "OMP_NUM_THREADS" not in os.environ:
@@ -385,6 +405,7 @@ class Supervisor:
         # The caller's KUBERL_<SECTION>__* overrides are already in the resolved job file; the
         # file, not the inherited environment, is what a service must read.
         inherited = tuple(k for k in os.environ if k.startswith("KUBERL_") and "__" in k)
+        inherited += (roles.TOKEN_ENV, roles.IDENTITIES_ENV)  # identities are this run's own
         assert self.config is not None
         if self.config.redis.url is None:
             # The embedded Redis has no password: one in the caller's environment (meant for
@@ -488,20 +509,21 @@ class Supervisor:
         for name, section in SECTIONS.items():
             self.endpoints[section] = f"127.0.0.1:{ports[name]}"
         job = self._write_job(self.doc)
+        replica_names = [f"rollout-{i}" for i in range(self.local.rollout_replicas)]
+        self._issue_tokens(replica_names)
         first = []
         for name, section in SECTIONS.items():
             port_env = f"KUBERL_{section.upper()}__SERVER__PORT"
-            env = {**self._base_env("1"), port_env: str(ports[name])}
+            env = {**self._base_env("1", name), port_env: str(ports[name])}
             spec = self._spec(name, self._serve_argv(section, job), env, port_env=port_env)
             self._check_env(spec)
             first.append(self.group.start(spec, wait=False))
         # Rollout replicas: each with its own ports (announced to weight-sync), id and seed.
         replicas = []
         share = 0.25 / self.local.rollout_replicas
-        for i in range(self.local.rollout_replicas):
-            name = f"rollout-{i}"
+        for i, name in enumerate(replica_names):
             env = {
-                **self._base_env(_thread_count(share)),
+                **self._base_env(_thread_count(share), name),
                 "KUBERL_ROLLOUT__REPLICA_ID": name,
                 "KUBERL_ROLLOUT__SERVER__PORT": str(self._reserved.take()),
                 "KUBERL_ROLLOUT__SERVER__METRICS_PORT": str(self._reserved.take()),
@@ -515,7 +537,7 @@ class Supervisor:
         # The trainer talks only to buffer and weight-sync, and waits in GetBatch until groups
         # arrive.
         env = {
-            **self._base_env(_thread_count(0.25)),
+            **self._base_env(_thread_count(0.25), "trainer"),
             METRICS_JSONL_ENV: str(self.run_dir / "metrics.jsonl"),
             TRAINED_JSONL_ENV: str(self.run_dir / "trained.jsonl"),
         }
