@@ -94,12 +94,13 @@ def _abs(path: str, base: Path) -> str:
     return str(p if p.is_absolute() else (base / p).resolve())
 
 
-def _latest_hf_export(checkpoint_dir: Path) -> Path:
-    """The HF folder of the trainer's latest checkpoint (layout in kuberl.trainer.checkpoint)."""
+def _latest_hf_export(checkpoint_dir: Path, folder: str = "hf") -> Path:
+    """The HF folder of the trainer's latest checkpoint (layout in kuberl.trainer.checkpoint):
+    `hf`, or a LoRA job's `merged`."""
     pointer = checkpoint_dir / "latest"
     if not pointer.exists():
         raise FileNotFoundError(f"the warm start wrote no checkpoint ({pointer} is missing)")
-    hf = checkpoint_dir / pointer.read_text().strip() / "hf"
+    hf = checkpoint_dir / pointer.read_text().strip() / folder
     if not (hf / "config.json").exists():
         raise FileNotFoundError(f"the warm start's checkpoint has no HF export ({hf})")
     return hf
@@ -450,6 +451,13 @@ class Supervisor:
             linger_seconds=0.0,
         )
         doc["trainer"]["optimizer"]["lr"] = self.local.warm_start_lr or tc.optimizer.lr
+        # A LoRA warm start exports its adapters merged: RL's fresh adapters go on top of that.
+        adapters = doc["model"].get("lora") is not None
+        if adapters and self.local.warm_start_lora:
+            doc["model"]["lora"]["export_merged"] = True
+        elif adapters:
+            doc["model"]["lora"] = None
+        export = "merged" if doc["model"].get("lora") else "hf"
         job = self._write_job(doc, "warm-start.yaml")
         self.progress.set_phase("warm start (SFT)", tc.sft_steps)
         rows_path = self.run_dir / "warm-start.jsonl"
@@ -477,7 +485,7 @@ class Supervisor:
         self.progress.add_rows(tail.read())
         self.progress.render(force=True)
         self.phase_seconds["warm_start"] = time.monotonic() - started
-        hf = _latest_hf_export(checkpoints)
+        hf = _latest_hf_export(checkpoints, export)
         self.warm_start_hf = str(hf)
         self.doc["model"]["path"] = str(hf)
         self.doc["trainer"]["sft_steps"] = 0

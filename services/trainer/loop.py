@@ -187,6 +187,7 @@ class Trainer:
         self.delivery.set_policy_version(self.cursor.policy_version)
         if self.cursor.policy_version % self.tc.publish_every == 0:
             self._publish()
+            metrics.update(self.publisher.take_metrics())
         metrics["step_seconds"] = time.perf_counter() - started
         self._record(metrics, "sft" if sft else "rl", batch)
 
