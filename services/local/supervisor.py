@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -128,6 +129,7 @@ class Supervisor:
         self._sigints = 0
         self.group: ProcessGroup | None = None
         self.redis: Any = None
+        self.redis_password = ""  # the embedded Redis's, for this run only
         self.redis_restarts = 0
         self.poller = StatsPoller()
         self.progress: Progress | None = None
@@ -410,8 +412,8 @@ class Supervisor:
         inherited += (roles.TOKEN_ENV, roles.IDENTITIES_ENV)  # identities are this run's own
         assert self.config is not None
         if self.config.redis.url is None:
-            # The embedded Redis has no password: one in the caller's environment (meant for
-            # another Redis) would make every client's AUTH fail.
+            # The embedded Redis has the run's own password (the buffer is given it): one in
+            # the caller's environment is meant for another Redis.
             inherited += (self.config.redis.password_env,)
         return ProcessSpec(
             name,
@@ -503,8 +505,14 @@ class Supervisor:
         started = time.monotonic()
         self.progress.set_phase("starting services", self.config.trainer.total_steps)
         if self.config.redis.url is None:
-            self.redis = EmbeddedRedis(self.run_dir / "redis", die_with_parent=True)
-            self.doc["redis"]["url"] = self.redis.start()
+            # A password of the run's own, so local processes that hold no token cannot go
+            # around the services' checks to the job's state; only the buffer is given it.
+            self.redis_password = secrets.token_urlsafe(24)
+            self.redis = EmbeddedRedis(
+                self.run_dir / "redis", password=self.redis_password, die_with_parent=True
+            )
+            self.redis.start()
+            self.doc["redis"]["url"] = self.redis.address
         # Every gRPC port is picked now, so every address is known before anything starts and
         # all services start at once: each waits for its own dependencies to report SERVING
         # (rollout for buffer, reward and weight-sync; the trainer for the buffer),
@@ -520,6 +528,8 @@ class Supervisor:
         for name, section in SECTIONS.items():
             port_env = f"KUBERL_{section.upper()}__SERVER__PORT"
             env = {**self._base_env("1", name), port_env: str(ports[name])}
+            if section == "buffer" and self.redis_password:
+                env[self.config.redis.password_env] = self.redis_password
             spec = self._spec(name, self._serve_argv(section, job), env, port_env=port_env)
             self._check_env(spec)
             first.append(self.group.start(spec, wait=False))
@@ -714,7 +724,7 @@ class Supervisor:
         report = accounting.staleness_trained(lineage, self.config.trainer.max_staleness)
         try:
             url = self.doc["redis"]["url"]
-            password = os.environ.get(self.config.redis.password_env) or None
+            password = self.redis_password or os.environ.get(self.config.redis.password_env)
             # A chaos run may have just restarted Redis (its AOF loading); otherwise a Redis
             # that does not answer at once is not coming back for the report.
             wait = 60.0 if self.chaos is not None else 5.0

@@ -384,6 +384,26 @@ def test_reads_stay_open_without_a_token(job: RunningJob) -> None:
     assert stats.job == "hostile"
 
 
+def test_the_jobs_redis_refuses_a_caller_without_the_runs_password(job: RunningJob) -> None:
+    import redis
+
+    url = yaml.safe_load((job.run_dir / "job.yaml").read_text())["redis"]["url"]
+    client = redis.Redis.from_url(url, socket_timeout=10)
+    try:
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            client.hgetall(
+                f"kuberl:{{{job.stub('buffer', '').GetStats(bpb.GetStatsRequest()).job}}}:state"
+            )
+    finally:
+        client.close()
+    # The password is neither in the job file nor on Redis's command line (`ps`).
+    password = (job.run_dir / "redis" / "auth.conf").read_text().split()[1]
+    assert (job.run_dir / "redis" / "auth.conf").stat().st_mode & 0o077 == 0
+    cmdlines = [p.read_bytes() for p in Path("/proc").glob("[0-9]*/cmdline") if p.exists()]
+    assert not any(password.encode() in c for c in cmdlines)
+    assert password not in (job.run_dir / "job.yaml").read_text()
+
+
 def _denied(job: RunningJob, service: str) -> set[tuple[str, str]]:
     metric = f"kuberl_{service}_permission_denied_total"
     text = job.metrics(service.replace("_", "-"))  # its process (and log): weight-sync
