@@ -559,11 +559,11 @@ redis.call('HSET', KEYS[1], 'policy_version', ARGV[1])
 return {1, v}
 """
 
-# Raise the number of epochs (or eval rounds) to queue. KEYS: state; ARGV: kind, epochs.
-# Returns {previous, new}.
-RAISE_EPOCHS = """
-local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[1] .. ':epochs') or '0')
+# Raise a count in the state hash (`<kind>:epochs` to queue, `eval:asked`), never lower it.
+# KEYS: state; ARGV: field, count. Returns {previous, new}.
+RAISE_COUNT = """
+local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
 local want = tonumber(ARGV[2])
-if want > cur then redis.call('HSET', KEYS[1], ARGV[1] .. ':epochs', want) return {cur, want} end
+if want > cur then redis.call('HSET', KEYS[1], ARGV[1], want) return {cur, want} end
 return {cur, cur}
 """

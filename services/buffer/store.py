@@ -12,8 +12,9 @@ train prompts), each key prefixed by `kuberl:{<job>}:`:
   (last epoch queued, or being queued: `<kind>:fill_at` is then the next slice's offset and
   `<kind>:fill_sets` the datasets of that epoch), `<kind>:epoch` / `<kind>:cursor` (epoch
   being handed out, prompts of it handed out so far), `<kind>:claim_cursor` (where the next
-  scan for expired leases goes on), `<kind>:held_groups` (groups of held batches), and the
-  job's counters `c:<kind>:<name>`.
+  scan for expired leases goes on), `<kind>:held_groups` (groups of held batches), `eval:asked`
+  (eval rounds a trainer asked for with StartEval: the highest + 1), and the job's counters
+  `c:<kind>:<name>`.
 - `datasets` (hash): dataset name -> JSON {path, kind, num_prompts, num_epochs}.
 - `prompt_data` (hash): prompt id (`<dataset>:<row>`) -> JSON {t: text, a: answer, m: metadata}.
 - `prompts:<kind>` (stream, consumer group `rollout`): one entry per prompt and epoch, queued one
@@ -273,7 +274,7 @@ class BufferStore:
                 "REOPEN",
                 "REASSEMBLE",
                 "SET_VERSION",
-                "RAISE_EPOCHS",
+                "RAISE_COUNT",
             )
         }
 
@@ -468,7 +469,10 @@ class BufferStore:
         return int(info["num_prompts"])
 
     async def _raise_epochs(self, kind: str, epochs: int) -> tuple[int, int]:
-        prev, new = await self._script("RAISE_EPOCHS", [self.keys.state], [kind, epochs])
+        return await self._raise_count(f"{kind}:epochs", epochs)
+
+    async def _raise_count(self, name: str, count: int) -> tuple[int, int]:
+        prev, new = await self._script("RAISE_COUNT", [self.keys.state], [name, count])
         return int(prev), int(new)
 
     async def _datasets(self) -> dict[str, dict[str, Any]]:
@@ -533,14 +537,17 @@ class BufferStore:
         return max(0, int(n))
 
     async def start_eval(self, round_: int) -> tuple[int, bool, int]:
-        """Make sure eval rounds 0..round are queued; (rounds, started now, prompts per round).
+        """Make sure eval rounds 0..round are queued; (rounds, asked for the first time, prompts
+        per round). A round asked for before (or below one asked for) may have had its groups
+        read by a trainer since killed: not a whole round any more.
         Without eval prompts nothing changes (0 prompts): a refused StartEval once still raised
         the round count, so an eval dataset loaded later queued rounds nobody asked for."""
         num = sum(count for _, count in await self._epoch_sets("eval", round_))
         if num == 0:
             return 0, False, 0
-        prev, new = await self._raise_epochs("eval", round_ + 1)
-        return new, new > prev, num
+        asked, _ = await self._raise_count("eval:asked", round_ + 1)
+        _, rounds = await self._raise_epochs("eval", round_ + 1)
+        return rounds, round_ >= asked, num
 
     # -- prompts ------------------------------------------------------------------------------
 

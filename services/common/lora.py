@@ -103,6 +103,30 @@ def adapter_tensors(
     return ((name, t) for name, t in named if is_adapter_tensor(name))
 
 
+def merged(
+    named: Iterable[tuple[str, torch.Tensor]], cfg: LoraConfig
+) -> list[tuple[str, torch.Tensor]]:
+    """An injected model's full tensors with the adapters merged in, under the base model's
+    names: what PEFT's `merge_and_unload` leaves, W + (alpha / r) * B @ A per wrapped layer,
+    computed in float32 and stored in W's dtype. `named` holds every tensor (a gathered state)."""
+    state = dict(named)
+    scale = cfg.alpha / cfg.rank
+    out = []
+    for name, tensor in state.items():
+        if is_adapter_tensor(name):
+            continue
+        layer, wrapped, leaf = name.rpartition(".base_layer.")
+        if not wrapped:  # not a wrapped layer's own tensor
+            out.append((name, tensor))
+            continue
+        if leaf == "weight":
+            a = state[f"{layer}.lora_A.{ADAPTER}.weight"].float()  # [r, in]
+            b = state[f"{layer}.lora_B.{ADAPTER}.weight"].float()  # [out, r]
+            tensor = (tensor.float() + scale * (b @ a)).to(tensor.dtype)  # [out, in]
+        out.append((f"{layer}.{leaf}", tensor))
+    return out
+
+
 def to_peft_name(name: str) -> str:
     """An injected model's adapter tensor name as PEFT saves it (`save_adapter`)."""
     return _PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")

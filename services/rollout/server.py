@@ -226,6 +226,8 @@ class RolloutService(Service):
                 # Versions it holds pass on to other engines (weight-sync's relay tree).
                 peer_host=_pod_address() if config.weight_sync.relay_fanout else "",
                 peer_bytes_per_second=config.weight_sync.snapshot_bytes_per_second,
+                job=config.job.name,
+                peer_port=config.rollout.peer_port,
             )
         elif config.model.lora is not None:
             # LoRA: each version is an adapter of a few MB, received here (shared memory on

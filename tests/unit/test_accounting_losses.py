@@ -8,14 +8,10 @@ acknowledged by a reader that was not the trainer.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from kuberl.api.buffer.v1 import buffer_pb2 as bpb
-from kuberl.common.redis_server import EmbeddedRedis
 from kuberl.local.accounting import (
     prompt_accounting,
     read_buffer_state,
@@ -25,12 +21,6 @@ from kuberl.local.accounting import (
 from kuberl.local.report import build_summary
 from tests.integration.buffer_support import make_group
 from tests.unit.test_buffer_logic import ack, buffer, lease, put, run
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), die_with_parent=True) as redis:
-        yield redis.url
 
 
 def _summary(accounting: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -38,12 +38,6 @@ from tests.integration.buffer_support import (
 )
 
 TRAIN, EVAL, SFT = tpb.STREAM_KIND_TRAIN, tpb.STREAM_KIND_EVAL, tpb.STREAM_KIND_SFT
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), die_with_parent=True) as server:
-        yield server.url
 
 
 @asynccontextmanager
@@ -790,6 +784,23 @@ def test_eval_prompts_are_leased_put_and_read_but_never_count_as_training(
             )
 
     assert run(scenario()) == (3, 3, True, 1, 3, 0)
+
+
+def test_an_eval_round_is_started_only_the_first_time_a_trainer_asks_for_it(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # Round 0 is queued when the eval data loads, yet no trainer has read it: started. Asked
+    # again (a restarted trainer), or below a round asked for, its groups may be gone: not.
+    async def scenario() -> list[tuple[bool, int]]:
+        async with buffer(redis_url, tmp_path, eval_prompts=2) as svc:
+            seen = []
+            for round_ in (0, 0, 2, 1):
+                req = bpb.StartEvalRequest(round=round_)
+                started = await svc.StartEval(req, None)  # type: ignore[arg-type]
+                seen.append((started.started, int(started.rounds)))
+            return seen
+
+    assert run(scenario()) == [(True, 1), (False, 1), (True, 3), (False, 3)]
 
 
 def test_rejection_sampling_puts_kept_samples_as_sft_groups_that_complete_train_leases(

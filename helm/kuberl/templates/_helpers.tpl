@@ -273,7 +273,7 @@ and the pods' checksum annotation both use it.
   "reward" (dict "server" (dict "host" "0.0.0.0" "port" .Values.reward.port "metrics_port" .Values.reward.metricsPort))
   "weight_sync" (dict "server" (dict "host" "0.0.0.0" "port" .Values.weightSync.port "metrics_port" .Values.weightSync.metricsPort) "snapshot_dir" "/var/lib/kuberl/snapshots/files" "shm_dir" "/var/lib/kuberl/snapshots/versions")
   "trainer" (dict "server" (dict "host" "0.0.0.0" "port" .Values.trainer.port "metrics_port" .Values.trainer.metricsPort) "checkpoint_dir" .Values.trainer.checkpoints.mountPath)
-  "rollout" (dict "server" (dict "host" "0.0.0.0" "port" .Values.rollout.port "metrics_port" .Values.rollout.metricsPort))
+  "rollout" (dict "server" (dict "host" "0.0.0.0" "port" .Values.rollout.port "metrics_port" .Values.rollout.metricsPort) "peer_port" .Values.rollout.peerPort)
 }}
 {{- if .Values.model.path }}
 {{- $_ := set $wiring "model" (dict "path" (include "kuberl.modelPath" .)) }}

@@ -57,8 +57,9 @@ class LoraConfig(Section):
     )
     export_merged: bool = Field(
         False,
-        description="The final export also writes the base model with the adapters merged in "
-        "(`final/merged/`), besides the adapter itself (`final/adapter/`).",
+        description="Each checkpoint's export (`trainer.export_hf`) also writes the base model "
+        "with the adapters merged in (`merged/`, an ordinary HF folder), besides the adapter "
+        "itself (`adapter/`, PEFT's format), which it always writes.",
     )
 
 

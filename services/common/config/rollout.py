@@ -207,6 +207,15 @@ class RolloutConfig(Section):
         "are aborted and released to the buffer.",
     )
     rpc_timeout_seconds: float = Field(30.0, gt=0, description="Deadline of buffer/reward RPCs.")
+    peer_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port a replica serves the weight versions it holds to other replicas on "
+        "(weight-sync's relay tree, `weight_sync.relay_fanout` > 0; torch engines). 0: any "
+        "free port; the chart fixes it so that its NetworkPolicy can open it to rollout pods "
+        "only.",
+    )
     retry_initial_seconds: float = Field(
         0.2, gt=0, description="First backoff after a transient buffer/reward error."
     )

@@ -51,6 +51,7 @@ def create_engine(config: JobConfig, model_path: Path) -> Engine:
             seed=config.job.seed if engine.seed is None else engine.seed,
             attn_implementation=engine.attn_implementation,
             batch_wait_seconds=engine.batch_wait_seconds,
+            adapters=config.model.lora,
         )
     if engine.kind == "simulated":
         from kuberl.rollout.engine.simulated import SimulatedEngine
