@@ -34,11 +34,13 @@ COPY services /src/services
 COPY protos /src/protos
 # kuberl's own package without dependencies, then only the dependencies SGLang does not ship,
 # pinned (google-crc32c: the weight-sync client's chunk checks, which rollout and, with a GPU,
-# the chart's weight-sync pod import); torch, transformers and safetensors stay SGLang's.
+# the chart's weight-sync pod import; peft: a LoRA job's adapter folders for SGLang); torch,
+# transformers and safetensors stay SGLang's.
 RUN python3 -m pip install --no-cache-dir --no-deps . \
     && python3 -m pip install --no-cache-dir --constraint Dockerfiles/constraints.txt \
         grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
         protobuf==7.36.2 prometheus-client==0.26.0 httpx==0.28.1 google-crc32c==1.9.0 \
+        peft==0.21.2 \
     && python3 -m pip check \
     && rm -rf /src \
     && groupadd --gid 10001 kuberl \

@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# kuberl/kuberl-trainer: CUDA PyTorch, DeepSpeed and kuberl's trainer, run by the chart as
+# kuberl/kuberl-trainer: CUDA PyTorch, DeepSpeed, kuberl's trainer and the experiment trackers
+# of `job.tracking` (the `tracking` extra), run by the chart as
 # `torchrun ... -m kuberl.cli serve trainer --config /etc/kuberl/job.yaml` on every node.
 # PyTorch's Linux x86_64 wheel on PyPI carries the CUDA 13.0 runtime (cuda-toolkit 13.0.3), cuDNN
 # and NCCL (nvidia-*-cu13), so the base needs no CUDA toolkit, but GPU nodes need an NVIDIA driver
@@ -36,7 +37,7 @@ COPY Dockerfiles/constraints.txt /src/Dockerfiles/constraints.txt
 COPY pyproject.toml setup.py README.md LICENSE /src/
 COPY services /src/services
 COPY protos /src/protos
-RUN pip install --no-cache-dir --constraint Dockerfiles/constraints.txt ".[trainer]" \
+RUN pip install --no-cache-dir --constraint Dockerfiles/constraints.txt ".[trainer,tracking]" \
     && pip check
 
 FROM ${PYTHON_IMAGE}

@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -45,6 +46,7 @@ NOTES_MARKER = "<!-- hand-written notes below: report.py keeps everything after 
 # each script's own defaults). trainer_mfu reports itself skipped without a GPU.
 BENCHMARKS: dict[str, list[str]] = {
     "vs_trl": [],
+    "vs_trl_long": ["--task", "long"],
     "gae": [],
     "trainer_logprobs": [],
     "response_head": [],
@@ -52,11 +54,16 @@ BENCHMARKS: dict[str, list[str]] = {
     "rollout_engine": [],
     "reward_throughput": [],
     "buffer_throughput": [],
+    "epoch_queue": [],
     "put_encoding": [],
     "weight_sync": [],
+    "lora_sync": [],
     "scale": [],
     "trainer_mfu": [],
 }
+
+# A benchmark whose script is another's, run with other arguments.
+SCRIPTS: dict[str, str] = {"vs_trl_long": "vs_trl"}
 
 # Extra arguments when this machine has CUDA (the script measures its GPU part only if asked).
 GPU_ARGS: dict[str, list[str]] = {"weight_sync": ["--gpu"]}
@@ -238,6 +245,21 @@ def rows_buffer_throughput(r: dict[str, Any]) -> list[Row]:
     ]
 
 
+def rows_epoch_queue(r: dict[str, Any]) -> list[Row]:
+    sliced, whole = r["sliced"], r["whole_epoch"]
+    return [
+        Row(
+            f"buffer: longest Redis stall queueing an epoch of {r['prompts']:,} prompts "
+            f"(slices of {sliced['queue_slice_prompts']:,})",
+            f"{_num(sliced['longest_redis_stall_ms'])} ms",
+            f"{_num(whole['longest_redis_stall_ms'])} ms (the whole epoch in one script)",
+            f"{r['ratio_stall_sliced_to_whole']:.4f}x",
+            f"<= {r['goal']['longest_stall_ms']:.0f} ms",
+            _yes(r.get("goal_met")),
+        )
+    ]
+
+
 def rows_put_encoding(r: dict[str, Any]) -> list[Row]:
     return [
         Row(
@@ -270,6 +292,35 @@ def rows_weight_sync(r: dict[str, Any]) -> list[Row]:
                 _yes(x["ratio_vs_raw_pair"] <= 1.5),
             )
         )
+    return out
+
+
+def rows_lora_sync(r: dict[str, Any]) -> list[Row]:
+    lora, full = r["lora_bytes"], r["full_bytes"]
+    rank = r.get("lora", {}).get("rank", 16)
+    out = [
+        Row(
+            f"weight update bytes, {r.get('model', 'Qwen2-0.5B')}, LoRA r={rank} on every linear",
+            f"{lora / 1e6:,.1f} MB (adapters)",
+            f"{full / 1e6:,.0f} MB (full model)",
+            f"{100 * lora / full:.1f}%",
+            "<= 5%",
+            _yes(lora / full <= 0.05),
+        )
+    ]
+    engines = {"lora_torch": "in place (torch)", "lora_sglang": "SGLang path, stand-in server"}
+    for transport, x in r.get("transports", {}).items():
+        for kind, how in engines.items():
+            if kind not in x:
+                continue
+            out.append(
+                Row(
+                    f"weight update seconds over {transport}, LoRA r={rank}, {how}",
+                    f"{x[kind]['seconds']:.3f} s",
+                    f"{x['full']['seconds']:.2f} s (full model, torch engine)",
+                    f"{x[kind]['seconds'] / x['full']['seconds']:.3f}x",
+                )
+            )
     return out
 
 
@@ -351,42 +402,50 @@ def rows_vs_trl(r: dict[str, Any]) -> list[Row]:
     reach = r.get("kuberl_seconds_to_trl_final_accuracy")
     ratio = r.get("ratio_kuberl_time_to_trl_final_over_trl_wall")
     acc = "greedy held-out accuracy"
+    task = "demo GRPO"
+    if r.get("task") == "long":
+        task = "long-response GRPO"
+        share = t.get("generation_share_of_training_loop")
+        tokens = t.get("mean_completion_tokens")
+        if share is not None and tokens is not None:
+            task += f" ({tokens:.0f}-token responses, generation {share:.0%} of TRL's loop)"
+    goal = re.search(r"<= ([0-9.]+)x", str(r.get("goal", "")))
     return [
         Row(
-            f"demo GRPO: time to TRL's final {acc} ({t['final_accuracy']:.3f})",
+            f"{task}: time to TRL's final {acc} ({t['final_accuracy']:.3f})",
             f"{reach:.0f} s" if reach is not None else "not reached",
             f"{t['wall_seconds']:.0f} s (TRL GRPOTrainer)",
             f"{ratio:.2f}x" if ratio is not None else "n/a",
-            "<= 0.7x",
+            f"<= {goal.group(1)}x" if goal else "<= 0.7x",
             _yes(r.get("goal_met")),
         ),
         Row(
-            f"demo GRPO: wall time for {samples}",
+            f"{task}: wall time for {samples}",
             f"{k['wall_seconds']:.0f} s",
             f"{t['wall_seconds']:.0f} s (TRL)",
             f"{r['ratio_wall_kuberl_over_trl']:.2f}x",
         ),
         Row(
-            "demo GRPO: trained samples/s",
+            f"{task}: trained samples/s",
             f"{k['samples_per_second']:.0f}/s",
             f"{t['samples_per_second']:.0f}/s (TRL)",
             f"{r['ratio_samples_per_second_kuberl_over_trl']:.2f}x",
         ),
         Row(
-            f"demo GRPO: final {acc} (mean of last 3 evals)",
+            f"{task}: final {acc} (mean of last 3 evals)",
             f"{k['final_accuracy']:.3f}",
             f"{t['final_accuracy']:.3f} (TRL)",
             f"{k['final_accuracy'] - t['final_accuracy']:+.3f}",
         ),
-        *_rows_learning_per_sample(r.get("learning_per_sample"), acc),
+        *_rows_learning_per_sample(r.get("learning_per_sample"), acc, task),
         Row(
-            f"demo GRPO: {acc} at equal wall time ({r['equal_wall_time_seconds']:.0f} s)",
+            f"{task}: {acc} at equal wall time ({r['equal_wall_time_seconds']:.0f} s)",
             f"{k['accuracy_at_equal_wall_time']:.3f}",
             f"{t['accuracy_at_equal_wall_time']:.3f} (TRL)",
             f"{k['accuracy_at_equal_wall_time'] - t['accuracy_at_equal_wall_time']:+.3f}",
         ),
         Row(
-            "demo GRPO: CPU seconds, all processes",
+            f"{task}: CPU seconds, all processes",
             f"{k['cpu_seconds']:.0f} s",
             f"{t['cpu_seconds']:.0f} s (TRL)",
             f"{r['ratio_cpu_seconds_kuberl_over_trl']:.2f}x",
@@ -394,7 +453,7 @@ def rows_vs_trl(r: dict[str, Any]) -> list[Row]:
     ]
 
 
-def _rows_learning_per_sample(x: dict[str, Any] | None, acc: str) -> list[Row]:
+def _rows_learning_per_sample(x: dict[str, Any] | None, acc: str, task: str) -> list[Row]:
     """The second half's accuracy: the two sides after the same trained samples."""
     if not x:
         return []
@@ -402,7 +461,7 @@ def _rows_learning_per_sample(x: dict[str, Any] | None, acc: str) -> list[Row]:
     err = x.get("second_half_difference_stderr")
     return [
         Row(
-            f"demo GRPO: {acc} over the second half of training, same samples trained "
+            f"{task}: {acc} over the second half of training, same samples trained "
             f"(mean of {len(kub)} pairs; one evaluation scatters by {x['eval_noise']:.3f})",
             f"{sum(kub) / len(kub):.3f}",
             f"{sum(trl) / len(trl):.3f} (TRL)",
@@ -470,10 +529,13 @@ ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "rollout_engine": rows_rollout_engine,
     "reward_throughput": rows_reward_throughput,
     "buffer_throughput": rows_buffer_throughput,
+    "epoch_queue": rows_epoch_queue,
     "put_encoding": rows_put_encoding,
     "weight_sync": rows_weight_sync,
+    "lora_sync": rows_lora_sync,
     "scale": rows_scale,
     "vs_trl": rows_vs_trl,
+    "vs_trl_long": rows_vs_trl,
     "trainer_mfu": rows_trainer_mfu,
 }
 GPU_ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
@@ -501,7 +563,8 @@ def machine() -> str:
 
 def run_one(name: str, argv: list[str], timeout: float, log_dir: Path) -> dict[str, Any]:
     """Run benchmarks/<name>.py; its last stdout line, with how and when it ran."""
-    cmd = [sys.executable, str(REPO / "benchmarks" / f"{name}.py"), *argv]
+    script = SCRIPTS.get(name, name)
+    cmd = [sys.executable, str(REPO / "benchmarks" / f"{script}.py"), *argv]
     started = time.time()
     load = os.getloadavg()[0]
     print(f"[bench] {name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
@@ -518,7 +581,7 @@ def run_one(name: str, argv: list[str], timeout: float, log_dir: Path) -> dict[s
     except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
         result = {"benchmark": name, "error": str(exc)[-1500:]}
     result["_run"] = {
-        "command": f"python benchmarks/{name}.py {' '.join(argv)}".strip(),
+        "command": f"python benchmarks/{script}.py {' '.join(argv)}".strip(),
         "date": datetime.datetime.fromtimestamp(started, datetime.UTC).strftime(
             "%Y-%m-%d %H:%M UTC"
         ),

@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -143,7 +144,19 @@ def raw_pair_seconds(nbytes: int) -> float:
 # ---------------------------------------------------------------- relay runs
 
 
-def relay_run(gb: float, transport: str, engines: int, repeat: int) -> dict[str, float]:
+def relay_run(
+    gb: float,
+    transport: str,
+    engines: int,
+    repeat: int,
+    *,
+    make: Callable[[int], dict[str, torch.Tensor]] | None = None,
+    engine_command: Callable[[str, int], list[str]] | None = None,
+) -> dict[str, float]:
+    """Best of `repeat` versions (after two warm-up ones) published through a real weight-sync
+    service to `engines` engine processes, until all of them report it loaded. `make(version)`:
+    the version's tensors (default: `make_tensors(gb, version)`); `engine_command(address, i)`:
+    engine i's command line (default: this script's torch-engine-like `_engine`)."""
     from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
     from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
     from kuberl.common.channels import sync_channel
@@ -172,17 +185,13 @@ def relay_run(gb: float, transport: str, engines: int, repeat: int) -> dict[str,
         )
         with ServiceProcess.kuberl("weight_sync", config, work) as svc:
             svc.wait_serving()
+            default_command = [__file__, "--engine", svc.address]
+            in_place = str(int(transport == "shm_in_place"))
             procs = [
                 subprocess.Popen(
-                    [
-                        sys.executable,
-                        __file__,
-                        "--engine",
-                        svc.address,
-                        f"e{i}",
-                        str(gb),
-                        str(int(transport == "shm_in_place")),
-                    ],
+                    engine_command(svc.address, i)
+                    if engine_command
+                    else [sys.executable, *default_command, f"e{i}", str(gb), in_place],
                     stdout=subprocess.DEVNULL,
                     stderr=(work / f"e{i}.log").open("wb"),
                 )
@@ -201,7 +210,7 @@ def relay_run(gb: float, transport: str, engines: int, repeat: int) -> dict[str,
                     # of both halves of each engine's double buffer (cold: see docs/weight-sync.md)
                     results = []
                     for version in range(1, repeat + 3):
-                        tensors = make_tensors(gb, version)
+                        tensors = make(version) if make else make_tensors(gb, version)
                         started = time.perf_counter()
                         sent = pub.publish(version, iter(tensors.items()))
                         returned = time.perf_counter() - started

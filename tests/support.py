@@ -13,6 +13,9 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 # The shared data folder that sits beside the project (GSM8K train/test).
@@ -151,4 +154,28 @@ def scratch_shm_dir(prefix: str) -> str:
     process exits (a service leaves the folder itself behind: hundreds piled up per run)."""
     path = f"/dev/shm/{prefix}-{uuid.uuid4().hex[:8]}"
     atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+def short_demo_job(
+    tmp: Path, name: str, *, eval_prompts: int = 8, max_inflight_groups: int = 8, **trainer: Any
+) -> Path:
+    """examples/demo.yaml cut down for a whole local run in a test (the demo's model, data and
+    services): groups of 4, 4 prompts a rollout batch and 4 groups a step, `eval_prompts` eval
+    prompts, rounds at the start and the end only, no warm start; `trainer` sets the rest of the
+    trainer section (total_steps, checkpoint_every, ...). Written to tmp/job.yaml."""
+    doc = yaml.safe_load((REPO / "examples" / "demo.yaml").read_text())
+    doc["job"]["name"] = name
+    doc["job"]["run_dir"] = str(tmp / "runs")
+    doc["data"]["eval"][0]["limit"] = eval_prompts
+    doc["rollout"]["group_size"] = 4
+    doc["rollout"]["prompts_per_batch"] = 4
+    doc["rollout"]["sampling"]["max_new_tokens"] = 4
+    doc["rollout"]["drain_seconds"] = 5
+    doc["buffer"]["max_inflight_groups"] = max_inflight_groups
+    doc["trainer"].update(
+        {"groups_per_step": 4, "eval_every": 0, "sft_steps": 0, "batch_wait_seconds": 5, **trainer}
+    )
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
     return path

@@ -197,7 +197,9 @@ if room > 0 then
   if read < room then
     local filled = num(redis.call('HGET', state, kind .. ':filled'), -1)
     local epochs = num(redis.call('HGET', state, kind .. ':epochs'), 0)
-    if filled < epochs - 1 then need_fill = 1 end
+    if filled < epochs - 1 or redis.call('HEXISTS', state, kind .. ':fill_at') == 1 then
+      need_fill = 1
+    end
   end
 end
 if fresh > 0 then redis.call('HINCRBY', state, 'c:' .. kind .. ':leased', fresh) end
@@ -219,17 +221,33 @@ return res
 """
 )
 
-# Append one epoch (or eval round) to a prompt stream, once: only if it is the next one.
-# KEYS: prompt stream, state, lease map; ARGV: kind, epoch, prompt ids in order...
+# Append the next slice of an epoch (or eval round) to a prompt stream, once: only if it is the
+# next slice, so replicas that race to fill queue each prompt once. The first slice of an epoch
+# records it as filled (groups of it may be put from then on) and the datasets it is drawn from;
+# `<kind>:fill_at` (the next slice's offset) exists while the epoch is partly queued.
+# KEYS: prompt stream, state, lease map
+# ARGV: kind, epoch, offset, epoch size, datasets (JSON, first slice only), prompt ids...
 FILL = """
-local filled = tonumber(redis.call('HGET', KEYS[2], ARGV[1] .. ':filled') or '-1')
-if filled ~= tonumber(ARGV[2]) - 1 then return -1 end
-for i = 3, #ARGV do
-  local id = redis.call('XADD', KEYS[1], '*', 'p', ARGV[i], 'e', ARGV[2])
-  redis.call('HSET', KEYS[3], ARGV[i] .. '@' .. ARGV[2], id)
+local kind, epoch, offset, total = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local filled = tonumber(redis.call('HGET', KEYS[2], kind .. ':filled') or '-1')
+local at = redis.call('HGET', KEYS[2], kind .. ':fill_at')
+if offset == 0 then
+  if filled ~= epoch - 1 or at then return -1 end
+  redis.call('HSET', KEYS[2], kind .. ':filled', epoch, kind .. ':fill_sets', ARGV[5])
+elseif filled ~= epoch or tonumber(at or '-1') ~= offset then
+  return -1
 end
-redis.call('HSET', KEYS[2], ARGV[1] .. ':filled', ARGV[2])
-return #ARGV - 2
+for i = 6, #ARGV do
+  local id = redis.call('XADD', KEYS[1], '*', 'p', ARGV[i], 'e', epoch)
+  redis.call('HSET', KEYS[3], ARGV[i] .. '@' .. epoch, id)
+end
+local upto = offset + #ARGV - 5
+if upto >= total then
+  redis.call('HDEL', KEYS[2], kind .. ':fill_at')
+else
+  redis.call('HSET', KEYS[2], kind .. ':fill_at', upto)
+end
+return #ARGV - 5
 """
 
 # Accept whole groups, at most one per prompt and epoch, and complete their leases. Runs in one
@@ -541,11 +559,11 @@ redis.call('HSET', KEYS[1], 'policy_version', ARGV[1])
 return {1, v}
 """
 
-# Raise the number of epochs (or eval rounds) to queue. KEYS: state; ARGV: kind, epochs.
-# Returns {previous, new}.
-RAISE_EPOCHS = """
-local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[1] .. ':epochs') or '0')
+# Raise a count in the state hash (`<kind>:epochs` to queue, `eval:asked`), never lower it.
+# KEYS: state; ARGV: field, count. Returns {previous, new}.
+RAISE_COUNT = """
+local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
 local want = tonumber(ARGV[2])
-if want > cur then redis.call('HSET', KEYS[1], ARGV[1] .. ':epochs', want) return {cur, want} end
+if want > cur then redis.call('HSET', KEYS[1], ARGV[1], want) return {cur, want} end
 return {cur, cur}
 """

@@ -68,8 +68,12 @@ MAX_NAME_CHARS = 256  # consumer names (pod names are at most 253)
 #: other name would take groups away from the trainer.
 TRAINER_CONSUMERS = frozenset({"trainer", "trainer-eval"})
 MAX_WAIT_SECONDS = 600.0
-# A LeasePrompts long poll looks again this often for room freed through another replica.
+# A LeasePrompts long poll looks again for room freed through another replica (room freed here
+# wakes it at once) after LEASE_POLL_SECONDS, then twice as long each time up to
+# LEASE_POLL_MAX_SECONDS: replicas parked on a full window for a whole run otherwise cost a Redis
+# script and a wake-up each every 0.1 s.
 LEASE_POLL_SECONDS = 0.1
+LEASE_POLL_MAX_SECONDS = 1.0
 STATS_REFRESH_SECONDS = 2.0
 # Redis' Lua scripts compute in doubles: larger versions and rounds would be stored rounded
 # (and unreadable as integers afterwards), so they are refused.
@@ -389,16 +393,18 @@ class BufferService(Service):
         arrived = time.monotonic()
         deadline = arrived + wait
         held = 0.0  # seconds spent waiting for room (not in Redis)
+        poll = LEASE_POLL_SECONDS
         while True:
-            # While the window is full, look again whenever this replica frees room and every
-            # LEASE_POLL_SECONDS (another replica's Ack), counting one refusal at the end only.
+            # While the window is full, look again whenever this replica frees room and after
+            # `poll` (another replica's Ack), counting one refusal at the end only.
             last = time.monotonic() >= deadline
             res = await self.db.lease(kind, n, request.consumer, count_refusal=last)
             if not res.busy or last:
                 break
             pause = time.monotonic()
-            await self._room.wait(min(LEASE_POLL_SECONDS, deadline - pause))
+            await self._room.wait(min(poll, deadline - pause))
             held += time.monotonic() - pause
+            poll = min(2 * poll, LEASE_POLL_MAX_SECONDS)
         m.LEASE_WAIT_SECONDS.labels(kind).observe(held)
         if res.busy:
             m.LEASES_REFUSED_TOTAL.labels(kind).inc()

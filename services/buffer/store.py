@@ -9,9 +9,12 @@ Layout (`<kind>` is train, eval or sft; sft has no prompt stream of its own, its
 train prompts), each key prefixed by `kuberl:{<job>}:`:
 
 - `state` (hash): policy_version, seed, `<kind>:epochs` (epochs to queue), `<kind>:filled`
-  (last epoch queued), `<kind>:epoch` / `<kind>:cursor` (epoch being handed out, prompts of it
-  handed out so far), `<kind>:claim_cursor` (where the next scan for expired leases goes on),
-  `<kind>:held_groups` (groups of held batches), and the job's counters `c:<kind>:<name>`.
+  (last epoch queued, or being queued: `<kind>:fill_at` is then the next slice's offset and
+  `<kind>:fill_sets` the datasets of that epoch), `<kind>:epoch` / `<kind>:cursor` (epoch
+  being handed out, prompts of it handed out so far), `<kind>:claim_cursor` (where the next
+  scan for expired leases goes on), `<kind>:held_groups` (groups of held batches), `eval:asked`
+  (eval rounds a trainer asked for with StartEval: the highest + 1), and the job's counters
+  `c:<kind>:<name>`.
 - `datasets` (hash): dataset name -> JSON {path, kind, num_prompts, num_epochs}.
 - `prompt_data` (hash): prompt id (`<dataset>:<row>`) -> JSON {t: text, a: answer, m: metadata}.
 - `prompts:<kind>` (stream, consumer group `rollout`): one entry per prompt and epoch, queued one
@@ -51,7 +54,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kuberl.buffer import scripts
 from kuberl.buffer.cache import Payload, PayloadCache
 from kuberl.common.config import JobConfig
-from kuberl.common.datasets import PromptRow, epoch_order
+from kuberl.common.datasets import SHUFFLE_STREAM, PromptRow, epoch_sets_order
 from kuberl.common.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -65,8 +68,6 @@ log = get_logger(__name__)
 
 KINDS = ("train", "eval", "sft")
 PROMPT_KINDS = ("train", "eval")
-# Stream index mixed into the shuffle seed, so train and eval orders differ for one seed.
-_SHUFFLE_STREAM = {"train": 0, "eval": 1}
 _TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ConnectionError, OSError)
 _ENTRY_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")  # fullmatch; ASCII digits only
 
@@ -242,6 +243,7 @@ class BufferStore:
         acked_batch_ttl_seconds: float,
         retry_seconds: float = 30.0,
         payload_cache_bytes: int = 0,
+        queue_slice_prompts: int = 1024,
     ) -> None:
         self.r = client
         self.keys = Keys(job)
@@ -254,6 +256,9 @@ class BufferStore:
         self.retry_seconds = retry_seconds
         # The bytes of groups this replica accepted, until a batch here takes them (cache.py).
         self.cache = PayloadCache(payload_cache_bytes)
+        self.queue_slice = queue_slice_prompts
+        self._order_key: tuple[str, int, str, int] | None = None
+        self._order: list[str] = []
         self._scripts = {
             name: client.register_script(getattr(scripts, name))
             for name in (
@@ -269,7 +274,7 @@ class BufferStore:
                 "REOPEN",
                 "REASSEMBLE",
                 "SET_VERSION",
-                "RAISE_EPOCHS",
+                "RAISE_COUNT",
             )
         }
 
@@ -310,6 +315,7 @@ class BufferStore:
             acked_batch_ttl_seconds=cfg.acked_batch_ttl_seconds,
             retry_seconds=config.redis.connect_timeout_seconds,
             payload_cache_bytes=cfg.payload_cache_mib * 2**20,
+            queue_slice_prompts=cfg.queue_slice_prompts,
         )
 
     async def close(self) -> None:
@@ -463,56 +469,85 @@ class BufferStore:
         return int(info["num_prompts"])
 
     async def _raise_epochs(self, kind: str, epochs: int) -> tuple[int, int]:
-        prev, new = await self._script("RAISE_EPOCHS", [self.keys.state], [kind, epochs])
+        return await self._raise_count(f"{kind}:epochs", epochs)
+
+    async def _raise_count(self, name: str, count: int) -> tuple[int, int]:
+        prev, new = await self._script("RAISE_COUNT", [self.keys.state], [name, count])
         return int(prev), int(new)
 
     async def _datasets(self) -> dict[str, dict[str, Any]]:
         raw = await self._retry(lambda: self.r.hgetall(self.keys.datasets), "datasets")
         return {_s(k): json.loads(v) for k, v in raw.items()}
 
-    async def _prompt_ids(self, kind: str, epoch: int) -> list[str]:
-        ids: list[str] = []
+    async def _epoch_sets(self, kind: str, epoch: int) -> list[tuple[str, int]]:
+        """The datasets (name, prompts) an epoch of kind draws from, by name."""
+        sets = []
         for name, info in sorted((await self._datasets()).items()):
             if info["kind"] != kind:
                 continue
             # Eval rounds are queued on request (StartEval), every eval dataset in each.
             if kind == "train" and epoch >= int(info["num_epochs"]):
                 continue
-            ids += [f"{name}:{i}" for i in range(int(info["num_prompts"]))]
-        return ids
+            sets.append((name, int(info["num_prompts"])))
+        return sets
+
+    def _epoch_order(self, kind: str, epoch: int, sets_json: str, seed: int) -> list[str]:
+        """An epoch's prompt ids in their seeded order, kept for the epoch's later slices."""
+        key = (kind, epoch, sets_json, seed)
+        if self._order_key != key:
+            sets = [(str(n), int(c)) for n, c in json.loads(sets_json)]
+            self._order = epoch_sets_order(sets, seed, epoch, SHUFFLE_STREAM[kind])
+            self._order_key = key
+        return self._order
 
     async def fill_next(self, kind: str) -> int:
-        """Queue the next epoch of a prompt stream if one is due; return prompts queued."""
-        state = await self._retry(
-            lambda: self.r.hmget(self.keys.state, [f"{kind}:filled", f"{kind}:epochs", "seed"]),
-            "fill",
-        )
+        """Queue the next slice of a prompt stream's epoch if one is due; return prompts queued
+        (0 when none is due, or another replica queued that slice first).
+
+        An epoch goes in slices of `queue_slice_prompts` as leases reach its end: each slice is
+        one script, so Redis serves other calls between them. Its later slices come from the
+        datasets its first one recorded (`fill_sets`), so a dataset loaded meanwhile cannot
+        change the order of an epoch half queued."""
+        fields = [
+            f"{kind}:filled",
+            f"{kind}:epochs",
+            "seed",
+            f"{kind}:fill_at",
+            f"{kind}:fill_sets",
+        ]
+        state = await self._retry(lambda: self.r.hmget(self.keys.state, fields), "fill")
         filled = int(state[0]) if state[0] is not None else -1
-        epochs = int(state[1] or 0)
-        if filled >= epochs - 1:
+        seed = int(state[2] or 0)
+        if state[3] is not None:
+            epoch, offset, sets_json = filled, int(state[3]), _s(state[4] or b"[]")
+        elif filled < int(state[1] or 0) - 1:
+            epoch, offset = filled + 1, 0
+            sets_json = json.dumps(await self._epoch_sets(kind, epoch))
+        else:
             return 0
-        epoch = filled + 1
-        order = epoch_order(
-            await self._prompt_ids(kind, epoch), int(state[2] or 0), epoch, _SHUFFLE_STREAM[kind]
-        )
+        order = self._epoch_order(kind, epoch, sets_json, seed)
+        chunk = order[offset : offset + self.queue_slice]
         n = await self._script(
             "FILL",
             [self.keys.prompts(kind), self.keys.state, self.keys.leases(kind)],
-            [kind, epoch, *order],
+            [kind, epoch, offset, len(order), sets_json, *chunk],
         )
-        if int(n) >= 0:
-            log.info("epoch.queued", kind=kind, epoch=epoch, prompts=int(n))
+        if int(n) >= 0 and offset + int(n) >= len(order):
+            log.info("epoch.queued", kind=kind, epoch=epoch, prompts=len(order))
         return max(0, int(n))
 
     async def start_eval(self, round_: int) -> tuple[int, bool, int]:
-        """Make sure eval rounds 0..round are queued; (rounds, started now, prompts per round).
+        """Make sure eval rounds 0..round are queued; (rounds, asked for the first time, prompts
+        per round). A round asked for before (or below one asked for) may have had its groups
+        read by a trainer since killed: not a whole round any more.
         Without eval prompts nothing changes (0 prompts): a refused StartEval once still raised
         the round count, so an eval dataset loaded later queued rounds nobody asked for."""
-        num = len(await self._prompt_ids("eval", round_))
+        num = sum(count for _, count in await self._epoch_sets("eval", round_))
         if num == 0:
             return 0, False, 0
-        prev, new = await self._raise_epochs("eval", round_ + 1)
-        return new, new > prev, num
+        asked, _ = await self._raise_count("eval:asked", round_ + 1)
+        _, rounds = await self._raise_epochs("eval", round_ + 1)
+        return rounds, round_ >= asked, num
 
     # -- prompts ------------------------------------------------------------------------------
 
@@ -888,14 +923,21 @@ class BufferStore:
 
         async def read() -> list[Any]:
             pipe = self.r.pipeline(transaction=False)
-            pipe.hmget(self.keys.state, [f"{src}:filled", f"{src}:epochs", f"{kind}:held_groups"])
+            pipe.hmget(
+                self.keys.state,
+                [f"{src}:filled", f"{src}:epochs", f"{kind}:held_groups", f"{src}:fill_at"],
+            )
             pipe.xinfo_stream(self.keys.prompts(src))
             pipe.xinfo_groups(self.keys.prompts(src))
             pipe.xlen(self.keys.groups(kind))
             return list(await pipe.execute())
 
-        (filled, epochs, held), info, groups, in_stream = await self._retry(read, "exhausted")
+        (filled, epochs, held, fill_at), info, groups, in_stream = await self._retry(
+            read, "exhausted"
+        )
         if (int(filled) if filled is not None else -1) < int(epochs or 0) - 1:
+            return False
+        if fill_at is not None:  # an epoch partly queued
             return False
         rollout = next(g for g in groups if _s(g["name"]) == "rollout")
         return (

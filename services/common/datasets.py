@@ -2,7 +2,8 @@
 (`save_to_disk`), a folder of data files, or a hub dataset id (fetched once by
 `kuberl.common.hub`, then read by `datasets` from the cached snapshot, split and subset picked)
 through a column mapping into `PromptRow`s for the buffer's LoadDataset and for
-`kuberl.common.modelbuild`'s tokenizer corpus; `epoch_order` is an epoch's seeded permutation, so
+`kuberl.common.modelbuild`'s tokenizer corpus (`read_records` reads a file's raw records, as the
+trainer's SFT data does); `epoch_order` is an epoch's seeded permutation, so
 a restarted job replays its data in order.
 """
 
@@ -96,7 +97,10 @@ def _folder_records(
         yield i + 1, dict(record)
 
 
-def _records(path: Path, limit: int) -> Iterator[tuple[int, dict[str, Any]]]:
+def read_records(path: Path, limit: int = 0) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line or row number, record) of a JSONL or Parquet file, the first `limit` (0: all).
+    InvalidArgument names the file and line of a record that is not a JSON object; OSError when
+    the file cannot be read."""
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".ndjson"):
         with path.open(encoding="utf-8") as f:
@@ -154,7 +158,7 @@ def read_dataset(
     if p.is_dir():
         records = _folder_records(p, subset, split, limit)
     elif p.is_file():
-        records = _records(p, limit)
+        records = read_records(p, limit)
     else:
         raise InvalidArgument(f"dataset {p}: no such file (relative paths are from {Path.cwd()})")
     rows: list[PromptRow] = []
@@ -195,6 +199,19 @@ def read_dataset(
     if not rows:
         raise InvalidArgument(f"dataset {p}: no rows")
     return rows
+
+
+#: The buffer's prompt streams' index mixed into the shuffle seed, so train and eval orders
+#: differ for one seed.
+SHUFFLE_STREAM = {"train": 0, "eval": 1}
+
+
+def epoch_sets_order(
+    sets: Sequence[tuple[str, int]], seed: int, epoch: int, stream: int = 0
+) -> list[str]:
+    """`epoch_order` of the prompts of datasets (name, number of prompts): ids `<name>:<row>`,
+    the buffer's prompt ids, in the order the buffer queues that epoch."""
+    return epoch_order([f"{n}:{i}" for n, count in sets for i in range(count)], seed, epoch, stream)
 
 
 def epoch_order(prompt_ids: Sequence[str], seed: int, epoch: int, stream: int = 0) -> list[str]:

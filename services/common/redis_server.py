@@ -135,7 +135,8 @@ class EmbeddedRedis:
         port: TCP port; 0 picks a free one on the first start and keeps it afterwards.
         host: address to bind (loopback by default; the server is unauthenticated unless
             `password` is given).
-        password: optional `requirepass`; it is then part of `url`.
+        password: optional `requirepass` (given in a 0600 file); it is then part of `url`, and
+            `address` is the URL without it.
         appendfsync: `everysec` (default, as in production), `always` or `no`.
         die_with_parent: ask Linux to SIGKILL the server when the thread that started it dies
             (so a crashed test run leaves no orphan). Leave it off when `start()` runs in a worker
@@ -171,6 +172,14 @@ class EmbeddedRedis:
             raise RedisServerError("the embedded Redis has not been started yet")
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}{self.host}:{self.port}/0"
+
+    @property
+    def address(self) -> str:
+        """`url` without the password: what a job file may hold (the password goes by the
+        environment, `redis.password_env`)."""
+        if not self.port:
+            raise RedisServerError("the embedded Redis has not been started yet")
+        return f"redis://{self.host}:{self.port}/0"
 
     @property
     def log_path(self) -> Path:
@@ -209,7 +218,12 @@ class EmbeddedRedis:
             "no",
         ]
         if self.password:
-            args += ["--requirepass", self.password]
+            # From a 0600 file, not the command line, which every local user can read in `ps`.
+            conf = self.data_dir / "auth.conf"
+            conf.touch(mode=0o600)
+            conf.chmod(0o600)
+            conf.write_text(f"requirepass {self.password}\n")
+            args.insert(1, str(conf))
         return args
 
     def start(self, timeout: float = 20.0) -> str:

@@ -35,7 +35,7 @@ from kuberl.common import tls as transport
 from kuberl.common.config import ServerConfig, TLSConfig
 from kuberl.common.errors import InvalidArgument, ServiceError, Unavailable
 from kuberl.common.logs import get_logger
-from kuberl.common.roles import RoleCheck
+from kuberl.common.roles import RoleCheck, identity_source
 
 log = get_logger(__name__)
 
@@ -402,18 +402,17 @@ async def serve(
 
     `tls` is the job's `tls` section (None: `kuberl.common.tls.current()`); it secures this
     server and becomes the process default for the service's own client channels. With
-    `tls.roles`, callers of restricted methods must carry a role of `job` (kuberl.common.roles)."""
+    `tls.roles` (certificates) or in a `kuberl run` (its tokens), callers of restricted methods
+    must carry a role of `job` (kuberl.common.roles)."""
     tls = tls if tls is not None else transport.current()
     transport.configure(tls)
     credentials = transport.server_credentials(tls) if tls.enabled else None
     gate = StartGate(service)
+    source = identity_source(tls)
+    roles = RoleCheck(service.name, job, source) if source is not None else None
     server = grpc.aio.server(
         options=server_grpc_options(config.max_message_bytes),
-        interceptors=[
-            ErrorInterceptor(
-                service.name, gate, RoleCheck(service.name, job) if tls.roles else None
-            )
-        ],
+        interceptors=[ErrorInterceptor(service.name, gate, roles)],
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

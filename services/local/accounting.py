@@ -38,6 +38,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from kuberl.common.datasets import SHUFFLE_STREAM, epoch_sets_order
 from kuberl.common.logs import get_logger
 
 log = get_logger(__name__)
@@ -154,12 +155,17 @@ def prompt_accounting(buffer: dict[str, Any], lineage: dict[str, Any]) -> dict[s
     """Classify every handed-out TRAIN key: trained once / twice, filtered, pending, lost."""
     state = buffer["state"]
     filled = int(state.get("train:filled", -1))
+    partial = "train:fill_at" in state  # epoch `filled` is queued only up to `fill_at`
     queued: list[str] = []
     for name, info in sorted(buffer["datasets"].items()):
         if info["kind"] != "train":
             continue
-        for epoch in range(min(filled + 1, int(info["num_epochs"]))):
+        for epoch in range(min(filled + (0 if partial else 1), int(info["num_epochs"]))):
             queued += [f"{name}:{i}@{epoch}" for i in range(int(info["num_prompts"]))]
+    if partial:
+        sets = [(str(n), int(c)) for n, c in json.loads(state.get("train:fill_sets", "[]"))]
+        order = epoch_sets_order(sets, int(state.get("seed", 0)), filled, SHUFFLE_STREAM["train"])
+        queued += [f"{pid}@{filled}" for pid in order[: int(state["train:fill_at"])]]
     last = _entry_id(buffer["last_delivered"])
     never_leased: set[str] = set()
     leased_now: set[str] = set()

@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -27,7 +28,7 @@ from typing import Any, TextIO
 
 import yaml
 
-from kuberl.common import preflight, tls
+from kuberl.common import preflight, roles, tls
 from kuberl.common.config import (
     ConfigError,
     JobConfig,
@@ -51,7 +52,10 @@ log = get_logger(__name__)
 
 METRICS_JSONL_ENV = "KUBERL_METRICS_JSONL"  # the trainer appends one JSON row per step here
 TRAINED_JSONL_ENV = "KUBERL_TRAINED_JSONL"  # ... and one row per trained batch (group keys) here
+# The warm start's checkpoint folder: the RL trainer continues its tracked runs (job.tracking).
+TRACKING_WARM_UP_ENV = "KUBERL_TRACKING_WARM_UP"
 TICK_SECONDS = 1.0
+ROLES_FOLDER = "roles"  # the run's identities: <process>.token and identities.json
 # Config section of each non-rollout service (rollout replicas are named rollout-<i>).
 SECTIONS = {"buffer": "buffer", "reward": "reward", "weight-sync": "weight_sync"}
 
@@ -91,12 +95,13 @@ def _abs(path: str, base: Path) -> str:
     return str(p if p.is_absolute() else (base / p).resolve())
 
 
-def _latest_hf_export(checkpoint_dir: Path) -> Path:
-    """The HF folder of the trainer's latest checkpoint (layout in kuberl.trainer.checkpoint)."""
+def _latest_hf_export(checkpoint_dir: Path, folder: str = "hf") -> Path:
+    """The HF folder of the trainer's latest checkpoint (layout in kuberl.trainer.checkpoint):
+    `hf`, or a LoRA job's `merged`."""
     pointer = checkpoint_dir / "latest"
     if not pointer.exists():
         raise FileNotFoundError(f"the warm start wrote no checkpoint ({pointer} is missing)")
-    hf = checkpoint_dir / pointer.read_text().strip() / "hf"
+    hf = checkpoint_dir / pointer.read_text().strip() / folder
     if not (hf / "config.json").exists():
         raise FileNotFoundError(f"the warm start's checkpoint has no HF export ({hf})")
     return hf
@@ -124,6 +129,7 @@ class Supervisor:
         self._sigints = 0
         self.group: ProcessGroup | None = None
         self.redis: Any = None
+        self.redis_password = ""  # the embedded Redis's, for this run only
         self.redis_restarts = 0
         self.poller = StatsPoller()
         self.progress: Progress | None = None
@@ -133,6 +139,8 @@ class Supervisor:
         self.shm_dir: Path | None = None
         self.replica_names: list[str] = []
         self.endpoints: dict[str, str] = {}
+        self.tokens: dict[str, str] = {}  # process name -> its role token (kuberl.common.roles)
+        self.identities_file = ""
         self._reserved = PortReservation()  # the services' ports until they serve
         self.failure: ServiceFailed | None = None
         self.error: str | None = None
@@ -345,8 +353,25 @@ class Supervisor:
         assert self.config is not None
         return self.config.job.local
 
-    def _base_env(self, threads: str | None = None) -> dict[str, str]:
+    def _issue_tokens(self, replica_names: list[str]) -> None:
+        """Each process's identity for the run (kuberl.common.roles): a token of its own, and
+        the servers' identity file. Under `tls.roles` the certificates name them instead."""
+        assert self.config is not None
+        if self.config.tls.roles:
+            return
+        names = dict(SECTIONS)
+        names.update({name: f"rollout/{name}" for name in replica_names})
+        names["trainer"] = "trainer"
+        folder = self.run_dir / ROLES_FOLDER
+        self.tokens = roles.issue_tokens(folder, self.config.job.name, names)
+        self.identities_file = str(folder / "identities.json")
+
+    def _base_env(self, threads: str | None = None, process: str = "") -> dict[str, str]:
+        """What every process of the run gets; `process` names whose token it carries."""
         env = {f"KUBERL_ENDPOINTS__{k.upper()}": v for k, v in self.endpoints.items()}
+        if process in self.tokens:
+            env[roles.TOKEN_ENV] = self.tokens[process]
+            env[roles.IDENTITIES_ENV] = self.identities_file
         if self.local.device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
         if threads and "OMP_NUM_THREADS" not in os.environ:
@@ -384,10 +409,11 @@ class Supervisor:
         # The caller's KUBERL_<SECTION>__* overrides are already in the resolved job file; the
         # file, not the inherited environment, is what a service must read.
         inherited = tuple(k for k in os.environ if k.startswith("KUBERL_") and "__" in k)
+        inherited += (roles.TOKEN_ENV, roles.IDENTITIES_ENV)  # identities are this run's own
         assert self.config is not None
         if self.config.redis.url is None:
-            # The embedded Redis has no password: one in the caller's environment (meant for
-            # another Redis) would make every client's AUTH fail.
+            # The embedded Redis has the run's own password (the buffer is given it): one in
+            # the caller's environment is meant for another Redis.
             inherited += (self.config.redis.password_env,)
         return ProcessSpec(
             name,
@@ -406,11 +432,14 @@ class Supervisor:
         tc = self.config.trainer if self.config else None
         return bool(tc and tc.mode == "rl" and tc.sft_steps > 0 and tc.sft_data)
 
+    def _warm_start_checkpoints(self) -> Path:
+        return self.run_dir / "checkpoints" / "warm-start"
+
     def _warm_start(self) -> None:
         assert self.config is not None and self.group is not None and self.progress is not None
         tc = self.config.trainer
         doc = json.loads(json.dumps(self.doc))
-        checkpoints = self.run_dir / "checkpoints" / "warm-start"
+        checkpoints = self._warm_start_checkpoints()
         doc["trainer"].update(
             mode="sft",
             total_steps=tc.sft_steps,
@@ -424,6 +453,13 @@ class Supervisor:
             linger_seconds=0.0,
         )
         doc["trainer"]["optimizer"]["lr"] = self.local.warm_start_lr or tc.optimizer.lr
+        # A LoRA warm start exports its adapters merged: RL's fresh adapters go on top of that.
+        adapters = doc["model"].get("lora") is not None
+        if adapters and self.local.warm_start_lora:
+            doc["model"]["lora"]["export_merged"] = True
+        elif adapters:
+            doc["model"]["lora"] = None
+        export = "merged" if doc["model"].get("lora") else "hf"
         job = self._write_job(doc, "warm-start.yaml")
         self.progress.set_phase("warm start (SFT)", tc.sft_steps)
         rows_path = self.run_dir / "warm-start.jsonl"
@@ -451,7 +487,7 @@ class Supervisor:
         self.progress.add_rows(tail.read())
         self.progress.render(force=True)
         self.phase_seconds["warm_start"] = time.monotonic() - started
-        hf = _latest_hf_export(checkpoints)
+        hf = _latest_hf_export(checkpoints, export)
         self.warm_start_hf = str(hf)
         self.doc["model"]["path"] = str(hf)
         self.doc["trainer"]["sft_steps"] = 0
@@ -469,8 +505,14 @@ class Supervisor:
         started = time.monotonic()
         self.progress.set_phase("starting services", self.config.trainer.total_steps)
         if self.config.redis.url is None:
-            self.redis = EmbeddedRedis(self.run_dir / "redis", die_with_parent=True)
-            self.doc["redis"]["url"] = self.redis.start()
+            # A password of the run's own, so local processes that hold no token cannot go
+            # around the services' checks to the job's state; only the buffer is given it.
+            self.redis_password = secrets.token_urlsafe(24)
+            self.redis = EmbeddedRedis(
+                self.run_dir / "redis", password=self.redis_password, die_with_parent=True
+            )
+            self.redis.start()
+            self.doc["redis"]["url"] = self.redis.address
         # Every gRPC port is picked now, so every address is known before anything starts and
         # all services start at once: each waits for its own dependencies to report SERVING
         # (rollout for buffer, reward and weight-sync; the trainer for the buffer),
@@ -480,20 +522,23 @@ class Supervisor:
         for name, section in SECTIONS.items():
             self.endpoints[section] = f"127.0.0.1:{ports[name]}"
         job = self._write_job(self.doc)
+        replica_names = [f"rollout-{i}" for i in range(self.local.rollout_replicas)]
+        self._issue_tokens(replica_names)
         first = []
         for name, section in SECTIONS.items():
             port_env = f"KUBERL_{section.upper()}__SERVER__PORT"
-            env = {**self._base_env("1"), port_env: str(ports[name])}
+            env = {**self._base_env("1", name), port_env: str(ports[name])}
+            if section == "buffer" and self.redis_password:
+                env[self.config.redis.password_env] = self.redis_password
             spec = self._spec(name, self._serve_argv(section, job), env, port_env=port_env)
             self._check_env(spec)
             first.append(self.group.start(spec, wait=False))
         # Rollout replicas: each with its own ports (announced to weight-sync), id and seed.
         replicas = []
         share = 0.25 / self.local.rollout_replicas
-        for i in range(self.local.rollout_replicas):
-            name = f"rollout-{i}"
+        for i, name in enumerate(replica_names):
             env = {
-                **self._base_env(_thread_count(share)),
+                **self._base_env(_thread_count(share), name),
                 "KUBERL_ROLLOUT__REPLICA_ID": name,
                 "KUBERL_ROLLOUT__SERVER__PORT": str(self._reserved.take()),
                 "KUBERL_ROLLOUT__SERVER__METRICS_PORT": str(self._reserved.take()),
@@ -507,10 +552,12 @@ class Supervisor:
         # The trainer talks only to buffer and weight-sync, and waits in GetBatch until groups
         # arrive.
         env = {
-            **self._base_env(_thread_count(0.25)),
+            **self._base_env(_thread_count(0.25), "trainer"),
             METRICS_JSONL_ENV: str(self.run_dir / "metrics.jsonl"),
             TRAINED_JSONL_ENV: str(self.run_dir / "trained.jsonl"),
         }
+        if self.warm_start_hf is not None:
+            env[TRACKING_WARM_UP_ENV] = str(self._warm_start_checkpoints())
         spec = self._spec(
             "trainer",
             self._trainer_argv(job),
@@ -677,7 +724,7 @@ class Supervisor:
         report = accounting.staleness_trained(lineage, self.config.trainer.max_staleness)
         try:
             url = self.doc["redis"]["url"]
-            password = os.environ.get(self.config.redis.password_env) or None
+            password = self.redis_password or os.environ.get(self.config.redis.password_env)
             # A chaos run may have just restarted Redis (its AOF loading); otherwise a Redis
             # that does not answer at once is not coming back for the report.
             wait = 60.0 if self.chaos is not None else 5.0

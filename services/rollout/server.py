@@ -226,6 +226,22 @@ class RolloutService(Service):
                 # Versions it holds pass on to other engines (weight-sync's relay tree).
                 peer_host=_pod_address() if config.weight_sync.relay_fanout else "",
                 peer_bytes_per_second=config.weight_sync.snapshot_bytes_per_second,
+                job=config.job.name,
+                peer_port=config.rollout.peer_port,
+            )
+        elif config.model.lora is not None:
+            # LoRA: each version is an adapter of a few MB, received here (shared memory on
+            # the weight-sync host, else gloo or a snapshot download) and handed to SGLang as a
+            # PEFT folder; the server's base weights never change. The folder is written from
+            # the tensors at once, so over shm they are read in place.
+            self.weights = EngineClient(
+                config.endpoints.weight_sync,
+                load=self._load_adapter,
+                engine_id=self.replica_id,
+                endpoint=endpoint,
+                transports=("shm", "gloo", "snapshot"),
+                device="cpu",
+                shm_in_place=True,
             )
         else:
             tp_size = getattr(config.rollout.engine, "tp_size", 1)
@@ -280,6 +296,13 @@ class RolloutService(Service):
         assert engine is not None
         # EngineClient's tensors stay valid until the next load: the engine serves from them.
         self._in_loop(version, lambda: engine.load_weights(tensors, version, borrow=True))
+
+    def _load_adapter(self, tensors: dict[str, Any], version: int) -> None:
+        from kuberl.rollout.engine.sglang import SGLangEngine
+
+        engine = self.engine
+        assert isinstance(engine, SGLangEngine)
+        self._in_loop(version, lambda: engine.load_adapter(tensors, version))
 
     def _apply_instruction(self, instruction: Any) -> None:
         from kuberl.api.weight_sync.v1 import weight_sync_pb2 as wpb

@@ -104,6 +104,7 @@ class _Done:
     queued_seconds: float
     generate_seconds: float
     metadata: dict[str, Any]
+    texts: list[str]  # each sample's decoded response: the reward's input and the trajectory's
 
 
 def retry_after(exc: grpc.aio.AioRpcError, default: float) -> float:
@@ -446,7 +447,8 @@ class RolloutWorker:
             elif gen.finished_on_old:
                 meta["weight_update"] = "finished_on_old_weights"
                 meta["updated_to_versions"] = gen.finished_on_old
-            return _Done(item, samples, queued, generate, meta)
+            texts = [self.ctx.decode(s.token_ids) for s in samples]
+            return _Done(item, samples, queued, generate, meta, texts)
 
     async def _score(self, done: Sequence[_Done]) -> tuple[dict[str, rpb.SampleScore], float]:
         request = rpb.ScoreRequest()
@@ -456,7 +458,7 @@ class RolloutWorker:
                     rpb.Sample(
                         sample_id=f"{d.item.lease_id}#{j}",
                         prompt=d.item.text,
-                        response=self.ctx.decode(s.token_ids),
+                        response=d.texts[j],
                         response_token_ids=encode_array(np.asarray(s.token_ids, dtype=np.int32)),
                         answer=d.item.answer,
                         metadata_json=json.dumps(d.item.metadata) if d.item.metadata else "",
@@ -503,7 +505,7 @@ class RolloutWorker:
                     score_seconds=score_seconds,
                     finished_unix=time.time(),
                     metadata=metadata,
-                    response_text=self.ctx.decode(s.token_ids),
+                    response_text=d.texts[j],
                 )
             )
         if self.rc.mode == "rejection_sampling":

@@ -10,12 +10,16 @@ Layout under `trainer.checkpoint_dir`::
                                  the batches trained on (rank 0)
       rng-rank<r>.json           torch RNG state of each rank (base64)
       hf/                        HF safetensors export of the policy (rank 0, `export_hf`)
+      adapter/                   with `model.lora`, instead of hf/: the adapter in PEFT's format
+      merged/                    with `model.lora.export_merged`: the base model with the
+                                 adapters merged in, an HF folder like hf/
     latest                       the name of the last complete checkpoint, replaced atomically
 
 Every rank writes its DeepSpeed shards and fsyncs the folder; after a barrier rank 0 replaces
 `latest` (fsynced, and its folder). A trainer killed mid-save, or a node lost, resumes from the
 previous `latest`. DeepSpeed's files are its own format
-(torch.save); everything kuberl adds is JSON or safetensors.
+(torch.save); everything kuberl adds is JSON or safetensors. With `model.lora` DeepSpeed's files
+hold only the trainable parameters (adapters) and their optimizer state, not the frozen base.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ from kuberl.common.logs import get_logger
 log = get_logger(__name__)
 
 LATEST = "latest"
+#: The export folders of a LoRA job's checkpoint (a full job's is `hf/`).
+ADAPTER_EXPORT = "adapter"
+MERGED_EXPORT = "merged"
 # Far more than the batches a buffer can have un-acknowledged at once (max_inflight_groups);
 # a trainer that acknowledges after its checkpoints keeps at least `checkpoint_every`.
 TRAINED_BATCHES_KEPT = 1024

@@ -1,7 +1,8 @@
 """When and how the trainer writes and reads its checkpoints (the files: `checkpoint`).
 
 Every rank saves its DeepSpeed shards into a folder rank 0 names; rank 0 adds the cursor and the
-HF export and then commits the folder as `latest`. `saved_at` is the (sft step, step) position of
+export (`hf/`; with LoRA `adapter/` and optionally `merged/`) and then commits the folder as
+`latest`. `saved_at` is the (sft step, step) position of
 the weights the newest checkpoint holds: steps trained past it are "unsaved", and their batches
 are held in the buffer until a checkpoint has them.
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from kuberl.common import lora
 from kuberl.common import metrics as prom
 from kuberl.common.config import JobConfig
 from kuberl.common.logs import get_logger
@@ -38,6 +40,7 @@ class Checkpointer:
 
     def __init__(self, config: JobConfig, dist: DistInfo, models: Models, base_dir: Path) -> None:
         self.tc = config.trainer
+        self.lora = config.model.lora
         self.dist = dist
         self.models = models
         root = Path(self.tc.checkpoint_dir)
@@ -66,6 +69,27 @@ class Checkpointer:
         self.saved_at = position(cursor)
         return path, cursor
 
+    def _export(self, path: Path) -> None:
+        """The policy for use outside kuberl: `hf/`, or with LoRA `adapter/` (PEFT's format)
+        and, with `model.lora.export_merged`, `merged/` (the base with the adapters merged in,
+        an ordinary HF folder). Collective: every rank gathers."""
+        adapters = self.lora
+        select = None if adapters is None or adapters.export_merged else lora.is_adapter_tensor
+        named: list[tuple[str, torch.Tensor]] = []
+        for bucket in self.models.engine.full_parameters(EXPORT_BUCKET_BYTES, "hf.", select):
+            named.extend(bucket)
+        if not self.dist.is_main:
+            return
+        model_dir, tied = self.models.model_dir, self.models.tied
+        if adapters is None:
+            ckpt.export_hf(named, model_dir, path / "hf", tied)
+            return
+        lora.save_adapter(
+            path / ckpt.ADAPTER_EXPORT, lora.adapter_tensors(named), adapters, str(model_dir)
+        )
+        if adapters.export_merged:
+            ckpt.export_hf(lora.merged(named, adapters), model_dir, path / ckpt.MERGED_EXPORT, tied)
+
     def save(self, cursor: ckpt.Cursor, metrics: dict[str, float]) -> Path:
         """Save engines, cursor (with the finite `metrics`), RNG and an HF export, and commit
         the folder as `latest`. Collective."""
@@ -83,11 +107,7 @@ class Checkpointer:
             self.models.critic.save(path / "critic", tag)
         ckpt.write_rank_files(path, self.dist.rank)
         if self.tc.export_hf:
-            named: list[tuple[str, torch.Tensor]] = []
-            for bucket in engine.full_parameters(EXPORT_BUCKET_BYTES, "hf."):
-                named.extend(bucket)
-            if self.dist.is_main:
-                ckpt.export_hf(named, self.models.model_dir, path / "hf", self.models.tied)
+            self._export(path)
         if self.dist.is_main:
             cursor.metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
             ckpt.write_cursor(path, cursor)

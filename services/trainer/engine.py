@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -339,7 +339,9 @@ class TrainEngine:
     (0-3), bf16 on GPU and fp32 on CPU, a plain torch AdamW (DeepSpeed's compiled Adam would
     need an op build at first start) and gradient clipping. The caller owns gradient
     accumulation (`managed_gradient_accumulation` off): it runs any number of micro-batches,
-    chosen by a token budget, then calls `step()`."""
+    chosen by a token budget, then calls `step()`. A module with frozen parameters (LoRA's base
+    model) is optimized over its trainable ones only, and its checkpoints hold only those (the
+    frozen ones are the model folder's, loaded again on resume)."""
 
     def __init__(
         self, module: nn.Module, trainer: TrainerConfig, dist_info: DistInfo, dtype: torch.dtype
@@ -349,6 +351,8 @@ class TrainEngine:
         self.dist = dist_info
         self.dtype = dtype
         self.zero_stage = trainer.zero_stage
+        #: Some parameters are frozen (LoRA): checkpoints leave them out.
+        self.has_frozen = any(not p.requires_grad for p in module.parameters())
         module = module.to(device=dist_info.device, dtype=dtype)
         optimizer = make_optimizer(module, trainer.optimizer)
         scheduler = make_scheduler(optimizer, trainer.optimizer)
@@ -407,30 +411,45 @@ class TrainEngine:
         return float(self.engine.get_lr()[0])
 
     def save(self, directory: Path, tag: str) -> None:
-        self.engine.save_checkpoint(str(directory), tag=tag)
+        self.engine.save_checkpoint(
+            str(directory), tag=tag, exclude_frozen_parameters=self.has_frozen
+        )
 
     def load(self, directory: Path, tag: str) -> None:
         _weights_only_loads(self.engine)
         path, _ = self.engine.load_checkpoint(
-            str(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+            str(directory),
+            tag=tag,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+            # Frozen parameters are not in the checkpoint (`save`): they stay as loaded.
+            load_module_strict=not self.has_frozen,
         )
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} in {directory}")
 
     def full_parameters(
-        self, bucket_bytes: int, prefix_strip: str = ""
+        self,
+        bucket_bytes: int,
+        prefix_strip: str = "",
+        select: Callable[[str], bool] | None = None,
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """The full parameters in buckets of about `bucket_bytes`, as CPU tensors on rank 0.
+        """The full parameters in buckets of about `bucket_bytes`, as CPU tensors on rank 0;
+        only those whose (stripped) name `select` accepts, when given.
 
         Collective: every rank must iterate. Under ZeRO-3 each bucket is all-gathered, copied
         and released before the next, so no rank ever holds the whole model at once; other
         ranks get empty lists. Tied weights appear once, under their first name.
         """
-        yield from iter_full_parameters(self.module, bucket_bytes, self.dist, prefix_strip)
+        yield from iter_full_parameters(self.module, bucket_bytes, self.dist, prefix_strip, select)
 
 
 def iter_full_parameters(
-    module: nn.Module, bucket_bytes: int, dist_info: DistInfo, prefix_strip: str = ""
+    module: nn.Module,
+    bucket_bytes: int,
+    dist_info: DistInfo,
+    prefix_strip: str = "",
+    select: Callable[[str], bool] | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """See `TrainEngine.full_parameters`."""
     import deepspeed
@@ -441,7 +460,9 @@ def iter_full_parameters(
         if id(p) in seen:
             continue
         seen.add(id(p))
-        named.append((name.removeprefix(prefix_strip), p))
+        name = name.removeprefix(prefix_strip)
+        if select is None or select(name):
+            named.append((name, p))
 
     bucket: list[tuple[str, nn.Parameter]] = []
     size = 0
@@ -531,6 +552,25 @@ class FrozenModel:
     @torch.no_grad()
     def forward(self, *args: Any) -> Any:
         return self.engine(*args) if self.engine is not None else self.module(*args)
+
+
+class AdaptersOffReference:
+    """The KL reference of a LoRA job: the policy itself with its adapters switched off, which is
+    its base model exactly (no second copy in memory; under ZeRO-3 the same partitions)."""
+
+    def __init__(self, policy: TrainEngine) -> None:
+        self.policy = policy
+
+    def resident(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing to move: the policy's own weights (FrozenModel's interface)."""
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def forward(self, *args: Any) -> Any:
+        from kuberl.common.lora import adapters_disabled
+
+        with adapters_disabled(self.policy.module):
+            return self.policy.forward(*args)
 
 
 LossFn = Any  # Callable[[MicroBatch, Any], tuple[torch.Tensor, dict[str, float]]]

@@ -3,7 +3,10 @@
 Rank 0 queues a round in the buffer (StartEval), reads back the EVAL groups rollout replicas put
 and reports accuracy, pass@n and mean reward per dataset. A round's groups are read once: the
 round is recorded in the newest checkpoint's cursor, so a trainer resumed from it goes on with
-the next round instead of waiting for groups already consumed.
+the next round instead of waiting for groups already consumed. A round a trainer asked for
+before (one killed mid-round, which read some of its groups) is abandoned for a fresh round:
+every eval prompt is issued again, so the result covers the whole eval set on the current
+weights.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from kuberl.common.logs import get_logger
 from kuberl.common.trajectory import Group
 from kuberl.trainer import checkpoint as ckpt
 from kuberl.trainer.delivery import BatchDelivery
-from kuberl.trainer.distributed import DistInfo, barrier
+from kuberl.trainer.distributed import DistInfo, all_reduce_max
 
 log = get_logger(__name__)
 
@@ -52,7 +55,9 @@ class Evaluator:
         """Round `cursor.eval_round` of the current weights (published before): its metrics
         (on rank 0, when it ran). Moves the cursor to the next round. Collective."""
         round_ = cursor.eval_round
-        result = self.round(round_, cursor.policy_version) if self.dist.is_main else {}
+        result: dict[str, float] = {}
+        if self.dist.is_main:
+            round_, result = self.round(round_, cursor.policy_version)
         cursor.eval_round = round_ + 1
         if self.dist.is_main and result and newest_checkpoint and self.tc.mode == "rl":
             # (Not in eval mode: its checkpoints are the training job's.)
@@ -60,17 +65,23 @@ class Evaluator:
                 ckpt.record_eval_round(Path(newest_checkpoint), cursor.eval_round)
             except OSError as exc:  # pruned meanwhile, or read-only: the round is still done
                 log.warning("eval.round_not_recorded", path=newest_checkpoint, error=str(exc)[:300])
-        barrier(self.dist)
+        # Every rank's cursor takes the round rank 0 ran (collective, like a barrier).
+        cursor.eval_round = all_reduce_max(cursor.eval_round, self.dist)
         return result
 
-    def round(self, round_: int, policy_version: int) -> dict[str, float]:
-        """Queue round `round_` and read its groups until all are back or the timeout."""
+    def round(self, round_: int, policy_version: int) -> tuple[int, dict[str, float]]:
+        """Queue round `round_` (or a fresh one, see the module docstring) and read its groups
+        until all are back or the timeout: (the round that ran, its metrics)."""
         buffer = self.delivery.stub
         try:
             started = buffer.StartEval(buffer_pb2.StartEvalRequest(round=round_), timeout=60)
+            if not started.started:
+                abandoned, round_ = round_, max(round_ + 1, int(started.rounds))
+                log.warning("eval.round_abandoned", round=abandoned, fresh_round=round_)
+                started = buffer.StartEval(buffer_pb2.StartEvalRequest(round=round_), timeout=60)
         except Exception as exc:
             log.warning("eval.not_started", round=round_, error=str(exc)[:300])
-            return {}
+            return round_, {}
         want = int(started.num_prompts)
         log.info("eval.started", round=round_, prompts=want)
         seen: dict[str, Group] = {}
@@ -97,7 +108,7 @@ class Evaluator:
                     seen[g.group_id] = Group.from_proto(g)
             self.delivery.ack(resp.batch_id)
         self.last_groups = list(seen.values())
-        return eval_metrics(self.last_groups, self.tc.eval_correct_threshold, want)
+        return round_, eval_metrics(self.last_groups, self.tc.eval_correct_threshold, want)
 
 
 def eval_metrics(groups: Sequence[Group], threshold: float, expected: int) -> dict[str, float]:

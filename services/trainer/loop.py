@@ -43,7 +43,7 @@ from kuberl.trainer.publishing import PolicyPublisher
 from kuberl.trainer.rl import RLStep
 from kuberl.trainer.sft import SFTFile, SFTStep
 from kuberl.trainer.telemetry import Reporter, TrainedLog, speed
-from kuberl.trainer.tracking import Tracking
+from kuberl.trainer.tracking import Tracking, warm_up_folder
 
 log = get_logger(__name__)
 
@@ -187,6 +187,7 @@ class Trainer:
         self.delivery.set_policy_version(self.cursor.policy_version)
         if self.cursor.policy_version % self.tc.publish_every == 0:
             self._publish()
+            metrics.update(self.publisher.take_metrics())
         metrics["step_seconds"] = time.perf_counter() - started
         self._record(metrics, "sft" if sft else "rl", batch)
 
@@ -340,6 +341,7 @@ class Trainer:
                 resumed=bool(self.status.saved[0]),
                 decode=self._decode,
                 step=self._trained(),
+                warm_up=warm_up_folder(),
             )
         self.trained_log.write(
             {

@@ -5,6 +5,9 @@ weight-sync. The trainer is never blocked by weight-sync: a failed publish is lo
 while rank 0 waits for batches (`retry_due`, broadcast as MSG_PUBLISH), since replicas left on
 old weights would otherwise produce only groups too stale to train on. A refusal because
 weight-sync already holds the version (or a newer one) is a real conflict and is not retried.
+With `model.lora` a version is the adapter tensors only, every version (the first included),
+named as in the injected HF model (`model.layers.0.self_attn.q_proj.lora_A.default.weight`): the
+engines hold the same base model and apply them in place.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from kuberl.common import metrics as prom
 from kuberl.common.config import JobConfig
 from kuberl.common.logs import get_logger
+from kuberl.common.lora import is_adapter_tensor
 from kuberl.trainer.distributed import DistInfo
 from kuberl.trainer.models import Models
 
@@ -60,6 +64,10 @@ class PolicyPublisher:
         self.published_version = -1
         self._failed_at: float | None = None  # rank 0: the last publish failed then
         self._conflicts_retried = 0  # rank 0: refused publishes retried since the last success
+        #: LoRA: only the adapter tensors travel.
+        self.select = is_adapter_tensor if config.model.lora is not None else None
+        #: rank 0: the figures of the last successful publish not yet taken (`take_metrics`).
+        self._metrics: dict[str, float] = {}
 
     def connect(self) -> None:
         """Rank 0: the weight-sync client, when this job publishes."""
@@ -87,7 +95,9 @@ class PolicyPublisher:
         if not self.enabled:
             return
         self.published_version = version
-        buckets = self.models.engine.full_parameters(self.config.weight_sync.bucket_bytes, "hf.")
+        buckets = self.models.engine.full_parameters(
+            self.config.weight_sync.bucket_bytes, "hf.", self.select
+        )
         if not self.dist.is_main:
             for _ in buckets:
                 pass
@@ -99,8 +109,13 @@ class PolicyPublisher:
                 yield from bucket
 
         try:
-            self.client.publish(version, tensors())
+            result = self.client.publish(version, tensors())
             PUBLISH_SECONDS.observe(time.perf_counter() - started)
+            self._metrics = {
+                "publish/bytes": float(result.total_bytes),
+                "publish/tensors": float(result.num_tensors),
+                "publish/seconds": time.perf_counter() - started,
+            }
             self._failed_at = None
             self._conflicts_retried = 0
         except Exception as exc:
@@ -118,6 +133,11 @@ class PolicyPublisher:
         finally:
             for _ in buckets:  # keep the other ranks' gathers matched
                 pass
+
+    def take_metrics(self) -> dict[str, float]:
+        """The last publish's bytes, tensors and seconds, once (rank 0; empty elsewhere)."""
+        out, self._metrics = self._metrics, {}
+        return out
 
     def current_version(self) -> int:
         """The version weight-sync holds (0 when unreachable or not publishing)."""

@@ -2,14 +2,14 @@
 
 Used by the `sft` mode, by the SFT warm-start before RL (`trainer.sft_steps`), and for rejection
 sampling (the buffer's SFT stream holds the kept samples as groups). Examples come from a JSONL
-file of `{"prompt": ..., "response": ...}` objects (`completion` is accepted for `response`), are
-tokenised with the model's tokenizer (the response gets the EOS token appended so the model learns
-to stop) and become `TrainingSequence`s whose loss mask covers the response only.
+or Parquet file of `{"prompt": ..., "response": ...}` records (`completion` is accepted for
+`response`), are tokenised with the model's tokenizer (the response gets the EOS token appended
+so the model learns to stop) and become `TrainingSequence`s whose loss mask covers the response
+only.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 from kuberl.common.config import JobConfig
+from kuberl.common.datasets import read_records
+from kuberl.common.errors import InvalidArgument
 from kuberl.common.trajectory import Group
 from kuberl.trainer.batch import Batch
 from kuberl.trainer.batching import MicroBatch, TrainingSequence, rank_micro_batches
@@ -32,29 +34,22 @@ class SFTDataError(ValueError):
 
 
 def read_pairs(path: str | Path) -> list[tuple[str, str]]:
-    """(prompt, response) pairs of a JSONL file."""
+    """(prompt, response) pairs of a JSONL or Parquet file."""
     p = Path(path)
+    pairs = []
     try:
-        lines = p.read_text().splitlines()
+        for i, row in read_records(p):
+            response = row.get("response", row.get("completion"))
+            if not isinstance(row.get("prompt"), str) or not isinstance(response, str):
+                raise SFTDataError(
+                    f"{p}:{i}: expected string fields 'prompt' and 'response' (or 'completion'), "
+                    f"got keys {sorted(row)}"
+                )
+            pairs.append((row["prompt"], response))
+    except InvalidArgument as exc:  # not JSON, not an object per line, not a data file
+        raise SFTDataError(str(exc)) from None
     except OSError as exc:
         raise SFTDataError(f"{p}: cannot read the SFT data: {exc.strerror}") from None
-    pairs = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise SFTDataError(f"{p}:{i}: not JSON: {exc}") from None
-        if not isinstance(row, dict):
-            raise SFTDataError(f"{p}:{i}: expected an object with prompt and response")
-        response = row.get("response", row.get("completion"))
-        if not isinstance(row.get("prompt"), str) or not isinstance(response, str):
-            raise SFTDataError(
-                f"{p}:{i}: expected string fields 'prompt' and 'response' (or 'completion'), "
-                f"got keys {sorted(row)}"
-            )
-        pairs.append((row["prompt"], response))
     if not pairs:
         raise SFTDataError(f"{p}: no examples")
     return pairs

@@ -188,7 +188,8 @@ def merge_ranks(records: list[tuple[dict[str, float], int]], dist: DistInfo) -> 
 class Reporter:
     """Rank 0's step reports: gauges, the step log line, the metrics JSONL and the trackers
     (`tracking`, set by the trainer's setup on rank 0), whose x-axis is `trained`: the steps
-    trained so far, an RL job's SFT warm-up included."""
+    trained so far, an RL job's SFT warm-up included; SFT steps' metrics go to the trackers
+    under `sft/`."""
 
     def __init__(self, dist: DistInfo, total_steps: int) -> None:
         self.dist = dist
@@ -237,7 +238,10 @@ class Reporter:
         )
         if self.tracking is not None:
             trained = step if trained is None else trained
-            self.tracking.metrics({**metrics, "step": step, "policy_version": version}, trained)
+            values = {**metrics, "step": step, "policy_version": version}
+            if kind == "sft":  # a warm-up shares its RL job's runs and names: kept apart
+                values = {f"sft/{k}": v for k, v in values.items()}
+            self.tracking.metrics(values, trained)
             if batch is not None:
                 self.tracking.train_samples(batch, trained)
 

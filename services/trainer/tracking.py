@@ -2,7 +2,10 @@
 config and tables of generated samples out to W&B, TensorBoard and MLflow, one `Tracker` per
 entry, each imported only when configured. A tracked run's id is kept in the checkpoint folder
 (`tracking-runs.json`), so a trainer resumed from its checkpoints continues the same run at
-the step it had reached; a tracker that fails mid-run is logged and dropped, never the job.
+the step it had reached; an RL trainer after a warm-up run as its own trainer (`kuberl run`
+names the warm-up's checkpoint folder in `KUBERL_TRACKING_WARM_UP`) continues the warm-up's
+runs, its steps counted after the warm-up's. A tracker that fails mid-run is logged and
+dropped, never the job.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -34,7 +37,40 @@ from kuberl.trainer.batch import Batch
 log = get_logger(__name__)
 
 RUNS_FILE = "tracking-runs.json"
+WARM_UP_ENV = "KUBERL_TRACKING_WARM_UP"
 SAMPLE_COLUMNS = ("prompt", "response", "reward")
+
+
+@dataclass
+class Runs:
+    """`tracking-runs.json`: each tracker's run id (by `<index>:<backend>`), what this trainer
+    adds to its steps (a warm-up's steps run by another trainer) and the last step logged."""
+
+    ids: dict[str, str]
+    offset: int = 0
+    last_step: int = 0
+
+    @classmethod
+    def read(cls, folder: Path | None) -> Runs:
+        path = folder / RUNS_FILE if folder is not None else None
+        if path is None or not path.exists():
+            return cls({})
+        data = json.loads(path.read_text())
+        if "ids" not in data:  # written before offsets: the ids alone
+            return cls(data)
+        return cls(data["ids"], int(data["offset"]), int(data["last_step"]))
+
+    def write(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{RUNS_FILE}.tmp"
+        tmp.write_text(json.dumps(asdict(self)))
+        os.replace(tmp, folder / RUNS_FILE)
+
+
+def warm_up_folder() -> Path | None:
+    """The checkpoint folder of the warm-up run before this trainer, if `kuberl run` named one."""
+    folder = os.environ.get(WARM_UP_ENV)
+    return Path(folder) if folder else None
 
 
 @dataclass
@@ -238,9 +274,13 @@ class Tracking:
         self,
         trackers: list[tuple[TrackerConfig, Tracker]],
         decode: Callable[[Iterable[int]], str],
+        runs: Runs | None = None,
+        runs_dir: Path | None = None,
     ) -> None:
         self.trackers = trackers
         self.decode = decode
+        self.runs = runs or Runs({})
+        self.runs_dir = runs_dir
 
     @classmethod
     def open(
@@ -251,30 +291,34 @@ class Tracking:
         resumed: bool,
         decode: Callable[[Iterable[int]], str],
         step: int,
+        warm_up: Path | None = None,
     ) -> Tracking:
-        """Start (or, `resumed`, continue the runs recorded in `runs_dir` of) every tracker."""
-        runs_file = runs_dir / RUNS_FILE
-        known: dict[str, str] = {}
-        if resumed and runs_file.exists():
-            known = json.loads(runs_file.read_text())
+        """Start (or, `resumed`, continue the runs recorded in `runs_dir` of) every tracker.
+        A trainer that is not resumed continues the runs of the warm-up whose checkpoint
+        folder is `warm_up` (if it has any), from the warm-up's last step."""
+        if resumed:
+            known = Runs.read(runs_dir)
+        else:
+            warmed = Runs.read(warm_up)
+            known = Runs(warmed.ids, warmed.offset + warmed.last_step)
         name = config.job.name
         trackers: list[tuple[TrackerConfig, Tracker]] = []
         for i, cfg in enumerate(config.job.tracking):
             key = f"{i}:{cfg.backend}"
             field = f"job.tracking[{i}]"
-            tracker = _BACKENDS[cfg.backend](cfg, field, base, cfg.run_name or name, known.get(key))
-            known[key] = tracker.run_id
+            run_id = known.ids.get(key)
+            tracker = _BACKENDS[cfg.backend](cfg, field, base, cfg.run_name or name, run_id)
+            known.ids[key] = tracker.run_id
             trackers.append((cfg, tracker))
             log.info("tracking.started", backend=cfg.backend, run_id=tracker.run_id, step=step)
-        if trackers:
-            runs_dir.mkdir(parents=True, exist_ok=True)
-            runs_file.write_text(json.dumps(known))
-        out = cls(trackers, decode)
-        out._each("config", config.model_dump(mode="json"), step)
+        out = cls(trackers, decode, known, runs_dir if trackers else None)
+        out._save()
+        out._each("config", config.model_dump(mode="json"), out._at(step))
         return out
 
     def metrics(self, values: dict[str, float], step: int) -> None:
-        self._each("metrics", {k: v for k, v in values.items() if math.isfinite(v)}, step)
+        finite = {k: v for k, v in values.items() if math.isfinite(v)}
+        self._each("metrics", finite, self._at(step))
 
     def train_samples(self, batch: Batch, step: int) -> None:
         """A table of the batch's first samples, every `samples_every` steps."""
@@ -284,7 +328,7 @@ class Tracking:
                     self._sample(s.prompt_ids, s.response_ids, s.reward)
                     for s in batch.samples[: cfg.samples]
                 ]
-                self._call(cfg, tracker, "samples", "train", rows, step)
+                self._call(cfg, tracker, "samples", "train", rows, self._at(step))
 
     def eval_samples(self, groups: Sequence[Group], step: int) -> None:
         """A table of an eval round's first samples (one per group first, for variety)."""
@@ -298,10 +342,20 @@ class Tracking:
                     self._sample(t.prompt_token_ids, t.response_token_ids, t.reward)
                     for t in ordered[: cfg.samples]
                 ]
-                self._call(cfg, tracker, "samples", "eval", rows, step)
+                self._call(cfg, tracker, "samples", "eval", rows, self._at(step))
 
     def close(self) -> None:
         self._each("close")
+        self._save()  # the last step, for the RL trainer that continues a warm-up's runs
+
+    def _at(self, step: int) -> int:
+        """The trackers' step of this trainer's `step`; the last one is remembered."""
+        self.runs.last_step = max(self.runs.last_step, step)
+        return self.runs.offset + step
+
+    def _save(self) -> None:
+        if self.runs_dir is not None:
+            self.runs.write(self.runs_dir)
 
     def _sample(self, prompt: Iterable[int], response: Iterable[int], reward: float) -> SampleRow:
         return SampleRow(self.decode(prompt), self.decode(response), float(reward))

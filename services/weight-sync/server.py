@@ -50,7 +50,7 @@ from kuberl.common.channels import aio_channel
 from kuberl.common.config import JobConfig, WeightSyncConfig
 from kuberl.common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from kuberl.common.logs import get_logger
-from kuberl.common.roles import require_instance
+from kuberl.common.roles import IdentitySource, identity_source, require_instance
 from kuberl.common.server import Service
 from kuberl.common.weights.chunks import ChunkReceiver, CorruptSnapshot, Pacer, iter_chunks
 from kuberl.common.weights.manifest import Manifest
@@ -160,12 +160,16 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     starting = "restoring its last version"
 
     def __init__(
-        self, config: WeightSyncConfig, job: str = "kuberl", address: str = "", roles: bool = False
+        self,
+        config: WeightSyncConfig,
+        job: str = "kuberl",
+        address: str = "",
+        identities: IdentitySource | None = None,
     ) -> None:
         self.config = config
         self.job = job
-        #: tls.roles: an engine acts only under its own identity (kuberl.common.roles).
-        self.roles = roles
+        #: Under roles an engine acts only under its own identity (kuberl.common.roles).
+        self.identities = identities
         self.hostname = socket.gethostname()
         self.advertise_host = config.advertise_host or _default_advertise_host()
         #: host:port engines use for StreamSnapshot; empty = the address they registered at.
@@ -253,9 +257,9 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
     # ------------------------------------------------------------------ engines
 
     def _own_engine(self, context: grpc.aio.ServicerContext, engine_id: str) -> None:
-        if self.roles:
+        if self.identities is not None:
             try:
-                require_instance(context, engine_id, "engine")
+                require_instance(self.identities, context, engine_id, "engine")
             except PermissionDenied:
                 self.metrics.rejected.labels("foreign_engine").inc()
                 raise
@@ -1042,4 +1046,6 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
 
 def create_service(config: JobConfig) -> WeightSyncService:
     """Entry point of `kuberl serve weight_sync`."""
-    return WeightSyncService(config.weight_sync, job=config.job.name, roles=config.tls.roles)
+    return WeightSyncService(
+        config.weight_sync, job=config.job.name, identities=identity_source(config.tls)
+    )

@@ -125,6 +125,19 @@ LINES: dict[str, dict[str, Any]] = {
         "relay": {"shm": {"4": {"seconds": 1.2, "ratio_vs_raw_pair": 1.2}}},
         "gpu": "skipped",
     },
+    "lora_sync": {
+        "model": "Qwen2-0.5B shapes, bf16, random values",
+        "lora": {"rank": 16},
+        "full_bytes": 1000 * 10**6,
+        "lora_bytes": 18 * 10**6,
+        "transports": {
+            "shm": {
+                "full": {"seconds": 1.0},
+                "lora_torch": {"seconds": 0.02},
+                "lora_sglang": {"seconds": 0.2},
+            }
+        },
+    },
     "vs_trl": {
         "trl": {
             "wall_seconds": 90.0,
@@ -206,13 +219,14 @@ def _results() -> dict[str, dict[str, Any]]:
 
 
 def test_every_benchmark_make_bench_runs_exists_and_has_a_reader() -> None:
-    missing = [n for n in report.BENCHMARKS if not (REPO / "benchmarks" / f"{n}.py").exists()]
+    scripts = {report.SCRIPTS.get(n, n) for n in report.BENCHMARKS}
+    missing = [n for n in scripts if not (REPO / "benchmarks" / f"{n}.py").exists()]
     assert (missing, set(report.ROWS)) == ([], set(report.BENCHMARKS))
 
 
 def test_every_benchmark_script_under_benchmarks_is_run_by_make_bench() -> None:
     scripts = {p.stem for p in (REPO / "benchmarks").glob("*.py")} - {"report"}
-    assert scripts == set(report.BENCHMARKS)
+    assert scripts == {report.SCRIPTS.get(n, n) for n in report.BENCHMARKS}
 
 
 def test_result_lines_become_table_rows_with_goal_and_verdict() -> None:
@@ -394,3 +408,27 @@ def test_a_gpu_checks_run_is_merged_with_its_commands_device_and_mfu_variants(
     }
     assert runs[1]["_run"]["command"].endswith("--variants kuberl --compile-logprobs")
     assert runs[1]["_run"]["date"] == "2026-11-26 10:31 UTC"
+
+
+def test_the_long_task_rows_name_the_response_length_generation_share_and_its_goal() -> None:
+    line = json.loads(json.dumps(LINES["vs_trl"]))
+    line["trl"].update(generation_share_of_training_loop=0.64, mean_completion_tokens=97.2)
+    line.update(
+        task="long",
+        kuberl_seconds_to_trl_final_accuracy=45.0,
+        ratio_kuberl_time_to_trl_final_over_trl_wall=0.5,
+        goal="kuberl reaches TRL's final accuracy in <= 0.6x TRL's wall time",
+        goal_met=True,
+    )
+    results = {"vs_trl_long": {"benchmark": "vs_trl_long", **line, **RUN}}
+    rows = [r for r in report.render(results, {}, note="").splitlines() if "long-response" in r]
+    assert rows[0].split(" | ")[:6] == [
+        "| long-response GRPO (97-token responses, generation 64% of TRL's loop): time to "
+        "TRL's final greedy held-out accuracy (0.900)",
+        "45 s",
+        "90 s (TRL GRPOTrainer)",
+        "0.50x",
+        "<= 0.6x",
+        "yes",
+    ]
+    assert all(r.startswith("| long-response GRPO (") for r in rows) and len(rows) == 7

@@ -287,3 +287,26 @@ def test_each_pair_seeds_both_sides_with_the_first_seed_plus_its_index(
     seeds = {"trl": [], "kuberl": []}
     assert vs_trl.main([*argv, "--seed", "7"]) == 0
     assert (seeds["trl"], seeds["kuberl"]) == ([7, 8, 9], [7, 8, 9])
+
+
+def test_the_long_task_gives_both_sides_long_worked_traces_and_the_same_settings(
+    tmp_path: Path,
+) -> None:
+    from kuberl.common.modelbuild import build_tokenizer
+
+    doc = vs_trl.long_task(vs_trl.load_demo(vs_trl.DEMO), tmp_path)
+    settings = vs_trl.rl_settings(doc)
+    sft = vs_trl.read_jsonl(Path(doc["trainer"]["sft_data"]))
+    tok = build_tokenizer("digits")
+    lengths = [len(tok.encode(r["response"], add_special_tokens=False)) + 1 for r in sft]  # EOS
+    assert (settings["max_new_tokens"], settings["groups_per_step"], settings["group_size"]) == (
+        128,
+        8,
+        8,
+    )
+    assert min(lengths) >= 48 and max(lengths) <= settings["max_new_tokens"]
+    assert Path(settings["train_file"]).parent == tmp_path / "data-long"
+    # Two steps ahead, as the demo's window is at its 16 groups per step.
+    assert doc["buffer"]["max_inflight_groups"] == 2 * settings["groups_per_step"]
+    eval_prompts = {r["prompt"] for r in vs_trl.read_jsonl(Path(settings["eval_file"]))}
+    assert not eval_prompts & {r["prompt"] for r in sft}

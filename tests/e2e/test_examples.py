@@ -95,3 +95,27 @@ def test_every_demo_answer_is_the_sum_of_its_question() -> None:
         if int(a) + int(b) != int(row["answer"]):
             wrong.append(row)
     assert (len(rows), wrong) == (4200, [])
+
+
+def test_a_worked_trace_adds_column_by_column_and_the_verifier_reads_its_sum() -> None:
+    from kuberl.reward.sample import RewardSample
+    from kuberl.reward.verifiers import gsm8k
+
+    trace = arith.worked_steps(947, 85)
+    assert trace == (
+        "7+5+0=12 write 2 carry 1\n4+8+1=13 write 3 carry 1\n9+0+1=10 write 0 carry 1\n"
+        "0+0+1=1 write 1 carry 0\n#### 1032"
+    )
+    prompt, answer = arith.question(947, 85)
+    sample = RewardSample(prompt=prompt, response=trace, answer=answer)
+    assert gsm8k.score(sample).score == 1.0
+
+
+def test_the_worked_steps_data_hold_three_digit_questions_out_of_sft_and_rl() -> None:
+    data = arith.generate(steps=True)
+    held_out = {r["prompt"] for r in data["eval"]}
+    seen = {r["prompt"] for r in data["train"] + data["sft"]}
+    sft = data["sft"][0]
+    a, b = (int(x) for x in sft["prompt"][3:].split("=")[0].split("+"))
+    assert (len(held_out), held_out & seen) == (200, set())
+    assert sft["response"] == arith.worked_steps(a, b) and 100 <= min(a, b) <= max(a, b) <= 999

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.support import REPO
+from tests.support import REPO, short_demo_job
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SERVICES = {"warm-start", "buffer", "reward", "weight-sync", "rollout-0", "rollout-1", "trainer"}
@@ -30,27 +30,14 @@ SERVICES = {"warm-start", "buffer", "reward", "weight-sync", "rollout-0", "rollo
 
 def _short_job(tmp: Path, *, warm_start: bool) -> Path:
     """examples/demo.yaml with a few steps and prompts (the demo's model, data and services)."""
-    doc = yaml.safe_load((REPO / "examples" / "demo.yaml").read_text())
-    doc["job"]["name"] = "demo-e2e"
-    doc["job"]["run_dir"] = str(tmp / "runs")
-    doc["data"]["eval"][0]["limit"] = 8
-    doc["rollout"]["group_size"] = 4
-    doc["rollout"]["prompts_per_batch"] = 4
-    doc["rollout"]["sampling"]["max_new_tokens"] = 4
-    doc["rollout"]["drain_seconds"] = 5
-    doc["buffer"]["max_inflight_groups"] = 8
-    doc["trainer"].update(
+    return short_demo_job(
+        tmp,
+        "demo-e2e",
         total_steps=3,
-        groups_per_step=4,
-        eval_every=0,
         checkpoint_every=3,
         sft_steps=5 if warm_start else 0,
         sft_batch_size=16,
-        batch_wait_seconds=5,
     )
-    path = tmp / "job.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
 
 
 def _kuberl_run(job: Path, run_dir: Path, **env: str) -> subprocess.Popen[str]:

@@ -2,7 +2,8 @@
 (file store) must leave, in each, the trainer's step and eval metrics, the job config and sample
 tables; its trainer, killed mid-run and restarted by the supervisor from its checkpoint, must
 continue the same tracked runs at the step it resumed from, and so must a run stopped with
-Ctrl-C and gone on with by `kuberl run --resume`. No network (`OFFLINE_ENV`)."""
+Ctrl-C and gone on with by `kuberl run --resume`; a run with an SFT warm start is one tracked run
+too. No network (`OFFLINE_ENV`)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from tests.support import REPO
+from tests.support import REPO, short_demo_job
 from tests.tracking_readers import (
     OFFLINE_ENV,
     tensorboard_runs,
@@ -31,27 +31,10 @@ TOTAL_STEPS = 6
 
 
 def _short_job(tmp: Path) -> Path:
-    """examples/demo.yaml without its warm start, a checkpoint every step; eval rounds at the
-    start and the end only (a trainer killed inside a round waits out the round on restart)."""
-    doc = yaml.safe_load((REPO / "examples" / "demo.yaml").read_text())
-    doc["job"]["name"] = "tracking-e2e"
-    doc["data"]["eval"][0]["limit"] = 4
-    doc["rollout"]["group_size"] = 4
-    doc["rollout"]["prompts_per_batch"] = 4
-    doc["rollout"]["sampling"]["max_new_tokens"] = 4
-    doc["rollout"]["drain_seconds"] = 5
-    doc["buffer"]["max_inflight_groups"] = 8
-    doc["trainer"].update(
-        total_steps=TOTAL_STEPS,
-        groups_per_step=4,
-        eval_every=0,
-        checkpoint_every=1,
-        sft_steps=0,
-        batch_wait_seconds=5,
+    """examples/demo.yaml without its warm start, a checkpoint every step."""
+    return short_demo_job(
+        tmp, "tracking-e2e", eval_prompts=4, total_steps=TOTAL_STEPS, checkpoint_every=1
     )
-    path = tmp / "job.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
 
 
 def _trainer_pid(run_dir: Path) -> int | None:
@@ -76,12 +59,15 @@ def _rl_steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in rows if r.get("kind") == "rl"]
 
 
-def _env(tmp: Path) -> dict[str, str]:
+def _env(
+    tmp: Path, backends: tuple[str, ...] = ("wandb", "tensorboard", "mlflow")
+) -> dict[str, str]:
     tracking = [
         {"backend": "wandb", "dir": str(tmp / "wb"), "samples_every": 1},
         {"backend": "tensorboard", "dir": str(tmp / "tb"), "samples_every": 1},
         {"backend": "mlflow", "tracking_uri": f"file:{tmp / 'mlruns'}", "samples_every": 1},
     ]
+    tracking = [t for t in tracking if t["backend"] in backends]
     return {
         **os.environ,
         **OFFLINE_ENV,
@@ -93,14 +79,14 @@ def _env(tmp: Path) -> dict[str, str]:
     }
 
 
-def _kuberl_run(tmp: Path, *args: str) -> subprocess.Popen[str]:
+def _kuberl_run(tmp: Path, *args: str, **env_kw: Any) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "kuberl.cli", "run", *args],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=_env(tmp),
+        env=_env(tmp, **env_kw),
     )
 
 
@@ -224,3 +210,44 @@ def test_kuberl_run_resume_continues_every_tracked_run(tmp_path: Path) -> None:
     (run,) = client.search_runs([experiment.experiment_id])
     steps = {m.step for m in client.get_metric_history(run.info.run_id, "loss/total")}
     assert sorted(steps) == every_step
+
+
+@pytest.mark.slow
+def test_a_warm_start_and_rl_are_one_tracked_run_the_warm_ups_steps_first(
+    tmp_path: Path,
+) -> None:
+    # `kuberl run` trains the warm start as a trainer of its own before the services start;
+    # its steps (under sft/) and then RL's must be one run in each tracker, on one x-axis.
+    warm, rl = 3, 2
+    job = short_demo_job(
+        tmp_path,
+        "tracking-warm",
+        eval_prompts=4,
+        total_steps=rl,
+        checkpoint_every=0,
+        sft_steps=warm,
+        sft_batch_size=8,
+    )
+    proc = _kuberl_run(
+        tmp_path, str(job), "--run-dir", str(tmp_path / "run"), backends=("wandb", "tensorboard")
+    )
+    out, _ = proc.communicate(timeout=500)
+    assert proc.returncode == 0, out[-3000:]
+    tb_runs = list(tensorboard_runs(tmp_path / "tb").values())
+    wb_runs = list(wandb_runs(tmp_path / "wb").values())
+    steps = {
+        "tensorboard": [
+            sorted({s for s, _ in tensorboard_scalars(tb, tag)})
+            for tb in tb_runs
+            for tag in ("sft/loss/sft", "loss/total")
+            if tag in tb.Tags()["scalars"]
+        ],
+        "wandb": [
+            sorted({r["_step"] for r in wb.history if key in r})
+            for wb in wb_runs
+            for key in ("sft/loss/sft", "loss/total")
+            if any(key in r for r in wb.history)
+        ],
+    }
+    one_run = [list(range(1, warm + 1)), list(range(warm + 1, warm + rl + 1))]
+    assert steps == {"tensorboard": one_run, "wandb": one_run}, out[-2000:]

@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import subprocess
+import tomllib
 import urllib.request
 import zipfile
 from email.message import Message
@@ -18,6 +19,8 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from tests.support import REPO
 
@@ -240,3 +243,28 @@ def test_constraints_pin_every_package_exactly() -> None:
         if line and not line.startswith("#")
     ]
     assert lines and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[\w.+!-]+", line) for line in lines)
+
+
+def _pins() -> dict[str, str]:
+    """constraints.txt as {canonical name: version}."""
+    lines = (REPO / "Dockerfiles" / "constraints.txt").read_text().splitlines()
+    pairs = (line.split("==", 1) for line in lines if line and not line.startswith("#"))
+    return {canonicalize_name(name): version for name, version in pairs}
+
+
+@pytest.mark.parametrize("name", ["kuberl.Dockerfile", "trainer.Dockerfile"])
+def test_every_package_an_image_asks_for_by_extra_is_pinned(name: str) -> None:
+    # Torch comes from its own pinned pip install (TORCH_REQUIREMENT) before the extras.
+    text = " ".join(rest for word, rest in _instructions(REPO / "Dockerfiles" / name))
+    (extras,) = re.findall(r'"\.\[([\w,-]+)\]"', text)
+    table = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = [*table["dependencies"]]
+    for extra in extras.split(","):
+        wanted += table["optional-dependencies"][extra]
+    names = {canonicalize_name(Requirement(r).name) for r in wanted} - {"torch"}
+    assert sorted(names - set(_pins())) == []
+
+
+def test_the_trainer_image_has_the_experiment_trackers() -> None:
+    text = (REPO / "Dockerfiles" / "trainer.Dockerfile").read_text()
+    assert '".[trainer,tracking]"' in text

@@ -25,6 +25,7 @@ EXAMPLE = REPO / "examples" / "gsm8k-qwen.yaml"
 WIRING = {
     "endpoints",
     "redis.url",
+    "rollout.peer_port",
     "rollout.engine.snapshot_dir",
     "trainer.checkpoint_dir",
     "weight_sync.snapshot_dir",

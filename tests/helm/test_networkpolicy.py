@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.helm.chart import NAMESPACE, render
 
@@ -152,3 +153,26 @@ def test_sglangs_port_is_open_to_scrapers_only_while_its_metrics_are_on(policies
         True,
         False,
     )
+
+
+PEER_PORT = 50061
+
+
+def test_the_weight_relay_port_is_open_between_rollout_pods_only_with_the_relay_on(
+    policies,
+) -> None:
+    relay = render("defaults", job={"weight_sync": {"relay_fanout": 2}}).all("NetworkPolicy")
+    reach = {
+        (src, port): _allowed(relay, src, "rollout", port)
+        for src in ("rollout", "trainer", "buffer", "reward")
+        for port in (PEER_PORT, PEER_PORT + 1)
+    }
+    assert (reach, _allowed(policies, "rollout", "rollout", PEER_PORT)) == (
+        {(src, port): src == "rollout" and port == PEER_PORT for src, port in reach},
+        False,
+    )
+
+
+def test_the_job_file_pins_the_replicas_relay_port_the_policy_opens() -> None:
+    cm = render("defaults", rollout={"peerPort": 50071}).get("ConfigMap", "job")
+    assert yaml.safe_load(cm["data"]["job.yaml"])["rollout"]["peer_port"] == 50071

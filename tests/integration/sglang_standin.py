@@ -33,6 +33,18 @@ against this small stdlib HTTP server that answers the routes of SGLang 0.5.23's
 - weight updates: `/update_weights_from_disk`, `/init_weights_update_group`,
   `/destroy_weights_update_group`, `/begin_weight_update` / `/end_weight_update` (the 0.5.23
   session that `/update_weights_from_distributed` and `/update_weights_from_tensor` require).
+- LoRA (a server launched with `--enable-lora`: `lora_max_rank` and `lora_target_modules` set):
+  `/load_lora_adapter {lora_name, lora_path}` reads the PEFT folder at `lora_path`
+  (`adapter_config.json`, `adapter_model.safetensors` with PEFT's `base_model.model.` names) and
+  refuses, with 0.5.23's 400 `{success: false, error_message}`, a name already loaded or an
+  adapter whose rank or target modules the launch did not provide for; `/unload_lora_adapter
+  {lora_name}` waits until no request runs under it (`wait_for_unload`). A `/generate` naming an
+  adapter (`lora_path`) runs under it, and an adapter once loaded but since unloaded is loaded
+  again from its path first (`_resolve_lora_path`; recorded in `reloaded`). An adapter shifts
+  every generated token by the rounded sum of its tensors' values, so a test can tell which
+  adapter made a sample. `weight_version` stays the base model's. Without LoRA enabled both
+  routes and a `/generate` naming an adapter are refused with 400. `/v1/models` lists the base
+  model's card and one per loaded adapter (`parent`: the base).
 - missing required fields get FastAPI's 422, unknown routes 404.
 
 Faults are injected per route (`inject`): an HTTP status for the next k calls, a delay, a
@@ -70,7 +82,18 @@ REQUIRED = {
     "/init_weights_update_group": ["master_address", "master_port", "rank_offset", "world_size"],
     "/update_weights_from_distributed": ["names", "dtypes", "shapes"],
     "/update_weights_from_tensor": ["serialized_named_tensors"],
+    "/load_lora_adapter": ["lora_name", "lora_path"],
+    "/unload_lora_adapter": ["lora_name"],
 }
+LORA_OFF = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+
+
+@dataclass
+class Adapter:
+    path: str
+    rank: int
+    shift: int
+    users: int = 0
 
 
 @dataclass
@@ -96,7 +119,15 @@ class StandInState:
         eos_token_id: int,
         health_check_timeout: float,
         disconnect_poll: float,
+        lora_max_rank: int | None = None,
+        lora_target_modules: tuple[str, ...] = (),
     ) -> None:
+        self.lora_max_rank = lora_max_rank
+        self.lora_target_modules = set(lora_target_modules)
+        self.adapters: dict[str, Adapter] = {}  # loaded, by name
+        self.known_adapters: dict[str, str] = {}  # every name ever loaded -> its path
+        self.reloaded: list[str] = []
+        self.unloaded: list[str] = []
         self.vocab_size = vocab_size
         self.token_delay = token_delay
         self.eos_token_id = eos_token_id
@@ -198,6 +229,7 @@ class _Handler(BaseHTTPRequestHandler):
         routes = {
             ("GET", "/health_generate"): self._health,
             ("GET", "/health"): self._health,
+            ("GET", "/v1/models"): self._models,
             ("POST", "/generate"): self._generate,
             ("PUT", "/generate"): self._generate,
             ("POST", "/pause_generation"): self._pause,
@@ -212,6 +244,8 @@ class _Handler(BaseHTTPRequestHandler):
             ("POST", "/destroy_weights_update_group"): self._destroy_group,
             ("POST", "/update_weights_from_distributed"): self._from_distributed,
             ("POST", "/update_weights_from_tensor"): self._from_tensor,
+            ("POST", "/load_lora_adapter"): self._load_lora,
+            ("POST", "/unload_lora_adapter"): self._unload_lora,
         }
         handler = routes.get((method, path))
         if handler is None:
@@ -265,6 +299,10 @@ class _Handler(BaseHTTPRequestHandler):
                 return
         else:
             rids = [given]
+        adapter, refusal = self._adapter_for(body.get("lora_path"))
+        if refusal:
+            self._send(400, {"error": {"message": refusal}})
+            return
         n = int(params.get("n", 1))
         # (rid, prompt, sample index) of every request the scheduler gets. Parallel sampling
         # (0.5.23 `_handle_batch_request`) sends each sample under a fresh `regenerate_rid()`
@@ -286,10 +324,32 @@ class _Handler(BaseHTTPRequestHandler):
             if duplicate is None:
                 for r in running:
                     state.running[r.rid] = r
+            if duplicate is None and adapter is not None:
+                adapter.users += 1
         if duplicate is not None:
             msg = f"Duplicate request ID detected: {duplicate}"
             self._send(400, {"error": {"message": msg}})
             return
+        try:
+            self._run(body, prompts, jobs, running, params, batch, n, adapter)
+        finally:
+            if adapter is not None:
+                with state.cond:
+                    adapter.users -= 1
+                    state.cond.notify_all()
+
+    def _run(
+        self,
+        body: dict[str, Any],
+        prompts: list[list[int]],
+        jobs: list[tuple[str, list[int], int]],
+        running: list[_Running],
+        params: dict[str, Any],
+        batch: bool,
+        n: int,
+        adapter: Adapter | None,
+    ) -> None:
+        state = self.server.state
         if self.hang_up:
             self._run_without_client(running)
             return
@@ -306,8 +366,9 @@ class _Handler(BaseHTTPRequestHandler):
             for (rid, prompt, _), c in zip(jobs, cached, strict=True):
                 state.prefills.append((rid, len(prompt), c))
         try:
+            shift = adapter.shift if adapter is not None else 0
             items = [
-                self._sample(prompt, params, s, r, c)
+                self._sample(prompt, params, s, r, c, shift)
                 for (_, prompt, s), r, c in zip(jobs, running, cached, strict=True)
             ]
         finally:
@@ -333,7 +394,13 @@ class _Handler(BaseHTTPRequestHandler):
             state.cond.notify_all()
 
     def _sample(
-        self, ids: list[int], params: dict[str, Any], s: int, running: _Running, cached: int
+        self,
+        ids: list[int],
+        params: dict[str, Any],
+        s: int,
+        running: _Running,
+        cached: int,
+        shift: int = 0,
     ) -> dict[str, Any]:
         state = self.server.state
         rid = running.rid
@@ -348,7 +415,7 @@ class _Handler(BaseHTTPRequestHandler):
         finish: dict[str, Any] = {"type": "length", "length": limit}
         if running.abort.is_set():  # aborted while held, a prefill-only request included
             finish, limit = {"type": "abort", "message": "Abort in waiting queue"}, 0
-        base = sum(ids) * 31 + 13 * s
+        base = sum(ids) * 31 + 13 * s + shift
         for i in range(limit):
             if state.token_delay:
                 time.sleep(state.token_delay)
@@ -506,6 +573,109 @@ class _Handler(BaseHTTPRequestHandler):
         if self._needs_session("update_weights_from_tensor"):
             self._weights_done(body, "Success")
 
+    # -- LoRA ------------------------------------------------------------------------------------
+
+    def _adapter_for(self, name: Any) -> tuple[Adapter | None, str]:
+        """The adapter a /generate names (None: the base model), or why it is refused."""
+        state = self.server.state
+        if not name:
+            return None, ""
+        if state.lora_max_rank is None:
+            return None, f"LoRA adapter '{name}' was requested, but LoRA is not enabled."
+        with state.cond:
+            adapter = state.adapters.get(name)
+            path = state.known_adapters.get(name)
+        if adapter is not None:
+            return adapter, ""
+        if path is None:
+            return None, f"Got LoRA adapter that has never been loaded: {name}"
+        loaded, error = self._read_adapter(str(name), path)
+        if loaded is None:
+            return None, f"Failed to implicitly load LoRA adapter {name}: {error}"
+        with state.cond:
+            state.reloaded.append(str(name))
+            state.adapters[str(name)] = loaded
+        return loaded, ""
+
+    def _read_adapter(self, name: str, path: str) -> tuple[Adapter | None, str]:
+        """The PEFT folder at `path` as the server would hold it, or why it cannot be loaded."""
+        from safetensors.torch import load_file
+
+        state = self.server.state
+        folder = Path(path)
+        try:
+            config = json.loads((folder / "adapter_config.json").read_text())
+            tensors = load_file(str(folder / "adapter_model.safetensors"))
+        except (OSError, ValueError) as exc:
+            return None, f"{type(exc).__name__}: {exc}"
+        targets = set(config["target_modules"])
+        allowed = state.lora_target_modules
+        assert state.lora_max_rank is not None
+        if config["r"] > state.lora_max_rank or not ("all" in allowed or targets <= allowed):
+            return None, (
+                f"LoRA adapter {name} with rank {config['r']} is incompatible with the current "
+                "LoRA memory pool configuration. Please ensure that the LoRA adapter's rank is "
+                "within the configured `--max-lora-rank` and that the target modules are "
+                "included in `--lora-target-modules`."
+            )
+        strays = [k for k in tensors if not k.startswith("base_model.model.") or "lora_" not in k]
+        if strays:
+            return None, f"not PEFT LoRA weights: {strays[:3]}"
+        total = sum(float(t.double().sum()) for t in tensors.values())
+        return Adapter(path, int(config["r"]), round(total) % state.vocab_size), ""
+
+    def _models(self, body: dict[str, Any]) -> None:
+        # 0.5.23 `available_models`: the base model's card, then one per loaded adapter.
+        state = self.server.state
+        cards: list[dict[str, Any]] = [{"id": "base", "object": "model", "root": "base"}]
+        with state.cond:
+            cards += [
+                {"id": name, "object": "model", "root": a.path, "parent": "base"}
+                for name, a in state.adapters.items()
+            ]
+        self._send(200, {"object": "list", "data": cards})
+
+    def _load_lora(self, body: dict[str, Any]) -> None:
+        state = self.server.state
+        name, path = str(body["lora_name"]), str(body["lora_path"])
+        if state.lora_max_rank is None:
+            self._send(400, {"success": False, "error_message": LORA_OFF})
+            return
+        with state.cond:
+            taken = name in state.adapters
+        if taken:
+            msg = f"Failed to load LoRA adapter {name} because it is already loaded"
+            self._send(400, {"success": False, "error_message": msg})
+            return
+        adapter, error = self._read_adapter(name, path)
+        if adapter is None:
+            self._send(400, {"success": False, "error_message": error})
+            return
+        with state.cond:
+            state.adapters[name] = adapter
+            state.known_adapters[name] = path
+            loaded = {n: a.path for n, a in state.adapters.items()}
+        self._send(200, {"success": True, "error_message": None, "loaded_adapters": loaded})
+
+    def _unload_lora(self, body: dict[str, Any]) -> None:
+        state = self.server.state
+        name = str(body["lora_name"])
+        if state.lora_max_rank is None:
+            self._send(400, {"success": False, "error_message": LORA_OFF})
+            return
+        with state.cond:
+            adapter = state.adapters.pop(name, None)
+            if adapter is not None:  # no new request gets it; those under it finish first
+                while adapter.users:
+                    state.cond.wait(0.05)
+                state.unloaded.append(name)
+            loaded = {n: a.path for n, a in state.adapters.items()}
+        if adapter is None:
+            msg = f"LoRA with name {name} does not exist. Loaded LoRAs: {list(loaded)}"
+            self._send(400, {"success": False, "error_message": msg})
+            return
+        self._send(200, {"success": True, "error_message": None, "loaded_adapters": loaded})
+
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
@@ -527,9 +697,19 @@ class SGLangStandIn:
         eos_token_id: int = 0,
         health_check_timeout: float = 20.0,
         disconnect_poll: float = 4.0,
+        lora_max_rank: int | None = None,
+        lora_target_modules: tuple[str, ...] = (),
     ) -> None:
+        """`lora_max_rank`: launched with `--enable-lora --max-lora-rank` this and
+        `--lora-target-modules` these (None: without LoRA)."""
         self.state = StandInState(
-            vocab_size, token_delay, eos_token_id, health_check_timeout, disconnect_poll
+            vocab_size,
+            token_delay,
+            eos_token_id,
+            health_check_timeout,
+            disconnect_poll,
+            lora_max_rank,
+            tuple(lora_target_modules),
         )
         self._server = _Server(("127.0.0.1", port), _Handler)
         self._server.state = self.state

@@ -38,12 +38,6 @@ ACCEPTED, DUPLICATE = bpb.PUT_STATUS_ACCEPTED, bpb.PUT_STATUS_DUPLICATE
 
 
 @pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), die_with_parent=True) as server:
-        yield server.url
-
-
-@pytest.fixture(scope="module")
 def shared(
     redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[ServiceProcess, Path]]:

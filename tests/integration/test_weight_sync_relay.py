@@ -9,10 +9,17 @@ import json
 import urllib.request
 from pathlib import Path
 
+import grpc
+import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from kuberl.common.weights import EngineClient, WeightPublisher
+from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
+from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
+from kuberl.common.channels import sync_channel
+from kuberl.common.roles import IDENTITIES_ENV, issue_tokens
+from kuberl.common.weights import EngineClient, ManifestBuilder, WeightPublisher
+from kuberl.common.weights.peer import PeerServer
 from tests.integration.test_weight_sync import make_tensors
 from tests.support import ServiceProcess
 
@@ -101,10 +108,6 @@ def test_an_engine_whose_report_was_lost_still_serves_the_version_it_holds(
 ) -> None:
     # Its heartbeat says it holds the version; its ReportLoaded never arrives. It becomes a
     # source all the same: the next engine is sent to it (it was sent to the service).
-    from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
-    from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
-    from kuberl.common.channels import sync_channel
-
     with (
         ServiceProcess.kuberl("weight_sync", _job(tmp_path, 1), tmp_path) as service,
         sync_channel(service.wait_serving().address) as channel,
@@ -130,3 +133,33 @@ def test_an_engine_whose_report_was_lost_still_serves_the_version_it_holds(
     # "": the service itself (the address the engine talks to)
     assert (first.version, first.snapshot_endpoint, waiting) == (1, "", False)
     assert (second.version, second.snapshot_endpoint) == (1, "first:1")
+
+
+def test_under_roles_a_peer_streams_to_engines_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine's peer server (a real gRPC server) checks the caller as the service does: in
+    a local run's way here, by the run's tokens."""
+    tokens = issue_tokens(
+        tmp_path / "roles", "relaytest", {"r0": "rollout/r0", "trainer": "trainer"}
+    )
+    monkeypatch.setenv(IDENTITIES_ENV, str(tmp_path / "roles" / "identities.json"))
+    builder = ManifestBuilder(bucket_bytes=1024)
+    builder.add("w", torch.float32, [16])
+    peer = PeerServer("127.0.0.1", job="relaytest").start()
+    try:
+        peer.hold(3, builder.build(), torch.arange(64, dtype=torch.uint8))
+
+        def download(token: str) -> grpc.StatusCode:
+            with sync_channel(peer.endpoint, token=token) as channel:
+                stub = pb_grpc.WeightSyncServiceStub(channel)
+                try:
+                    list(stub.StreamSnapshot(pb.StreamSnapshotRequest(version=3), timeout=10))
+                except grpc.RpcError as exc:
+                    return exc.code()
+            return grpc.StatusCode.OK
+
+        codes = [download(token) for token in ("", tokens["trainer"], tokens["r0"])]
+    finally:
+        peer.stop()
+    assert codes == [grpc.StatusCode.PERMISSION_DENIED] * 2 + [grpc.StatusCode.OK]

@@ -8,14 +8,20 @@ version beyond the published weights, catastrophic regexes, groups without a lea
 model's limits, a release of 5,000 ids. Each is refused with INVALID_ARGUMENT or
 FAILED_PRECONDITION (never UNAVAILABLE), counted by reason, or made harmless; the job must then
 finish every step with `prompts_lost: 0` and no group trained beyond `max_staleness` in its
-summary.json. docs/security.md lists the invariant each of them checks.
+summary.json. docs/security.md lists the invariant each of them checks. Each client sends its
+request under the identity that may call the method (the run's token of a rollout replica or of
+the trainer, from the run folder): a compromised component's reach. Without the right identity
+(no token, a forged one, a rollout's token for the trainer's methods) the same calls are
+PERMISSION_DENIED and counted, the local-mode roles of kuberl.common.roles.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -39,12 +45,14 @@ from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc
 from kuberl.common.channels import sync_channel
 from kuberl.common.trajectory import encode_array
 from tests.integration.buffer_support import make_group
-from tests.support import REPO
+from tests.support import REPO, short_demo_job
 
 GROUP_SIZE = 4
 TOTAL_STEPS = 300
 HOSTILE = "hostile-client"
+ROLLOUT, TRAINER, FORGED = "rollout-0", "trainer", "forged"
 TRAIN = tpb.STREAM_KIND_TRAIN
+TRANSPORT = wpb.TRANSPORT_SNAPSHOT
 
 
 @dataclass
@@ -77,9 +85,19 @@ class RunningJob:
             lambda: self.steps() >= min(start + steps, TOTAL_STEPS), timeout, "more steps"
         )
 
-    def stub(self, service: str) -> Any:
+    def token(self, process: str) -> str:
+        """The run's role token of `process` (`kuberl run` writes them owner-only)."""
+        return (self.run_dir / "roles" / f"{process}.token").read_text()
+
+    def stub(self, service: str, caller: str) -> Any:
+        """A stub calling as `caller`: a process of the run (its token), FORGED (a token of
+        nobody's) or "" (no token)."""
         address = self.endpoints[service]
-        channel = sync_channel(address)
+        if caller in ("", FORGED):
+            token = secrets.token_urlsafe(32) if caller else ""
+        else:
+            token = self.token(caller)
+        channel = sync_channel(address, token=token)
         stubs = {
             "buffer": buffer_pb2_grpc.BufferServiceStub,
             "weight_sync": weight_sync_pb2_grpc.WeightSyncServiceStub,
@@ -98,25 +116,9 @@ class RunningJob:
 
 
 def _job(tmp: Path) -> Path:
-    doc = yaml.safe_load((REPO / "examples" / "demo.yaml").read_text())
-    doc["job"]["name"] = "hostile"
-    doc["job"]["run_dir"] = str(tmp / "runs")
-    doc["data"]["eval"][0]["limit"] = 8
-    doc["rollout"]["group_size"] = GROUP_SIZE
-    doc["rollout"]["prompts_per_batch"] = 4
-    doc["rollout"]["drain_seconds"] = 5
-    doc["buffer"]["max_inflight_groups"] = 16
-    doc["trainer"].update(
-        total_steps=TOTAL_STEPS,
-        groups_per_step=4,
-        eval_every=0,
-        checkpoint_every=0,
-        sft_steps=0,
-        batch_wait_seconds=5,
+    return short_demo_job(
+        tmp, "hostile", max_inflight_groups=16, total_steps=TOTAL_STEPS, checkpoint_every=0
     )
-    path = tmp / "job.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +189,7 @@ def _put(buffer: Any, groups: list[tpb.Group], leases: list[str], kind: int = TR
 
 def _refused_put(job: RunningJob, build: Callable[[tpb.Prompt], tpb.Group], kind: int = TRAIN):  # type: ignore[no-untyped-def]
     """Lease a prompt, put what `build` makes of it, give the lease back: the put's code."""
-    buffer = job.stub("buffer")
+    buffer = job.stub("buffer", ROLLOUT)
     (prompt,) = _lease(buffer)
     try:
         return _code(lambda: _put(buffer, [build(prompt)], [prompt.lease_id], kind))
@@ -199,7 +201,7 @@ def _refused_put(job: RunningJob, build: Callable[[tpb.Prompt], tpb.Group], kind
 
 
 def test_a_publish_never_followed_by_its_bytes_does_not_stop_publishing(job: RunningJob) -> None:
-    ws = job.stub("weight_sync")
+    ws = job.stub("weight_sync", TRAINER)
     current = ws.GetVersion(wpb.GetVersionRequest(), timeout=10).version
     request = wpb.PublishRequest(version=current + 10**6, transports=[wpb.TRANSPORT_SNAPSHOT])
     ws.Publish(request, timeout=10)
@@ -226,7 +228,7 @@ def test_sft_groups_in_an_rl_job_are_refused(job: RunningJob) -> None:
 
 def test_a_reader_that_is_not_the_trainer_cannot_take_its_groups(job: RunningJob) -> None:
     request = bpb.GetBatchRequest(num_groups=16, consumer="anything-else", max_staleness=-1)
-    assert _code(lambda: job.stub("buffer").GetBatch(request, timeout=30)) == (
+    assert _code(lambda: job.stub("buffer", TRAINER).GetBatch(request, timeout=30)) == (
         grpc.StatusCode.INVALID_ARGUMENT
     )
 
@@ -237,7 +239,7 @@ def test_a_reader_that_is_not_the_trainer_cannot_take_its_groups(job: RunningJob
 def test_groups_from_versions_the_trainer_has_not_reached_are_never_trained(
     job: RunningJob,
 ) -> None:
-    buffer = job.stub("buffer")
+    buffer = job.stub("buffer", ROLLOUT)
     huge = _refused_put(job, lambda p: make_group(p.prompt_id, p.epoch, version=2**62))
     (prompt,) = _lease(buffer)
     ahead = job.steps() + 1000  # below 2**53: stored, then dropped by GetBatch (and re-queued)
@@ -255,7 +257,7 @@ def test_groups_from_versions_the_trainer_has_not_reached_are_never_trained(
 
 
 def test_a_policy_version_beyond_the_published_weights_is_refused(job: RunningJob) -> None:
-    buffer = job.stub("buffer")
+    buffer = job.stub("buffer", TRAINER)
     request = bpb.SetPolicyVersionRequest(version=2**53 - 1)
     code = _code(lambda: buffer.SetPolicyVersion(request, timeout=10))
     version = buffer.GetStats(bpb.GetStatsRequest(), timeout=10).policy_version
@@ -277,7 +279,11 @@ def test_catastrophic_regexes_do_not_hold_the_reward_service(job: RunningJob) ->
         for i in range(8)
     ]
     started = time.monotonic()
-    scores = job.stub("reward").Score(reward_pb2.ScoreRequest(samples=samples), timeout=60).scores
+    scores = (
+        job.stub("reward", ROLLOUT)
+        .Score(reward_pb2.ScoreRequest(samples=samples), timeout=60)
+        .scores
+    )
     assert ({s.error for s in scores}, time.monotonic() - started < 2.0) == ({""}, True)
     job.keeps_training()
 
@@ -307,7 +313,7 @@ def test_groups_outside_the_models_limits_are_refused(
 
 
 def test_a_put_without_its_prompts_lease_is_refused(job: RunningJob) -> None:
-    buffer = job.stub("buffer")
+    buffer = job.stub("buffer", ROLLOUT)
     (prompt,) = _lease(buffer)  # held here, so nobody completes it meanwhile
     group = make_group(prompt.prompt_id, prompt.epoch)
     try:
@@ -324,9 +330,105 @@ def test_a_put_without_its_prompts_lease_is_refused(job: RunningJob) -> None:
 
 def test_a_release_of_more_ids_than_one_lease_hands_out_is_invalid(job: RunningJob) -> None:
     request = bpb.ReleasePromptsRequest(lease_ids=[f"1-{i}" for i in range(5000)], consumer="x")
-    assert _code(lambda: job.stub("buffer").ReleasePrompts(request, timeout=30)) == (
+    assert _code(lambda: job.stub("buffer", ROLLOUT).ReleasePrompts(request, timeout=30)) == (
         grpc.StatusCode.INVALID_ARGUMENT
     )
+
+
+# roles ----------------------------------------------------------------------------------------
+
+TRAINERS = [
+    ("buffer", "GetBatch", bpb.GetBatchRequest(num_groups=1, consumer="trainer")),
+    ("buffer", "SetPolicyVersion", bpb.SetPolicyVersionRequest(version=1)),
+    ("weight_sync", "Publish", wpb.PublishRequest(version=10**6, transports=[TRANSPORT])),
+]
+ROLLOUTS = [
+    ("buffer", "LeasePrompts", bpb.LeasePromptsRequest(max_prompts=1, consumer=HOSTILE)),
+    ("buffer", "PutTrajectories", bpb.PutTrajectoriesRequest(kind=TRAIN)),
+    ("weight_sync", "Heartbeat", wpb.HeartbeatRequest(engine_id="rollout-0")),
+]
+
+
+def _codes(job: RunningJob, caller: str, calls: list[tuple[str, str, Any]]) -> dict[str, Any]:
+    codes = {}
+    for service, method, request in calls:
+        call = getattr(job.stub(service, caller), method)
+        codes[method] = _code(functools.partial(call, request, timeout=30))
+    return codes
+
+
+@pytest.mark.parametrize("caller", ["", FORGED, ROLLOUT])
+def test_only_the_trainers_identity_may_call_the_trainers_methods(
+    job: RunningJob, caller: str
+) -> None:
+    codes = _codes(job, caller, TRAINERS)
+    assert codes == {method: grpc.StatusCode.PERMISSION_DENIED for _, method, _ in TRAINERS}
+
+
+@pytest.mark.parametrize("caller", ["", FORGED, TRAINER])
+def test_only_a_replicas_identity_may_call_the_rollouts_methods(
+    job: RunningJob, caller: str
+) -> None:
+    codes = _codes(job, caller, ROLLOUTS)
+    assert codes == {method: grpc.StatusCode.PERMISSION_DENIED for _, method, _ in ROLLOUTS}
+
+
+def test_a_replica_acts_for_its_own_engine_only(job: RunningJob) -> None:
+    request = wpb.HeartbeatRequest(engine_id="rollout-1")
+    code = _code(lambda: job.stub("weight_sync", ROLLOUT).Heartbeat(request, timeout=30))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_reads_stay_open_without_a_token(job: RunningJob) -> None:
+    stats = job.stub("buffer", "").GetStats(bpb.GetStatsRequest(), timeout=30)
+    assert stats.job == "hostile"
+
+
+def test_the_jobs_redis_refuses_a_caller_without_the_runs_password(job: RunningJob) -> None:
+    import redis
+
+    url = yaml.safe_load((job.run_dir / "job.yaml").read_text())["redis"]["url"]
+    client = redis.Redis.from_url(url, socket_timeout=10)
+    try:
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            client.hgetall(
+                f"kuberl:{{{job.stub('buffer', '').GetStats(bpb.GetStatsRequest()).job}}}:state"
+            )
+    finally:
+        client.close()
+    # The password is neither in the job file nor on Redis's command line (`ps`).
+    password = (job.run_dir / "redis" / "auth.conf").read_text().split()[1]
+    assert (job.run_dir / "redis" / "auth.conf").stat().st_mode & 0o077 == 0
+    cmdlines = [p.read_bytes() for p in Path("/proc").glob("[0-9]*/cmdline") if p.exists()]
+    assert not any(password.encode() in c for c in cmdlines)
+    assert password not in (job.run_dir / "job.yaml").read_text()
+
+
+def _denied(job: RunningJob, service: str) -> set[tuple[str, str]]:
+    metric = f"kuberl_{service}_permission_denied_total"
+    text = job.metrics(service.replace("_", "-"))  # its process (and log): weight-sync
+    return {
+        (method, role)
+        for method, role, value in re.findall(
+            metric + r'\{method="(\w+)",role="(\w+)"\} ([0-9.e+]+)', text
+        )
+        if float(value) > 0
+    }
+
+
+def test_every_denial_is_counted_by_method_and_role(job: RunningJob) -> None:
+    found = _denied(job, "buffer") | _denied(job, "weight_sync")
+    assert {
+        ("GetBatch", "none"),
+        ("GetBatch", "rollout"),
+        ("SetPolicyVersion", "rollout"),
+        ("Publish", "none"),
+        ("Publish", "rollout"),
+        ("LeasePrompts", "none"),
+        ("LeasePrompts", "trainer"),
+        ("PutTrajectories", "trainer"),
+        ("Heartbeat", "trainer"),
+    } - found == set()
 
 
 # the job --------------------------------------------------------------------------------------

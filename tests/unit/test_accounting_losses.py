@@ -8,14 +8,10 @@ acknowledged by a reader that was not the trainer.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from kuberl.api.buffer.v1 import buffer_pb2 as bpb
-from kuberl.common.redis_server import EmbeddedRedis
 from kuberl.local.accounting import (
     prompt_accounting,
     read_buffer_state,
@@ -25,12 +21,6 @@ from kuberl.local.accounting import (
 from kuberl.local.report import build_summary
 from tests.integration.buffer_support import make_group
 from tests.unit.test_buffer_logic import ack, buffer, lease, put, run
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), die_with_parent=True) as redis:
-        yield redis.url
 
 
 def _summary(accounting: dict[str, Any]) -> dict[str, Any]:
@@ -87,3 +77,24 @@ def test_groups_trained_beyond_max_staleness_are_reported() -> None:
         summary["groups_trained_over_max_staleness"],
         summary["staleness_trained_max"],
     ) == (2, 824)
+
+
+def test_prompts_of_an_epoch_not_queued_yet_are_neither_handed_out_nor_lost(
+    redis_url: str, tmp_path: Path
+) -> None:
+    job = "acct-partial"
+
+    async def scenario() -> None:
+        async with buffer(redis_url, tmp_path, prompts=10, job=job, queue_slice_prompts=4) as svc:
+            prompts = (await lease(svc, 4)).prompts  # the first slice, all leased
+            await put(svc, [make_group(prompts[0].prompt_id)], [prompts[0].lease_id])
+
+    run(scenario())
+    state = read_buffer_state(redis_url, job)
+    assert state["state"]["train:fill_at"] == "4"  # 6 prompts of the epoch not queued yet
+    accounting = prompt_accounting(state, trained_lineage([{"event": "start", "step": 0}]))
+    summary = _summary(accounting)
+    assert (summary["prompts_lost"], summary["prompts_pending"]) == (
+        0,
+        {"total": 4, "why": {"leased": 3, "group_untrained": 1}},
+    )

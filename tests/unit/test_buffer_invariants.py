@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,6 @@ from kuberl.api.common.v1 import trajectory_pb2 as tpb
 from kuberl.buffer import metrics as m
 from kuberl.buffer.server import MAX_RELEASE_IDS
 from kuberl.common.errors import FailedPrecondition, InvalidArgument
-from kuberl.common.redis_server import EmbeddedRedis
 from kuberl.common.trajectory import encode_array
 from tests.integration.buffer_support import make_group
 from tests.support import ServiceProcess
@@ -37,12 +35,6 @@ from tests.unit.test_buffer_logic import (
     run,
     stats,
 )
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), die_with_parent=True) as redis:
-        yield redis.url
 
 
 def _refusals(reason: str) -> float:
@@ -99,19 +91,6 @@ def test_sft_groups_in_a_job_that_never_reads_them_are_refused(
     assert "does not read SFT groups" in message
 
 
-def test_a_sample_longer_than_the_models_positions_is_refused(
-    redis_url: str, tmp_path: Path
-) -> None:
-    message = _refused_put(
-        redis_url,
-        tmp_path,
-        "too_long",
-        lambda p: (make_group(p.prompt_id, length=60), [p.lease_id], TRAIN),
-        max_sequence_tokens=64,
-    )
-    assert "65 prompt + response tokens, more than the model's 64 positions" in message
-
-
 def test_a_positive_logprob_is_refused(redis_url: str, tmp_path: Path) -> None:
     def build(p: tpb.Prompt) -> tuple[tpb.Group, list[str], int]:
         group = make_group(p.prompt_id)
@@ -123,26 +102,48 @@ def test_a_positive_logprob_is_refused(redis_url: str, tmp_path: Path) -> None:
     )
 
 
-def test_an_empty_response_that_was_not_aborted_is_refused(redis_url: str, tmp_path: Path) -> None:
-    message = _refused_put(
-        redis_url,
-        tmp_path,
-        "empty_response",
-        lambda p: (make_group(p.prompt_id, length=0), [p.lease_id], TRAIN),
-    )
-    assert "finish_reason ABORT" in message
-
-
-def test_a_version_beyond_what_redis_stores_exactly_is_refused(
-    redis_url: str, tmp_path: Path
+@pytest.mark.parametrize(
+    ("reason", "group", "job", "expected"),
+    [
+        pytest.param(
+            "too_long",
+            {"length": 60},
+            {"max_sequence_tokens": 64},
+            "65 prompt + response tokens, more than the model's 64 positions",
+            id="a_sample_longer_than_the_models_positions",
+        ),
+        pytest.param(
+            "empty_response",
+            {"length": 0},
+            {},
+            "finish_reason ABORT",
+            id="an_empty_response_that_was_not_aborted",
+        ),
+        pytest.param(
+            "version_out_of_range",
+            {"version": 2**62},
+            {},
+            str(2**62),
+            id="a_version_beyond_what_redis_stores_exactly",
+        ),
+    ],
+)
+def test_a_group_no_trainer_could_use_is_refused(
+    redis_url: str,
+    tmp_path: Path,
+    reason: str,
+    group: dict[str, Any],
+    job: dict[str, Any],
+    expected: str,
 ) -> None:
     message = _refused_put(
         redis_url,
         tmp_path,
-        "version_out_of_range",
-        lambda p: (make_group(p.prompt_id, version=2**62), [p.lease_id], TRAIN),
+        reason,
+        lambda p: (make_group(p.prompt_id, **group), [p.lease_id], TRAIN),
+        **job,
     )
-    assert str(2**62) in message
+    assert expected in message
 
 
 def test_a_group_claiming_a_version_the_trainer_has_not_reached_is_dropped_and_requeued(

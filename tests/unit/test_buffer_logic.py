@@ -9,7 +9,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -38,12 +38,6 @@ from tests.integration.buffer_support import (
 )
 
 TRAIN, EVAL, SFT = tpb.STREAM_KIND_TRAIN, tpb.STREAM_KIND_EVAL, tpb.STREAM_KIND_SFT
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), die_with_parent=True) as server:
-        yield server.url
 
 
 @asynccontextmanager
@@ -251,9 +245,15 @@ def test_the_same_prompt_in_the_next_epoch_is_a_new_group(redis_url: str, tmp_pa
 def test_epochs_are_handed_out_whole_in_a_seeded_order_that_differs_per_epoch(
     redis_url: str, tmp_path: Path
 ) -> None:
-    async def order(job: str) -> list[tuple[str, int]]:
+    async def order(job: str, queue_slice: int = 1024) -> list[tuple[str, int]]:
         async with buffer(
-            redis_url, tmp_path, prompts=8, epochs=2, job=job, requeue_stale=False
+            redis_url,
+            tmp_path,
+            prompts=8,
+            epochs=2,
+            job=job,
+            requeue_stale=False,
+            queue_slice_prompts=queue_slice,
         ) as svc:
             out = []
             while not (resp := await lease(svc, 3)).exhausted:
@@ -263,11 +263,55 @@ def test_epochs_are_handed_out_whole_in_a_seeded_order_that_differs_per_epoch(
 
     first = run(order(f"a{uuid.uuid4().hex[:8]}"))
     second = run(order(f"b{uuid.uuid4().hex[:8]}"))
+    # Queued in slices of 2 (an epoch of 8 in 4 scripts): the same order, nothing twice.
+    assert run(order(f"c{uuid.uuid4().hex[:8]}", queue_slice=2)) == first
     epoch0 = [pid for pid, e in first if e == 0]
     epoch1 = [pid for pid, e in first if e == 1]
     assert first == second  # same seed, another job: the same order
     assert (first[:8] == [(p, 0) for p in epoch0], sorted(epoch0) == sorted(epoch1)) == (True, True)
     assert (epoch0 != epoch1, epoch0 != sorted(epoch0)) == (True, True)
+
+
+def test_an_epoch_is_queued_slice_by_slice_as_leases_reach_its_end(
+    redis_url: str, tmp_path: Path
+) -> None:
+    job = f"s{uuid.uuid4().hex[:8]}"
+
+    async def scenario() -> tuple[list[int], bool, list[str]]:
+        async with buffer(redis_url, tmp_path, prompts=10, job=job, queue_slice_prompts=4) as svc:
+            store = svc.db
+            queued = []
+            leased: list[str] = []
+            for _ in range(3):
+                resp = await lease(svc, 4)
+                leased += [p.prompt_id for p in resp.prompts]
+                queued.append(int(await store.r.xlen(store.keys.prompts("train"))))
+                await complete(svc, resp.prompts)
+            # After the epoch's last slice: nothing left to queue, and the job can end.
+            batch = await get(svc, 10)
+            await ack(svc, batch.batch_id)
+            return queued, (await lease(svc, 4)).exhausted, leased
+
+    queued, exhausted, leased = run(scenario())
+    # The stream held one slice at a time (4, 4, then the last 2), never the whole epoch.
+    assert queued == [4, 4, 2]
+    assert (sorted(leased), exhausted) == (sorted(f"train:{i}" for i in range(10)), True)
+
+
+def test_a_half_queued_epoch_is_not_exhausted_and_racing_fills_queue_once(
+    redis_url: str, tmp_path: Path
+) -> None:
+    async def scenario() -> tuple[bool, list[int], int]:
+        async with buffer(redis_url, tmp_path, prompts=6, queue_slice_prompts=3) as svc:
+            store = svc.db
+            first = await store.fill_next("train")
+            partly = await store.exhausted("train")
+            # Two replicas fill the next slice at once: one queues it, the other nothing.
+            raced = list(await asyncio.gather(store.fill_next("train"), store.fill_next("train")))
+            return partly, [first, *sorted(raced)], await store.fill_next("train")
+
+    partly, fills, after = run(scenario())
+    assert (partly, fills, after) == (False, [3, 0, 3], 0)
 
 
 def test_a_restarted_service_resumes_at_the_cursor(redis_url: str, tmp_path: Path) -> None:
@@ -554,6 +598,31 @@ def test_a_waiting_lease_sees_room_freed_through_another_replica(
     assert seconds < 2, f"the other replica's lease started {seconds:.2f}s after the Ack"
 
 
+def test_a_lease_parked_on_a_full_window_looks_again_less_and_less_often(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # Room freed here wakes it at once (above); the looks for room freed through another
+    # replica back off from 0.1 s to 1 s, so a replica parked for a whole run is not a Redis
+    # script every 0.1 s (29 looks in 3 s then; 0.1 + 0.2 + 0.4 + 0.8 + 1 + 1 > 3 s now).
+    async def scenario() -> int:
+        async with buffer(redis_url, tmp_path, prompts=10, max_inflight_groups=3) as svc:
+            await _full_window(svc)
+            looks = 0
+            real = svc.db.lease
+
+            async def counted(*a: Any, **kw: Any) -> Any:
+                nonlocal looks
+                looks += 1
+                return await real(*a, **kw)
+
+            svc.db.lease = counted  # type: ignore[method-assign]
+            with pytest.raises(ResourceExhausted):
+                await lease(svc, 1, wait=3.0)
+            return looks
+
+    assert run(scenario()) <= 8
+
+
 def test_expired_leases_are_redelivered_even_at_the_inflight_limit(
     redis_url: str, tmp_path: Path
 ) -> None:
@@ -715,6 +784,23 @@ def test_eval_prompts_are_leased_put_and_read_but_never_count_as_training(
             )
 
     assert run(scenario()) == (3, 3, True, 1, 3, 0)
+
+
+def test_an_eval_round_is_started_only_the_first_time_a_trainer_asks_for_it(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # Round 0 is queued when the eval data loads, yet no trainer has read it: started. Asked
+    # again (a restarted trainer), or below a round asked for, its groups may be gone: not.
+    async def scenario() -> list[tuple[bool, int]]:
+        async with buffer(redis_url, tmp_path, eval_prompts=2) as svc:
+            seen = []
+            for round_ in (0, 0, 2, 1):
+                req = bpb.StartEvalRequest(round=round_)
+                started = await svc.StartEval(req, None)  # type: ignore[arg-type]
+                seen.append((started.started, int(started.rounds)))
+            return seen
+
+    assert run(scenario()) == [(True, 1), (False, 1), (True, 3), (False, 3)]
 
 
 def test_rejection_sampling_puts_kept_samples_as_sft_groups_that_complete_train_leases(

@@ -3,6 +3,7 @@ message naming the fields involved, and lets the default job through."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -45,6 +46,28 @@ BREAKING: dict[str, tuple[dict[str, Any], list[str]]] = {
         {"rollout": {"engine": SGLANG}, "weight_sync": {"transports": ["gloo", "shm"]}},
         ["weight_sync.transports", "rollout.engine.kind"],
     ),
+    "lora_sglang_engines_receive_adapters_in_process": (
+        {
+            "model": {"lora": {}},
+            "rollout": {"engine": SGLANG},
+            "weight_sync": {"transports": ["cuda_ipc", "nccl"], "device": "cuda"},
+        },
+        ["weight_sync.transports", "model.lora", "rollout.engine.kind", "add shm"],
+    ),
+    "lora_targets_are_modules_sglang_adapts": (
+        {
+            "model": {"lora": {"target_modules": ["q_proj", "c_attn"]}},
+            "rollout": {"engine": SGLANG},
+        },
+        ["model.lora.target_modules", "['c_attn']", "rollout.engine.kind"],
+    ),
+    "lora_fits_the_sglang_launch_args": (
+        {
+            "model": {"lora": {"rank": 64}},
+            "rollout": {"engine": {**SGLANG, "launch_args": ["--max-lora-rank", "32"]}},
+        },
+        ["model.lora.rank 64", "rollout.engine.launch_args", "--max-lora-rank 32"],
+    ),
 }
 
 
@@ -81,6 +104,59 @@ def test_sglang_with_only_nccl_needs_a_gpu_relay() -> None:
         parse_job_config(doc, env={})
 
 
+def test_lora_on_sglang_without_nccl_is_not_asked_for_a_gpu_relay() -> None:
+    # Adapters never travel by nccl, so the full-weight rule's demand does not apply.
+    doc = {
+        "model": {"lora": {}},
+        "rollout": {"engine": SGLANG},
+        "weight_sync": {"transports": ["shm", "gloo"]},
+    }
+    assert parse_job_config(doc, env={}).model.lora is not None
+
+
+@pytest.mark.parametrize(
+    ("launch_args", "refusal"),
+    [
+        (["--lora-target-modules", "q_proj", "v_proj"], "'k_proj', 'o_proj'"),
+        (["--lora-target-modules=q_proj"], "without ['down_proj'"),
+        (["--dp-size", "2"], "--dp-size 2"),
+        (["--data-parallel-size", "4", "--max-lora-rank", "8"], "--data-parallel-size 4"),
+    ],
+)
+def test_launch_args_that_leave_no_room_for_the_jobs_adapters_are_refused(
+    launch_args: list[str], refusal: str
+) -> None:
+    doc = {
+        "model": {"lora": {"rank": 8}},
+        "rollout": {"engine": {**SGLANG, "launch_args": launch_args}},
+    }
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        parse_job_config(doc, env={})
+
+
+@pytest.mark.parametrize(
+    "launch_args",
+    [
+        ["--max-lora-rank", "64", "--lora-target-modules", "all"],
+        ["--max-lora-rank=16", "--dp-size", "1", "--context-length", "4096"],
+    ],
+)
+def test_launch_args_with_room_for_the_jobs_adapters_pass(launch_args: list[str]) -> None:
+    doc = {
+        "model": {"lora": {"rank": 16}},
+        "rollout": {"engine": {**SGLANG, "launch_args": launch_args}},
+    }
+    assert parse_job_config(doc, env={}).rollout.engine.launch_args == launch_args  # type: ignore[union-attr]
+
+
+def test_lora_on_the_torch_engine_is_held_to_none_of_sglangs_limits() -> None:
+    doc = {
+        "model": {"lora": {"target_modules": ["c_attn"]}},
+        "weight_sync": {"transports": ["nccl"], "device": "cuda"},
+    }
+    assert parse_job_config(doc, env={}).model.lora is not None
+
+
 def _sections(doc: dict[str, Any]) -> dict[str, Any]:
     """The validated sections of `doc`, for calling one rule without the others running."""
     full = JobConfig.model_validate({}).model_dump()
@@ -99,6 +175,8 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in extra.items():
         out[key] = (
-            _merge(base[key], value) if isinstance(value, dict) and key != "engine" else value
+            _merge(base[key], value)
+            if isinstance(value, dict) and isinstance(base.get(key), dict) and key != "engine"
+            else value
         )
     return out

@@ -180,3 +180,35 @@ def test_the_retry_after_trailer_sets_the_backpressure_wait() -> None:
     assert retry_after(_rpc_error((("retry-after-seconds", "1.500"),)), 9.0) == 1.5
     assert retry_after(_rpc_error(()), 9.0) == 9.0
     assert retry_after(_rpc_error((("retry-after-seconds", "soon"),)), 9.0) == 9.0
+
+
+def test_each_response_is_decoded_once_for_the_reward_and_the_trajectory() -> None:
+    from kuberl.api.reward.v1 import reward_pb2 as rpb
+    from kuberl.rollout.worker import RolloutWorker
+
+    tokenizer = build_tokenizer()
+    config = _config(sampling={"max_new_tokens": 4})
+    decoded: list[list[int]] = []
+    decode = tokenizer.decode
+
+    def counting_decode(ids: Any, **kw: Any) -> Any:
+        decoded.append(list(ids))
+        return decode(ids, **kw)
+
+    async def go() -> tuple[Any, Any]:
+        engine = TorchEngine(build_model(tokenizer), tokenizer)
+        worker = RolloutWorker(config, engine, tokenizer, buffer=None, reward=None, replica_id="r0")
+        tokenizer.decode = counting_decode
+        try:
+            done = await worker._generate_group(
+                PromptItem("p", 0, "Hi", "1", token_ids=[5, 6], lease_id="L"), 0.0
+            )
+        finally:
+            await engine.close()
+        assert done is not None
+        scores = {f"L#{j}": rpb.SampleScore(sample_id=f"L#{j}", reward=1.0) for j in range(2)}
+        return done, worker._group(done, scores, 0.0, "train")
+
+    done, group = asyncio.run(go())
+    assert [t.response_text for t in group.trajectories] == done.texts
+    assert decoded == [s.token_ids for s in done.samples]  # one decode per sample, not two

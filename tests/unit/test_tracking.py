@@ -13,12 +13,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from kuberl.common.config import ConfigError, JobConfig, parse_job_config
 from kuberl.common.trajectory import Group, Trajectory
 from kuberl.trainer.batch import Batch
 from kuberl.trainer.batching import TrainingSequence
-from kuberl.trainer.tracking import RUNS_FILE, Tracking
+from kuberl.trainer.distributed import DistInfo
+from kuberl.trainer.telemetry import Reporter
+from kuberl.trainer.tracking import Runs, Tracking
 from tests.tracking_readers import (
     OFFLINE_ENV,
     tensorboard_runs,
@@ -96,7 +99,7 @@ def one_run(config: JobConfig, tmp_path: Path, resumed: bool, first: int) -> dic
     tracking.eval_samples(eval_groups(), first + 1)
     assert len(tracking.trackers) == len(config.job.tracking), "a tracker was dropped"
     tracking.close()
-    return dict(json.loads((tmp_path / "ckpt" / RUNS_FILE).read_text()))
+    return Runs.read(tmp_path / "ckpt").ids
 
 
 def test_tracking_is_empty_by_default_and_each_backend_parses() -> None:
@@ -208,6 +211,44 @@ def test_a_resumed_trainer_continues_every_run_at_its_step(tmp_path: Path) -> No
     (run,) = wandb_runs(tmp_path / "wb").values()
     assert [r["_step"] for r in run.history if "loss/total" in r] == [1, 2, 3, 4]
     assert len(run.folders) == 2, "each start writes its own offline folder of the same run"
+
+
+def test_rl_after_a_warm_up_run_elsewhere_continues_its_runs_after_its_steps(
+    tmp_path: Path,
+) -> None:
+    # `kuberl run` trains the warm-up as its own trainer (checkpoints in `warm`); the RL
+    # trainer, told where (KUBERL_TRACKING_WARM_UP), logs into the same runs. Each reports
+    # through the Reporter: the warm-up's SFT steps go under sft/, and a restart of the RL
+    # trainer (resumed from its own checkpoint folder) keeps the steps where they were.
+    config = job(
+        tmp_path, {"backend": "wandb", "dir": "wb"}, {"backend": "tensorboard", "dir": "tb"}
+    )
+
+    def trainer(kind: str, steps: range, runs_dir: str, **open_kw: Any) -> None:
+        reporter = Reporter(DistInfo(0, 1, 0, torch.device("cpu")), total_steps=2)
+        reporter.tracking = Tracking.open(
+            config, tmp_path, tmp_path / runs_dir, decode=decode, step=steps[0] - 1, **open_kw
+        )
+        for step in steps:
+            reporter.step({"loss/total": float(step)}, kind, step, version=step)
+        reporter.close()
+
+    trainer("sft", range(1, 4), "warm", resumed=False)
+    trainer("rl", range(1, 2), "ckpt", resumed=False, warm_up=tmp_path / "warm")
+    trainer("rl", range(2, 3), "ckpt", resumed=True, warm_up=tmp_path / "warm")
+    tb, *more = tensorboard_runs(tmp_path / "tb").values()
+    (run,) = wandb_runs(tmp_path / "wb").values()
+    seen = {
+        "tensorboard": (
+            [s for s, _ in tensorboard_scalars(tb, "sft/loss/total")],
+            [s for s, _ in tensorboard_scalars(tb, "loss/total")],
+        ),
+        "wandb": (
+            [r["_step"] for r in run.history if "sft/loss/total" in r],
+            [r["_step"] for r in run.history if "loss/total" in r],
+        ),
+    }
+    assert (more, seen) == ([], {"tensorboard": ([1, 2, 3], [4, 5]), "wandb": ([1, 2, 3], [4, 5])})
 
 
 def test_a_fresh_start_opens_new_runs_even_where_old_ids_are_recorded(tmp_path: Path) -> None:

@@ -113,6 +113,21 @@ def test_sft_pairs_are_read_and_a_bad_line_is_named(tmp_path: Path) -> None:
         read_pairs(bad)
 
 
+def test_sft_pairs_are_read_from_parquet_and_a_file_that_is_not_data_is_named(
+    tmp_path: Path,
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = tmp_path / "pairs.parquet"
+    pq.write_table(pa.table({"prompt": ["1+1=", "a"], "response": ["2", "b"]}), table)
+    notes = tmp_path / "notes.txt"
+    notes.write_text('{"prompt": "1+1=", "response": "2"}\n')
+    assert read_pairs(table) == [("1+1=", "2"), ("a", "b")]
+    with pytest.raises(SFTDataError, match=r"notes.txt: unsupported dataset format '.txt'"):
+        read_pairs(notes)
+
+
 def test_sft_epochs_are_reshuffled_and_cover_every_example() -> None:
     samples = [_sample(i, 1, 1) for i in range(6)]
     it = epoch_batches(samples, batch_size=3, seed=0)

@@ -222,6 +222,32 @@ Nothing when model.path is not a Hugging Face id.
 {{- if and .Values.rollout.sglang.enabled .Values.rollout.sglang.metrics }}true{{ end }}
 {{- end }}
 
+{{/* "true" when the job trains LoRA adapters (`job.model.lora` is a section, `{}` included). */}}
+{{- define "kuberl.lora" -}}
+{{- if kindIs "map" (dig "model" "lora" nil (default dict .Values.job)) }}true{{ end }}
+{{- end }}
+
+{{/*
+launch_server flags of a LoRA job's SGLang server, as the replica's own launch passes them
+(kuberl.rollout.engine.sglang.lora_launch_args; the defaults are model.lora's, and
+tests/helm/test_sglang_lora.py checks both agree): LoRA on, room for adapters of the job's rank on
+its target modules, two adapters per batch (the version served and the one before it).
+*/}}
+{{- define "kuberl.sglangLoraArgs" -}}
+{{- if include "kuberl.lora" . }}
+{{- $lora := .Values.job.model.lora }}
+- --enable-lora
+- --max-lora-rank
+- {{ hasKey $lora "rank" | ternary $lora.rank 16 | quote }}
+- --lora-target-modules
+{{- range (hasKey $lora "target_modules" | ternary $lora.target_modules (list "q_proj" "k_proj" "v_proj" "o_proj" "gate_proj" "up_proj" "down_proj")) }}
+- {{ . | quote }}
+{{- end }}
+- --max-loras-per-batch
+- "2"
+{{- end }}
+{{- end }}
+
 {{/* The model SGLang serves. */}}
 {{- define "kuberl.sglangModel" -}}
 {{- $model := default (include "kuberl.modelPath" .) .Values.rollout.sglang.model }}
@@ -247,7 +273,7 @@ and the pods' checksum annotation both use it.
   "reward" (dict "server" (dict "host" "0.0.0.0" "port" .Values.reward.port "metrics_port" .Values.reward.metricsPort))
   "weight_sync" (dict "server" (dict "host" "0.0.0.0" "port" .Values.weightSync.port "metrics_port" .Values.weightSync.metricsPort) "snapshot_dir" "/var/lib/kuberl/snapshots/files" "shm_dir" "/var/lib/kuberl/snapshots/versions")
   "trainer" (dict "server" (dict "host" "0.0.0.0" "port" .Values.trainer.port "metrics_port" .Values.trainer.metricsPort) "checkpoint_dir" .Values.trainer.checkpoints.mountPath)
-  "rollout" (dict "server" (dict "host" "0.0.0.0" "port" .Values.rollout.port "metrics_port" .Values.rollout.metricsPort))
+  "rollout" (dict "server" (dict "host" "0.0.0.0" "port" .Values.rollout.port "metrics_port" .Values.rollout.metricsPort) "peer_port" .Values.rollout.peerPort)
 }}
 {{- if .Values.model.path }}
 {{- $_ := set $wiring "model" (dict "path" (include "kuberl.modelPath" .)) }}
@@ -283,8 +309,8 @@ and the pods' checksum annotation both use it.
 {{- $_ := set $engine "mem_fraction_static" .Values.rollout.sglang.memFractionStatic }}
 {{- $_ := set $engine "snapshot_dir" (include "kuberl.sglangSnapshotDir" .) }}
 {{- $_ := set (get $wiring "rollout") "engine" $engine }}
-{{- /* SGLang engines take a version by NCCL or from a snapshot: unless the job chose a device, the relay gets a GPU (kuberl.weightSyncGpu) so that NCCL is offered at all. */}}
-{{- if and (not (hasKey $jobWeightSync "device")) (has "nccl" (include "kuberl.weightSyncTransports" $jobWeightSync | fromJsonArray)) }}
+{{- /* SGLang engines take a version by NCCL or from a snapshot: unless the job chose a device, the relay gets a GPU (kuberl.weightSyncGpu) so that NCCL is offered at all. A LoRA job's adapters never go by NCCL: no GPU for the relay. */}}
+{{- if and (not (hasKey $jobWeightSync "device")) (has "nccl" (include "kuberl.weightSyncTransports" $jobWeightSync | fromJsonArray)) (not (include "kuberl.lora" .)) }}
 {{- $_ := set (get $wiring "weight_sync") "device" "cuda" }}
 {{- end }}
 {{- end }}

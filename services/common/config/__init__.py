@@ -23,7 +23,7 @@ from kuberl.common.config.env import ENV_PREFIX, env_overrides
 from kuberl.common.config.job import Endpoints, JobMeta, LocalModeConfig
 from kuberl.common.config.jobfile import SECTIONS, JobConfig
 from kuberl.common.config.loader import dump_job_config, load_job_config, parse_job_config
-from kuberl.common.config.model import BuildModelConfig, ModelConfig
+from kuberl.common.config.model import BuildModelConfig, LoraConfig, ModelConfig
 from kuberl.common.config.redis import RedisConfig
 from kuberl.common.config.reward import (
     BUILTIN_VERIFIERS,
@@ -76,6 +76,7 @@ __all__ = [
     "JobMeta",
     "KLConfig",
     "LocalModeConfig",
+    "LoraConfig",
     "MlflowTracking",
     "ModelConfig",
     "MultiTurnConfig",

@@ -48,6 +48,13 @@ class BufferConfig(Section):
         description="How long the record of an acknowledged batch is kept so that a repeated "
         "Ack answers already_acked (afterwards it is NOT_FOUND).",
     )
+    queue_slice_prompts: int = Field(
+        1024,
+        ge=1,
+        description="Prompts of an epoch queued per Redis script, slice by slice as leases "
+        "reach the end of what is queued: Redis answers nothing else while a script runs, so "
+        "queueing a large dataset whole stalled every replica at each epoch start.",
+    )
     max_sequence_tokens: int = Field(
         0,
         ge=0,

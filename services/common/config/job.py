@@ -46,6 +46,13 @@ class LocalModeConfig(Section):
         "learning rate (null: `trainer.optimizer.lr`). SFT usually wants a far larger rate than "
         "RL.",
     )
+    warm_start_lora: bool = Field(
+        True,
+        description="With `model.lora`: the warm start trains the adapters too, and RL starts "
+        "from its merged model (`merged/`) with fresh adapters. false: it trains every weight "
+        "(a locally built model is random until its warm start, and adapters over random "
+        "weights learn little); RL then trains adapters over its export.",
+    )
 
 
 class JobMeta(Section):

@@ -47,6 +47,15 @@ class TorchEngineConfig(Section):
     )
 
 
+#: The modules sglang 0.5.23 can put LoRA adapters on (`SUPPORTED_LORA_TARGET_MODULES` in
+#: sglang/srt/utils/common.py, the choices of --lora-target-modules); the contract test reads them.
+SGLANG_LORA_TARGET_MODULES = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj",
+    "kv_b_proj", "wq_b", "wk", "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+    "gate_up_proj", "embed_tokens", "lm_head", "qkvr", "wo_ud",
+)  # fmt: skip
+
+
 class SGLangEngineConfig(Section):
     """A client of an SGLang server's native HTTP API (pinned to sglang 0.5.23)."""
 
@@ -198,6 +207,15 @@ class RolloutConfig(Section):
         "are aborted and released to the buffer.",
     )
     rpc_timeout_seconds: float = Field(30.0, gt=0, description="Deadline of buffer/reward RPCs.")
+    peer_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port a replica serves the weight versions it holds to other replicas on "
+        "(weight-sync's relay tree, `weight_sync.relay_fanout` > 0; torch engines). 0: any "
+        "free port; the chart fixes it so that its NetworkPolicy can open it to rollout pods "
+        "only.",
+    )
     retry_initial_seconds: float = Field(
         0.2, gt=0, description="First backoff after a transient buffer/reward error."
     )

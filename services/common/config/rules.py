@@ -10,7 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kuberl.common.config.rollout import SGLangEngineConfig, TorchEngineConfig
+from kuberl.common.config.rollout import (
+    SGLANG_LORA_TARGET_MODULES,
+    SGLangEngineConfig,
+    TorchEngineConfig,
+)
 
 if TYPE_CHECKING:
     from kuberl.common.config.jobfile import JobConfig
@@ -117,6 +121,8 @@ def sglang_engines_have_a_weight_route(job: JobConfig) -> None:
     ws = job.weight_sync
     if not isinstance(job.rollout.engine, SGLangEngineConfig) or "snapshot" in ws.transports:
         return
+    if job.model.lora is not None:
+        return  # adapters come another way: lora_sglang_engines_receive_adapters_in_process
     if "nccl" not in ws.transports:
         raise ValueError(
             f"weight_sync.transports {ws.transports} names neither route SGLang engines "
@@ -134,6 +140,88 @@ def sglang_engines_have_a_weight_route(job: JobConfig) -> None:
         )
 
 
+#: Where a LoRA job's SGLang replica can receive an adapter in its own process.
+ADAPTER_ROUTES = ("shm", "gloo", "snapshot")
+
+
+def lora_sglang_engines_receive_adapters_in_process(job: JobConfig) -> None:
+    """With `model.lora` the SGLang replica receives each adapter itself and hands SGLang a PEFT
+    folder: nccl and cuda_ipc, which SGLang takes into its base weights, cannot carry it."""
+    transports = job.weight_sync.transports
+    if (
+        job.model.lora is None
+        or not isinstance(job.rollout.engine, SGLangEngineConfig)
+        or set(transports) & set(ADAPTER_ROUTES)
+    ):
+        return
+    raise ValueError(
+        f"weight_sync.transports {transports} with model.lora on SGLang engines "
+        "(rollout.engine.kind: sglang): LoRA adapters reach the rollout process by shm, gloo "
+        "or snapshot and go to SGLang as files, never by nccl or cuda_ipc; add shm (same host) "
+        "or snapshot to weight_sync.transports"
+    )
+
+
+def lora_targets_are_modules_sglang_adapts(job: JobConfig) -> None:
+    lora = job.model.lora
+    if lora is None or not isinstance(job.rollout.engine, SGLangEngineConfig):
+        return
+    unknown = [m for m in lora.target_modules if m not in SGLANG_LORA_TARGET_MODULES]
+    if unknown:
+        raise ValueError(
+            f"model.lora.target_modules {unknown} on SGLang engines (rollout.engine.kind: "
+            "sglang): SGLang 0.5.23 puts adapters only on "
+            f"{', '.join(SGLANG_LORA_TARGET_MODULES)}; train adapters on those (e.g. "
+            "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or use the torch "
+            "engine"
+        )
+
+
+def lora_fits_the_sglang_launch_args(job: JobConfig) -> None:
+    """The replica launches SGLang with memory for the job's adapters; flags in
+    `rollout.engine.launch_args` come last and override those, so they must still fit."""
+    lora, engine = job.model.lora, job.rollout.engine
+    if lora is None or not isinstance(engine, SGLangEngineConfig):
+        return
+    args = engine.launch_args
+    rank = _launch_option(args, "--max-lora-rank")
+    if rank and rank[-1].isdigit() and int(rank[-1]) < lora.rank:
+        raise ValueError(
+            f"model.lora.rank {lora.rank} but rollout.engine.launch_args sets --max-lora-rank "
+            f"{rank[-1]}: SGLang refuses every adapter of a higher rank; drop the flag (the "
+            "replica passes the job's rank) or lower model.lora.rank"
+        )
+    targets = _launch_option(args, "--lora-target-modules")
+    missing = sorted(set(lora.target_modules) - set(targets or ())) if targets else []
+    if missing and "all" not in (targets or ()):
+        raise ValueError(
+            f"rollout.engine.launch_args sets --lora-target-modules {targets}, without "
+            f"{missing} of model.lora.target_modules: SGLang refuses adapters on modules it has "
+            "no memory for; drop the flag (the replica passes the job's modules) or add them"
+        )
+    for flag in ("--dp-size", "--data-parallel-size"):
+        dp = _launch_option(args, flag)
+        if dp and dp[-1].isdigit() and int(dp[-1]) > 1:
+            raise ValueError(
+                f"rollout.engine.launch_args sets {flag} {dp[-1]} with model.lora: SGLang "
+                "0.5.23 loads adapters at run time only into a server with one data-parallel "
+                "replica; run more rollout replicas instead of --dp-size"
+            )
+
+
+def _launch_option(args: list[str], flag: str) -> list[str] | None:
+    """The values the last `flag` (`--flag v ...` or `--flag=v`) in `args` takes; None if absent."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg == flag:
+            rest = args[i + 1 :]
+            end = next((k for k, a in enumerate(rest) if a.startswith("--")), len(rest))
+            found = rest[:end]
+        elif arg.startswith(flag + "="):
+            found = [arg.split("=", 1)[1]]
+    return found
+
+
 JobRule = Callable[["JobConfig"], None]
 
 JOB_RULES: tuple[JobRule, ...] = (
@@ -144,4 +232,7 @@ JOB_RULES: tuple[JobRule, ...] = (
     cpu_local_run_uses_no_gpu,
     sglang_ignore_eos_keeps_stop_ids,
     sglang_engines_have_a_weight_route,
+    lora_sglang_engines_receive_adapters_in_process,
+    lora_targets_are_modules_sglang_adapts,
+    lora_fits_the_sglang_launch_args,
 )

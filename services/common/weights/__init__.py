@@ -71,6 +71,11 @@ SGLang engine (the SGLang server joins the broadcast itself)::
     # sglang.tensor_update_requests(instruction) to /update_weights_from_tensor between
     # /begin_weight_update and /end_weight_update (generation paused around it).
 
+    # A LoRA job's SGLang engine (`model.lora`: every version holds adapter tensors only) takes
+    # them in this process instead, like the torch engine (`load=`, transports ("shm", "gloo",
+    # "snapshot")), and hands each to SGLang as a PEFT folder: `kuberl.common.lora.save_adapter`,
+    # then POST /load_lora_adapter (kuberl.rollout.engine.sglang.SGLangEngine.load_adapter).
+
 Lower level: `Manifest` / `ManifestBuilder` (bucket layout, SGLang's flattened_bucket),
 `make_receiver(transport)` (the data-plane factory), `download_snapshot(address)`,
 `safetensors_header(manifest)` (header + payload = a .safetensors file).

@@ -74,6 +74,8 @@ class EngineClient:
         ranks: int = 1,
         peer_host: str = "",
         peer_bytes_per_second: float = 0.0,
+        job: str = "",
+        peer_port: int = 0,
     ) -> None:
         """`gpu`: the UUID of the engine's GPU, which decides CUDA IPC eligibility (None: looked
         up from `device`; "" on the CPU). `shm_in_place`: over `shm`, `load` gets views of the
@@ -82,9 +84,10 @@ class EngineClient:
         from the views and switch to each new dict at load. `ranks`: how many ranks the engine
         joins a broadcast group with, from the instruction's `rank` up (an SGLang server joins
         with each tensor-parallel rank: its tp size); the relay sizes the group by it.
-        `peer_host`: serve the held version to other engines on this address (a free port;
-        weight-sync's relay tree, `weight_sync.relay_fanout`); "" serves nobody; at most
-        `peer_bytes_per_second` (0: no cap)."""
+        `peer_host`: serve the held version to other engines on this address, at `peer_port`
+        (0: a free one; weight-sync's relay tree, `weight_sync.relay_fanout`); "" serves nobody;
+        at most
+        `peer_bytes_per_second` (0: no cap), to `job`'s engines only under roles."""
         if ranks < 1:
             raise ValueError(f"ranks must be at least 1, got {ranks}")
         if (load is None) == (apply is None):
@@ -122,7 +125,9 @@ class EngineClient:
         #: Transport of the update being delivered to `load` right now.
         self.current_transport = ""
         self.peer = (
-            PeerServer(peer_host, max_message_bytes, peer_bytes_per_second) if peer_host else None
+            PeerServer(peer_host, max_message_bytes, peer_bytes_per_second, job, peer_port)
+            if peer_host
+            else None
         )
 
     # ------------------------------------------------------------------ public API

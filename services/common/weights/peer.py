@@ -6,7 +6,8 @@ tell a peer from the service. The relay (`kuberl.weight_sync.relay`) sends a pee
 `relay_fanout` downloaders at a time. The bytes are the client's double buffer, which is
 rewritten only when the version after next arrives; a stream whose version the engine no longer
 holds stops with UNAVAILABLE (the downloader reports the failure and is sent elsewhere), so a
-stream never mixes two versions.
+stream never mixes two versions. Under roles (kuberl.common.roles) only engines (the rollout
+role) may download, as from the service.
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
 from kuberl.api.weight_sync.v1 import weight_sync_pb2_grpc as pb_grpc
 from kuberl.common import tls as transport
 from kuberl.common.channels import DEFAULT_MAX_MESSAGE_BYTES
+from kuberl.common.errors import PermissionDenied
+from kuberl.common.roles import RoleCheck, identity_source
 from kuberl.common.server import server_grpc_options
 from kuberl.common.weights.chunks import DEFAULT_CHUNK_BYTES, Pacer, iter_chunks
 from kuberl.common.weights.manifest import Manifest
 
 #: Streams a peer serves at once: the relay sends at most `relay_fanout`; a few more are refused.
 MAX_STREAMS = 8
+STREAM_SNAPSHOT = f"/{pb.DESCRIPTOR.services_by_name['WeightSyncService'].full_name}/StreamSnapshot"
 
 
 @dataclass(frozen=True)
@@ -41,15 +45,18 @@ class Held:
 
 
 class PeerServer(pb_grpc.WeightSyncServiceServicer):
-    """Serves the held version's snapshot on `host`:<a free port> (`endpoint` once started)."""
+    """Serves the held version's snapshot on `host`:`port` (0: a free one; `endpoint`)."""
 
     def __init__(
         self,
         host: str,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         bytes_per_second: float = 0.0,
+        job: str = "",
+        port: int = 0,
     ) -> None:
-        """`bytes_per_second`: cap on what this engine streams (`snapshot_bytes_per_second`)."""
+        """`bytes_per_second`: cap on what this engine streams (`snapshot_bytes_per_second`);
+        `job`: whose engines may download, under roles."""
         self.host = host
         self.pacer = Pacer(bytes_per_second)
         self._held: Held | None = None
@@ -62,11 +69,15 @@ class PeerServer(pb_grpc.WeightSyncServiceServicer):
         )
         pb_grpc.add_WeightSyncServiceServicer_to_server(self, self._server)
         settings = transport.current()  # the job's TLS: downloaders' channels use it too
+        source = identity_source(settings)
+        self.roles = RoleCheck("rollout", job, source) if source is not None else None
         if settings.enabled:
             credentials = transport.server_credentials(settings)
-            self.port = self._server.add_secure_port(f"{host}:0", credentials)
+            self.port = self._server.add_secure_port(f"{host}:{port}", credentials)
         else:
-            self.port = self._server.add_insecure_port(f"{host}:0")
+            self.port = self._server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise RuntimeError(f"weight relay: cannot bind {host}:{port} (rollout.peer_port)")
         self.endpoint = f"{host}:{self.port}"
 
     def start(self) -> PeerServer:
@@ -84,6 +95,11 @@ class PeerServer(pb_grpc.WeightSyncServiceServicer):
     def StreamSnapshot(
         self, request: pb.StreamSnapshotRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.SnapshotChunk]:
+        if self.roles is not None:
+            try:
+                self.roles.check(STREAM_SNAPSHOT, context)
+            except PermissionDenied as exc:
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, exc.message)
         held = self._held
         if held is None or (request.version and request.version != held.version):
             context.abort(

@@ -51,6 +51,7 @@ def create_engine(config: JobConfig, model_path: Path) -> Engine:
             seed=config.job.seed if engine.seed is None else engine.seed,
             attn_implementation=engine.attn_implementation,
             batch_wait_seconds=engine.batch_wait_seconds,
+            adapters=config.model.lora,
         )
     if engine.kind == "simulated":
         from kuberl.rollout.engine.simulated import SimulatedEngine
@@ -58,4 +59,4 @@ def create_engine(config: JobConfig, model_path: Path) -> Engine:
         return SimulatedEngine(engine, seed=config.job.seed)
     from kuberl.rollout.engine.sglang import SGLangEngine
 
-    return SGLangEngine(engine, model_path=str(model_path))
+    return SGLangEngine(engine, model_path=str(model_path), lora=config.model.lora)

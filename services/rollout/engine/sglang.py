@@ -2,7 +2,8 @@
 
 The rollout replica drives through it a server beside it (the SGLang container of the rollout
 pod, or `sglang.launch_server` started here when `launch` is set): generation, pause / abort, and
-weight updates from disk, by NCCL broadcast or by CUDA IPC. Every request is one route of 0.5.23's
+weight updates from disk, by NCCL broadcast or by CUDA IPC, or for a LoRA job (`model.lora`) each
+version as a LoRA adapter over the unchanged base model. Every request is one route of 0.5.23's
 `http_server.py` with a body of its `io_struct.py` request class, which
 `tests/contract/test_sglang_contract.py` checks against the installed package; behaviour is
 tested against `tests/integration/sglang_standin.py`, as no live SGLang runs where kuberl is
@@ -19,13 +20,13 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from kuberl.common.config import SGLangEngineConfig
+from kuberl.common.config import LoraConfig, SGLangEngineConfig
 from kuberl.common.logs import get_logger
 from kuberl.rollout.engine.base import (
     Completion,
@@ -46,6 +47,9 @@ SGLANG_VERSION = "0.5.23"
 # SGLang's "no top-k" (TOP_K_ALL in sglang/srt/sampling/sampling_params.py).
 TOP_K_ALL = 1 << 30
 _RETRY_STATUS = {429, 500, 502, 503, 504}
+#: Adapters one running batch may mix: the version being served and the one before it, whose
+#: last requests may still run (SGLang counts the base model as one when a request has none).
+LORA_ADAPTERS_PER_BATCH = 2
 
 
 def sampling_params_body(params: SamplingParams) -> dict[str, Any]:
@@ -76,9 +80,19 @@ def sampling_params_body(params: SamplingParams) -> dict[str, Any]:
     return body
 
 
-def generate_body(prompt: Sequence[int], params: SamplingParams, rid: str) -> dict[str, Any]:
+def _with_adapter(body: dict[str, Any], adapter: str | None) -> dict[str, Any]:
+    """`body` generating with the LoRA adapter `adapter` (SGLang's `lora_path` holds the name an
+    adapter was loaded under, not a path); None: the base model alone."""
+    if adapter is not None:
+        body["lora_path"] = adapter
+    return body
+
+
+def generate_body(
+    prompt: Sequence[int], params: SamplingParams, rid: str, adapter: str | None = None
+) -> dict[str, Any]:
     """The JSON body of one `POST /generate` for one sample (`params.n` is 1)."""
-    return {
+    body = {
         "rid": rid,
         "input_ids": list(prompt),
         "sampling_params": sampling_params_body(params),
@@ -86,6 +100,7 @@ def generate_body(prompt: Sequence[int], params: SamplingParams, rid: str) -> di
         "logprob_start_len": -1,
         "stream": False,
     }
+    return _with_adapter(body, adapter)
 
 
 def attempt_rid(rid: str, attempt: int, attempts: int) -> str:
@@ -103,23 +118,27 @@ def sample_rids(rid: str, n: int) -> list[str]:
     return [f"{rid}-s{j:0{width}d}" for j in range(n)]
 
 
-def prefix_body(prompt: Sequence[int], rid: str) -> dict[str, Any]:
+def prefix_body(prompt: Sequence[int], rid: str, adapter: str | None = None) -> dict[str, Any]:
     """A prefill-only `POST /generate`: SGLang computes the prompt's KV cache, keeps it in its
     radix cache and generates nothing. What 0.5.23 itself sends before parallel samples
     (`TokenizerManager._handle_batch_request`: a copy of the request with `max_new_tokens = 0`,
-    awaited before the samples are sent)."""
-    return {
+    awaited before the samples are sent). Under the samples' adapter: the radix cache keys a
+    prefix by adapter too."""
+    body = {
         "rid": f"{rid}-prefix",
         "input_ids": list(prompt),
         "sampling_params": {"max_new_tokens": 0},
         "stream": False,
     }
+    return _with_adapter(body, adapter)
 
 
-def group_body(prompt: Sequence[int], params: SamplingParams, rids: list[str]) -> dict[str, Any]:
+def group_body(
+    prompt: Sequence[int], params: SamplingParams, rids: list[str], adapter: str | None = None
+) -> dict[str, Any]:
     """One `POST /generate` for a group: a batch of `len(rids)` copies of the prompt, one sample
     each. Sent after `prefix_body`, every copy finds the prompt in the prefix cache."""
-    return {
+    body = {
         "rid": rids,
         "input_ids": [list(prompt)] * len(rids),
         "sampling_params": sampling_params_body(params.with_(n=1)),
@@ -127,10 +146,50 @@ def group_body(prompt: Sequence[int], params: SamplingParams, rids: list[str]) -
         "logprob_start_len": -1,
         "stream": False,
     }
+    return _with_adapter(body, adapter)
 
 
-def launch_command(config: SGLangEngineConfig, model_path: str, host: str, port: int) -> list[str]:
-    """`python -m sglang.launch_server ...` for a server this replica starts itself."""
+def lora_launch_args(lora: LoraConfig) -> list[str]:
+    """launch_server flags that let SGLang take the job's adapters at run time: LoRA on, memory
+    for adapters of up to the job's rank on its target modules (no adapter is loaded at launch:
+    every version, the first included, comes by `/load_lora_adapter`)."""
+    return [
+        "--enable-lora",
+        "--max-lora-rank",
+        str(lora.rank),
+        "--lora-target-modules",
+        *lora.target_modules,
+        "--max-loras-per-batch",
+        str(LORA_ADAPTERS_PER_BATCH),
+    ]
+
+
+def adapter_name(session: str, version: int) -> str:
+    """The name a version's adapter is loaded under: unique per engine session, so a replica
+    restarted on the same server never collides with what its predecessor loaded."""
+    return f"kuberl-{session}-v{version}"
+
+
+def load_adapter_body(name: str, folder: Path) -> dict[str, Any]:
+    """Body of `POST /load_lora_adapter`: the adapter in PEFT's saved format, at a path the
+    server reads (absolute: the server resolves a relative one against its own directory)."""
+    return {"lora_name": name, "lora_path": str(folder.absolute())}
+
+
+def unload_adapter_body(name: str) -> dict[str, Any]:
+    """Body of `POST /unload_lora_adapter`."""
+    return {"lora_name": name}
+
+
+def launch_command(
+    config: SGLangEngineConfig,
+    model_path: str,
+    host: str,
+    port: int,
+    lora: LoraConfig | None = None,
+) -> list[str]:
+    """`python -m sglang.launch_server ...` for a server this replica starts itself (LoRA on
+    when the job trains adapters; `launch_args` come last, so they override)."""
     cmd = [
         sys.executable,
         "-m",
@@ -146,11 +205,19 @@ def launch_command(config: SGLangEngineConfig, model_path: str, host: str, port:
         "--mem-fraction-static",
         str(config.mem_fraction_static),
     ]
+    if lora is not None:
+        cmd += lora_launch_args(lora)
     return cmd + list(config.launch_args)
 
 
-def parse_generate_response(item: dict[str, Any], fallback_version: int) -> Completion:
-    """One element of a /generate answer as a Completion; EngineError if it is malformed."""
+def parse_generate_response(
+    item: dict[str, Any], fallback_version: int, *, adapter_version: int | None = None
+) -> Completion:
+    """One element of a /generate answer as a Completion; EngineError if it is malformed.
+
+    `adapter_version`: the request ran under that version's LoRA adapter, which stamps it whole
+    (an adapter never changes under a request); the server's own versions then describe the
+    base model, which LoRA jobs never update."""
     try:
         meta = item["meta_info"]
         token_ids = [int(t) for t in item.get("output_ids") or []]
@@ -177,7 +244,9 @@ def parse_generate_response(item: dict[str, Any], fallback_version: int) -> Comp
     parsed = [_version(s.get("version")) for s in spans if isinstance(s, dict)]
     versions = [v for v in parsed if v is not None]
     current = _version(meta.get("weight_version"))
-    if not versions:
+    if adapter_version is not None:
+        versions = [adapter_version]
+    elif not versions:
         versions = [current if current is not None else fallback_version]
     start, end = versions[0], versions[-1]
     return Completion(
@@ -224,7 +293,7 @@ def _message(response: httpx.Response) -> str:
             return str(error.get("message", error))
         if error is not None:
             return str(error)
-        for key in ("message", "detail"):
+        for key in ("message", "error_message", "detail"):
             if key in data:
                 return str(data[key])
     return str(data)[:500]
@@ -233,7 +302,12 @@ def _message(response: httpx.Response) -> str:
 class SGLangEngine(Engine):
     """Drives one SGLang server over HTTP. A bucketed update (broadcast, CUDA IPC) that fails
     after loading began leaves the server holding part of a version (`_torn`): it then stays
-    paused and `generate` refuses until a whole version loads (weight-sync's catch-up)."""
+    paused and `generate` refuses until a whole version loads (weight-sync's catch-up).
+
+    With `lora` (the job's `model.lora`) the server keeps its base weights and each version is
+    a LoRA adapter (`load_adapter`): a request runs under the adapter current when it started,
+    which stamps its version, and an adapter replaced by a newer one is unloaded once the last
+    request under it has ended."""
 
     kind = "sglang"
 
@@ -244,8 +318,10 @@ class SGLangEngine(Engine):
         model_path: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         version: int = 0,
+        lora: LoraConfig | None = None,
     ) -> None:
         self.config = config
+        self.lora = lora
         self.url = config.url.rstrip("/")
         self.model_path = model_path
         self._transport = transport
@@ -261,6 +337,13 @@ class SGLangEngine(Engine):
         self._running: dict[str, set[str]] = {}
         self._ids = itertools.count()
         self._session = uuid.uuid4().hex[:8]
+        #: LoRA: the adapter new requests run under (None: the base model, before version 1),
+        #: how many requests run under each adapter, the replaced ones not unloaded yet, and
+        #: the unloads under way.
+        self._adapter: str | None = None
+        self._adapter_users: dict[str, int] = {}
+        self._retired: set[str] = set()
+        self._unloads: set[asyncio.Task[None]] = set()
 
     @property
     def version(self) -> int:
@@ -373,7 +456,9 @@ class SGLangEngine(Engine):
             if not self.model_path:
                 raise EngineError("sglang.launch needs the model path")
             url = httpx.URL(self.url)
-            cmd = launch_command(self.config, self.model_path, url.host, url.port or 30000)
+            cmd = launch_command(
+                self.config, self.model_path, url.host, url.port or 30000, self.lora
+            )
             log.info("sglang.launch", command=" ".join(cmd))
             self._process = subprocess.Popen(cmd)
         deadline = time.monotonic() + self.config.startup_timeout_seconds
@@ -392,6 +477,8 @@ class SGLangEngine(Engine):
                     f"{self.config.startup_timeout_seconds:.0f}s"
                 )
             await asyncio.sleep(1.0)
+        if self.lora is not None and not self.config.launch:
+            await self._drop_stale_adapters()
         log.info("sglang.ready", url=self.url, version=self._version)
 
     async def _recover(self) -> bool:
@@ -428,6 +515,12 @@ class SGLangEngine(Engine):
                 await self.abort_all()
             except EngineError as exc:
                 log.warning("sglang.abort_on_close_failed", error=str(exc))
+        if self._adapter is not None and self._process is None:
+            # The server outlives this replica: it need not keep this session's adapter.
+            self._retire(self._adapter)
+            self._adapter = None
+        if self._unloads:
+            await asyncio.gather(*self._unloads, return_exceptions=True)
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -453,7 +546,7 @@ class SGLangEngine(Engine):
             self._paused,
             running_requests=len(self._running),
             queued_requests=0,
-            extra={"url": self.url},
+            extra={"url": self.url, "lora_adapter": self._adapter or ""},
         )
 
     # -- generation ------------------------------------------------------------------------------
@@ -475,33 +568,45 @@ class SGLangEngine(Engine):
                 "the next whole version"
             )
         rid = self._new_rid()
-        submitted_version = self._version
+        # Under LoRA the adapter and its version change together, between two requests: every
+        # attempt of this one names the same adapter, which stays loaded until it ends.
+        submitted_version, adapter = self._version, self._adapter
         self._running[rid] = set()
+        self._hold(adapter)
         try:
             if params.n == 1:
-                answer = await self._post_generate(rid, lambda r: generate_body(prompt, params, r))
+                answer = await self._post_generate(
+                    rid, lambda r: generate_body(prompt, params, r, adapter)
+                )
             else:
-                answer = await self._generate_group(prompt, params, rid)
+                answer = await self._generate_group(prompt, params, rid, adapter)
         finally:
             self._running.pop(rid, None)
+            self._release(adapter)
         items = answer if isinstance(answer, list) else [answer]
         if len(items) != params.n or not all(isinstance(i, dict) for i in items):
             raise EngineError(
                 f"/generate {rid}: expected {params.n} sample(s), got {len(items)} item(s)"
             )
-        return [parse_generate_response(item, submitted_version) for item in items]
+        stamp = submitted_version if self.lora is not None else None
+        return [
+            parse_generate_response(item, submitted_version, adapter_version=stamp)
+            for item in items
+        ]
 
-    async def _generate_group(self, prompt: Sequence[int], params: SamplingParams, rid: str) -> Any:
+    async def _generate_group(
+        self, prompt: Sequence[int], params: SamplingParams, rid: str, adapter: str | None
+    ) -> Any:
         """n > 1 samples of one prompt as SGLang's parallel sampling runs them (prefill the prompt
         once, then the samples on its cached prefix), but under rids a timeout can abort: 0.5.23
         gives parallel samples fresh uuid rids (`regenerate_rid`) and drops the request's own
         from its table, so `/abort_request` with it reaches nothing."""
-        answer = await self._post_generate(rid, lambda r: prefix_body(prompt, r))
+        answer = await self._post_generate(rid, lambda r: prefix_body(prompt, r, adapter))
         if _aborted(answer):
             # Aborted (a pause, a drain) before any sample started: so is the group.
             return [answer] * params.n
         return await self._post_generate(
-            rid, lambda r: group_body(prompt, params, sample_rids(r, params.n))
+            rid, lambda r: group_body(prompt, params, sample_rids(r, params.n), adapter)
         )
 
     async def _post_generate(self, rid: str, body_for: Callable[[str], dict[str, Any]]) -> Any:
@@ -756,3 +861,106 @@ class SGLangEngine(Engine):
         for old in target.parent.glob("v*"):
             if old != target and old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
+
+    # -- LoRA adapters ---------------------------------------------------------------------------
+
+    async def load_adapter(self, tensors: Mapping[str, Any], version: int) -> None:
+        """Serve `version`, the job's LoRA adapter as weight-sync delivers it (adapter tensors
+        only, named as in the PEFT-injected model): write it in PEFT's saved format under
+        `snapshot_dir` (a folder the server reads at the same path), load it under a name of its
+        own with `/load_lora_adapter`, then send new requests to it. The adapter it replaces is
+        unloaded, and its folder deleted, once no request runs under it."""
+        from kuberl.common.lora import is_adapter_tensor, save_adapter
+
+        if self.lora is None:
+            raise EngineRejected(
+                f"version {version} is a LoRA adapter but this engine serves full weights "
+                "(model.lora is not set for the rollout service)"
+            )
+        foreign = sorted(n for n in tensors if not is_adapter_tensor(n))
+        if foreign or not tensors:
+            raise EngineRejected(
+                f"version {version}: with model.lora set, a version carries LoRA adapter tensors "
+                f"only, but this one has {len(foreign)} other tensor(s) of {len(tensors)} "
+                f"({', '.join(foreign[:3])}): is the trainer running with the same model.lora?"
+            )
+        name = adapter_name(self._session, version)
+        folder = Path(self.config.snapshot_dir) / name
+        # Blocking file writes of a few MB, off the event loop that serves generation.
+        await asyncio.to_thread(
+            save_adapter, folder, list(tensors.items()), self.lora, self.model_path
+        )
+        try:
+            # Not retried: a load whose answer was lost would be refused as "already loaded".
+            await self.call(
+                "POST", "/load_lora_adapter", load_adapter_body(name, folder), retry=False
+            )
+        except EngineError:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        previous, self._adapter, self._version = self._adapter, name, version
+        if previous is not None:
+            self._retire(previous)
+        log.info("sglang.adapter_loaded", adapter=name, version=version)
+
+    async def _drop_stale_adapters(self) -> None:
+        """Unload, with their folders, the adapters an earlier replica left on a server it did
+        not launch (kuberl's names of another session): one that died never unloaded its last.
+        SGLang lists loaded adapters in `/v1/models` as cards with a `parent` (the base)."""
+        try:
+            listing = await self.call("GET", "/v1/models", timeout=30.0)
+        except EngineError as exc:
+            log.warning("sglang.adapters_not_listed", url=self.url, error=str(exc))
+            return
+        cards = listing.get("data") if isinstance(listing, dict) else None
+        ours = f"kuberl-{self._session}-"
+        stale = [
+            str(card["id"])
+            for card in cards or []
+            if isinstance(card, dict)
+            and card.get("parent")
+            and str(card.get("id", "")).startswith("kuberl-")
+            and not str(card["id"]).startswith(ours)
+        ]
+        if stale:
+            log.info("sglang.stale_adapters", url=self.url, adapters=stale)
+        await asyncio.gather(*(self._unload(name) for name in stale))
+
+    def _hold(self, adapter: str | None) -> None:
+        if adapter is not None:
+            self._adapter_users[adapter] = self._adapter_users.get(adapter, 0) + 1
+
+    def _release(self, adapter: str | None) -> None:
+        if adapter is None:
+            return
+        left = self._adapter_users[adapter] - 1
+        if left:
+            self._adapter_users[adapter] = left
+            return
+        del self._adapter_users[adapter]
+        if adapter in self._retired:
+            self._unload_soon(adapter)
+
+    def _retire(self, adapter: str) -> None:
+        """No new request goes to `adapter`; unload it once none runs under it. (SGLang's own
+        unload would wait for them too, but a retried attempt naming it later would make
+        SGLang load it again from its folder.)"""
+        self._retired.add(adapter)
+        if adapter not in self._adapter_users:
+            self._unload_soon(adapter)
+
+    def _unload_soon(self, adapter: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._unload(adapter))
+        self._unloads.add(task)
+        task.add_done_callback(self._unloads.discard)
+
+    async def _unload(self, adapter: str) -> None:
+        try:
+            await self.call("POST", "/unload_lora_adapter", unload_adapter_body(adapter))
+        except EngineError as exc:
+            # Left loaded: SGLang evicts it from GPU memory when slots run short (LRU).
+            log.warning("sglang.adapter_unload_failed", adapter=adapter, error=str(exc))
+        finally:
+            self._retired.discard(adapter)
+            folder = Path(self.config.snapshot_dir) / adapter
+            await asyncio.to_thread(shutil.rmtree, folder, True)

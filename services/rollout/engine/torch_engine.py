@@ -6,7 +6,9 @@ with its own parameters and recording the logprob of the sampled token; finished
 pruned from the cache. It is static batching with pruning, not continuous batching: a new
 request waits for the current batch. Weights arrive in this process from
 `kuberl.common.weights.EngineClient` (`load_weights`), so the engine joins no broadcast group
-itself. Its behaviour and how it is tested: docs/rollout.md, "torch".
+itself. With `model.lora` the model carries the job's adapters (`kuberl.common.lora.inject`, as
+the trainer's) and a version is adapter tensors only, applied in place over the unchanged base.
+Its behaviour and how it is tested: docs/rollout.md, "torch".
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from typing import Any
 
 import torch
 
-from kuberl.common import metrics
+from kuberl.common import lora, metrics
+from kuberl.common.config import LoraConfig
 from kuberl.common.logs import get_logger
 from kuberl.rollout.engine.base import (
     Completion,
@@ -157,7 +160,10 @@ class TorchEngine(Engine):
         seed: int = 0,
         version: int = 0,
         batch_wait_seconds: float = 0.005,
+        adapters: LoraConfig | None = None,
     ) -> None:
+        #: `model.lora`: the model's adapters are what versions load (`inject` them first).
+        self.adapters = adapters
         self.model = model.eval()
         self.batch_wait_seconds = batch_wait_seconds
         self.tokenizer = tokenizer
@@ -197,8 +203,10 @@ class TorchEngine(Engine):
         attn_implementation: str = "sdpa",
         version: int = 0,
         batch_wait_seconds: float = 0.005,
+        adapters: LoraConfig | None = None,
     ) -> TorchEngine:
-        """Load a local HF model folder (weights + tokenizer); nothing is downloaded."""
+        """Load a local HF model folder (weights + tokenizer); nothing is downloaded. With
+        `adapters` (`model.lora`) the job's LoRA adapters are injected over it."""
         from transformers import AutoModelForCausalLM
 
         from kuberl.common.modelbuild import load_tokenizer
@@ -210,6 +218,8 @@ class TorchEngine(Engine):
             attn_implementation=attn_implementation,
             local_files_only=True,
         )
+        if adapters is not None:
+            lora.inject(model, adapters)
         return cls(
             model.to(device),
             tokenizer,
@@ -217,6 +227,7 @@ class TorchEngine(Engine):
             seed=seed,
             version=version,
             batch_wait_seconds=batch_wait_seconds,
+            adapters=adapters,
         )
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -343,6 +354,15 @@ class TorchEngine(Engine):
             raise EngineRejected(
                 f"weights of version {version} are older than the loaded version {self._version}"
             )
+        if self.adapters is not None:
+            base = [name for name, _ in items if not lora.is_adapter_tensor(name)]
+            if base:
+                raise EngineRejected(
+                    f"cannot load version {version}: this engine applies model.lora's "
+                    "adapters over its base model and loads adapter tensors only (lora_A, "
+                    f"lora_B), but the version has {len(base)} others, e.g. {base[:3]}; "
+                    "publish from a trainer with the same model.lora"
+                )
         state = self.model.state_dict(keep_vars=True)
         unknown = [name for name, _ in items if name not in state]
         wrong = [
@@ -371,8 +391,13 @@ class TorchEngine(Engine):
         return len(items)
 
     async def update_weights_from_disk(self, path: str, version: int) -> None:
+        """An HF folder's safetensors, or with `model.lora` an adapter folder PEFT saved."""
         from safetensors.torch import load_file
 
+        if self.adapters is not None and (Path(path) / lora.ADAPTER_CONFIG_FILE).exists():
+            adapter = await asyncio.to_thread(lora.load_adapter, Path(path))
+            await self.load_weights(adapter, version)
+            return
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
             raise EngineRejected(f"no *.safetensors file in {path}")
