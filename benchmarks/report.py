@@ -59,6 +59,9 @@ BENCHMARKS: dict[str, list[str]] = {
     "weight_sync": [],
     "lora_sync": [],
     "scale": [],
+    # Runs only the seeded runs docs/staleness-experiments.jsonl lacks (about 2 min each), then
+    # summarises them all.
+    "staleness": ["--seeds", "8"],
     "trainer_mfu": [],
 }
 
@@ -258,6 +261,32 @@ def rows_epoch_queue(r: dict[str, Any]) -> list[Row]:
             _yes(r.get("goal_met")),
         )
     ]
+
+
+def rows_staleness(r: dict[str, Any]) -> list[Row]:
+    arms = r["arms"]
+    base = arms.get("s0")
+    if not base:
+        return []
+    out = []
+    for name, arm in arms.items():
+        diff = arm.get("vs_on_policy", {}).get("final_accuracy")
+        if not diff:
+            continue
+        stderr = diff.get("stderr")
+        spread = f" ± {stderr:.3f}" if stderr is not None else ""
+        out.append(
+            Row(
+                f"staleness: final held-out accuracy at equal samples, {name} "
+                f"({diff['pairs']} seeded pairs)",
+                f"{arm['final_accuracy']['median']:.3f} (median)",
+                f"{base['final_accuracy']['median']:.3f} (on-policy, s0)",
+                f"{diff['mean']:+.3f}{spread} (paired difference)",
+                "within ±0.005" if name == "s1" else "-",
+                _yes(r.get("goal_met")) if name == "s1" else "-",
+            )
+        )
+    return out
 
 
 def rows_put_encoding(r: dict[str, Any]) -> list[Row]:
@@ -530,6 +559,7 @@ ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "reward_throughput": rows_reward_throughput,
     "buffer_throughput": rows_buffer_throughput,
     "epoch_queue": rows_epoch_queue,
+    "staleness": rows_staleness,
     "put_encoding": rows_put_encoding,
     "weight_sync": rows_weight_sync,
     "lora_sync": rows_lora_sync,

@@ -357,7 +357,7 @@ class Supervisor:
         """Each process's identity for the run (kuberl.common.roles): a token of its own, and
         the servers' identity file. Under `tls.roles` the certificates name them instead."""
         assert self.config is not None
-        if self.config.tls.roles:
+        if self.config.tls.roles or not self.local.roles:
             return
         names = dict(SECTIONS)
         names.update({name: f"rollout/{name}" for name in replica_names})

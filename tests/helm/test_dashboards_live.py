@@ -75,7 +75,13 @@ def _job(workdir: Path) -> Path:
     """A job `kuberl run` finishes in seconds per step: tiny model, two samples per prompt."""
     columns = {"prompt": "question", "answer": "answer"}
     job: dict[str, Any] = {
-        "job": {"name": "dashboards", "seed": 1, "run_dir": str(workdir / "runs")},
+        # The probes below call as any role (an engine of their own, a stranger's lease).
+        "job": {
+            "name": "dashboards",
+            "seed": 1,
+            "run_dir": str(workdir / "runs"),
+            "local": {"roles": False},
+        },
         "model": {"build": {"arch": "qwen2", "size": "tiny", "tokenizer": "digits"}},
         "data": {
             "train": [{"path": str(DATA), "columns": columns, "limit": 48}],

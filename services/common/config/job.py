@@ -53,6 +53,12 @@ class LocalModeConfig(Section):
         "(a locally built model is random until its warm start, and adapters over random "
         "weights learn little); RL then trains adapters over its export.",
     )
+    roles: bool = Field(
+        True,
+        description="Give each process of the run its own role token and check every "
+        "restricted call against it (docs/security.md). false: every local caller has every "
+        "role, as with services started by hand (a harness that calls them as any role).",
+    )
 
 
 class JobMeta(Section):
