@@ -342,10 +342,13 @@ class Supervisor:
     def _write_job(self, doc: dict[str, Any], name: str = "job.yaml") -> Path:
         config = parse_job_config(doc, env={}, source=name)  # every value we set is checked
         path = self.run_dir / name
-        path.write_text(
+        # Written aside and renamed: services and watchers read it while the job starts.
+        partial = path.with_name(f".{name}.partial")
+        partial.write_text(
             "# Written by `kuberl run`: the job as the services read it (see docs/local.md).\n"
             + dump_job_config(config)
         )
+        partial.replace(path)
         return path
 
     @property

@@ -227,6 +227,16 @@ class Reporter:
             version=version,
             **{k: round(v, 5) for k, v in metrics.items() if k in _LOGGED},
         )
+        # The trackers are handed a step before metrics.jsonl has it: a line there means
+        # every tracker had the step (what `kuberl` and the tests watch).
+        if self.tracking is not None:
+            trained = step if trained is None else trained
+            values = {**metrics, "step": step, "policy_version": version}
+            if kind == "sft":  # a warm-up shares its RL job's runs and names: kept apart
+                values = {f"sft/{k}": v for k, v in values.items()}
+            self.tracking.metrics(values, trained)
+            if batch is not None:
+                self.tracking.train_samples(batch, trained)
         self.write(
             {
                 "kind": kind,
@@ -236,14 +246,6 @@ class Reporter:
                 **metrics,
             }
         )
-        if self.tracking is not None:
-            trained = step if trained is None else trained
-            values = {**metrics, "step": step, "policy_version": version}
-            if kind == "sft":  # a warm-up shares its RL job's runs and names: kept apart
-                values = {f"sft/{k}": v for k, v in values.items()}
-            self.tracking.metrics(values, trained)
-            if batch is not None:
-                self.tracking.train_samples(batch, trained)
 
     def eval(
         self, result: dict[str, float], round_: int, step: int, groups: list[Group], trained: int
