@@ -39,6 +39,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -54,12 +55,13 @@ from kuberl.common.roles import IdentitySource, identity_source, require_instanc
 from kuberl.common.server import Service
 from kuberl.common.weights.chunks import ChunkReceiver, CorruptSnapshot, Pacer, iter_chunks
 from kuberl.common.weights.manifest import Manifest
-from kuberl.common.weights.transports import transport_name, transport_value
-from kuberl.common.weights.transports.broadcast import BroadcastSender
-from kuberl.common.weights.transports.cuda_ipc import gpu_uuid, split_cuda_ipc
+from kuberl.common.weights.transports.names import transport_name, transport_value
 from kuberl.weight_sync.registry import Assignment, Engine, Registry
 from kuberl.weight_sync.relay import SERVICE, Relay
 from kuberl.weight_sync.store import DigestMismatch, StoredVersion, VersionStore
+
+if TYPE_CHECKING:
+    from kuberl.common.weights.transports.broadcast import BroadcastSender
 
 log = get_logger(__name__)
 
@@ -224,6 +226,8 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
                 bytes=restored.manifest.total_bytes, tensors=len(restored.manifest.entries),
             )  # fmt: skip
         if pb.TRANSPORT_NCCL in self.offered and self.config.device.startswith("cuda"):
+            from kuberl.common.weights.transports.cuda_ipc import gpu_uuid
+
             self.relay_gpu = gpu_uuid(self.config.device)
             if not self.relay_gpu:
                 log.warning("weight_sync.no_cuda", device=self.config.device, nccl="off")
@@ -620,6 +624,8 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             )
         ipc_sets = []
         if cuda_ipc_handles:
+            from kuberl.common.weights.transports.cuda_ipc import split_cuda_ipc
+
             try:
                 ipc_sets = split_cuda_ipc(cuda_ipc_handles, manifest)
                 if ipc_sets[0].gpu_uuid != announced.gpu_uuid:
@@ -772,6 +778,8 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
             # Empty: the address the engine already talks to (right behind a Kubernetes Service).
             instruction.snapshot_endpoint = source or self.address
         elif transport in (pb.TRANSPORT_GLOO, pb.TRANSPORT_NCCL):
+            from kuberl.common.weights.transports.broadcast import BroadcastSender
+
             nccl = transport == pb.TRANSPORT_NCCL
             sender = BroadcastSender(
                 backend="nccl" if nccl else "gloo",
@@ -804,10 +812,12 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         self.store.pin(stored)
 
         def run() -> None:
+            import torch
+
             started = time.monotonic()
             error = ""
             try:
-                sender.send(stored.manifest, stored.flat)
+                sender.send(stored.manifest, torch.from_numpy(stored.flat))
             except Exception as exc:  # a dead or slow peer: only this engine's update fails
                 error = f"{type(exc).__name__}: {exc}"
             seconds = time.monotonic() - started
@@ -1004,7 +1014,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         chunk_bytes = min(
             max(request.chunk_bytes or self.config.snapshot_chunk_bytes, 64 * 1024), limit
         )
-        flat = stored.flat.numpy()
+        flat = stored.flat
         started = time.monotonic()
 
         def pieces() -> Iterator[memoryview]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 from google.protobuf import json_format
 from pydantic import BaseModel, Field, ValidationError
 
@@ -46,9 +46,9 @@ log = get_logger(__name__)
 _HASH_PIECE = 64 * 1024 * 1024
 
 
-def payload_sha256(flat: torch.Tensor) -> str:
+def payload_sha256(flat: np.ndarray) -> str:
     """SHA-256 of a flat uint8 payload, the digest the trainer's upload carries."""
-    data = flat.numpy().data
+    data = flat.data
     sha = hashlib.sha256()
     for at in range(0, len(data), _HASH_PIECE):
         sha.update(data[at : at + _HASH_PIECE])
@@ -83,7 +83,7 @@ class Segment:
     #: serve from it in place, unknown to this one, so it is deleted once pruned, never rewritten.
     recycle: bool = True
     _map_key: tuple[int, int, int] | None = None
-    _flat: torch.Tensor | None = None
+    _flat: np.ndarray | None = None
 
     @property
     def free(self) -> bool:
@@ -94,20 +94,21 @@ class Segment:
         """Where the seal record of the version in this segment is kept."""
         return Path(self.path).with_suffix(".json")
 
-    def mapped(self) -> torch.Tensor:
-        """The whole file as a flat uint8 tensor over one mapping, kept while the file stays."""
+    def mapped(self) -> np.ndarray:
+        """The whole file as a flat uint8 array over one mapping, kept while the file stays."""
         st = os.stat(self.path)
         key = (st.st_dev, st.st_ino, st.st_size)
         if self._flat is None or self._map_key != key:
             self._flat = None
             if st.st_size:
                 with open(self.path, "rb") as f:
-                    # A private mapping is writable for torch; the service never writes, so it
-                    # shares the file's pages and sees them rewritten in place.
+                    # A private mapping is writable, which torch wants of a broadcast's
+                    # tensor; the service never writes, so it shares the file's pages and
+                    # sees them rewritten in place.
                     mapping = mmap.mmap(f.fileno(), st.st_size, access=mmap.ACCESS_COPY)
-                self._flat = torch.frombuffer(mapping, dtype=torch.uint8)
+                self._flat = np.frombuffer(mapping, dtype=np.uint8)
             else:
-                self._flat = torch.empty(0, dtype=torch.uint8)
+                self._flat = np.empty(0, dtype=np.uint8)
             self._map_key = key
         return self._flat
 
@@ -117,8 +118,8 @@ class StoredVersion:
     version: int
     manifest: Manifest
     path: str
-    #: The payload as a flat uint8 tensor over the segment's mapping (no copy).
-    flat: torch.Tensor
+    #: The payload as a flat uint8 array over the segment's mapping (no copy).
+    flat: np.ndarray
     segment: Segment
     #: CUDA IPC handle sets the trainer exported for colocated engines, each given to one engine
     #: (`kuberl.common.weights.transports.cuda_ipc.CudaIpcSet`), and where they can be opened.
@@ -230,7 +231,7 @@ class VersionStore:
             )
         flat = segment.mapped()[: manifest.total_bytes]
         if sha256:
-            digest = hashlib.sha256(flat.numpy().data).hexdigest()
+            digest = hashlib.sha256(flat.data).hexdigest()
             if digest != sha256:
                 raise DigestMismatch(f"version {version}: SHA-256 {digest} != {sha256}")
         segment.writing, segment.version = 0, version

@@ -145,3 +145,10 @@ def test_a_consistent_but_wrong_payload_fails_the_final_sha256() -> None:
     chunks[-1].sha256 = "0" * 64
     with pytest.raises(CorruptSnapshot, match="SHA-256 mismatch"):
         _receive(chunks)
+
+
+def test_every_syncable_dtype_has_torchs_element_size() -> None:
+    from kuberl.common.weights.manifest import ITEMSIZES, SAFETENSORS_DTYPES, torch_dtype
+
+    assert set(ITEMSIZES) == set(SAFETENSORS_DTYPES)
+    assert {n: torch_dtype(n).itemsize for n in ITEMSIZES} == ITEMSIZES

@@ -176,7 +176,7 @@ def test_a_reopened_store_takes_back_its_newest_sealed_version_bit_identical(
     reopened = VersionStore(tmp_path / "store", retain=2, restore=True)
     latest = reopened.latest()
     assert latest is not None
-    assert (latest.version, bytes(latest.flat.numpy())) == (2, bytes([2]) * 4 * KB)
+    assert (latest.version, bytes(latest.flat)) == (2, bytes([2]) * 4 * KB)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped_byte", "garbled_record"])

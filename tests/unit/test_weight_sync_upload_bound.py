@@ -81,7 +81,7 @@ def test_an_upload_past_the_configured_cap_is_refused_at_the_crossing_chunk_keep
         assert latest is not None
         retried = await service.Publish(announce, None)  # type: ignore[arg-type]
         await service.stop()
-        return refused, latest.version, latest.flat.numpy().tobytes(), retried.version
+        return refused, latest.version, latest.flat.tobytes(), retried.version
 
     refused, current, held, retried = asyncio.run(scenario())
     # Refused at the ninth 1 KiB chunk, the one that would cross 8 KiB; v1 untouched, and v2

@@ -81,20 +81,67 @@ Lower level: `Manifest` / `ManifestBuilder` (bucket layout, SGLang's flattened_b
 `safetensors_header(manifest)` (header + payload = a .safetensors file).
 """
 
-from kuberl.common.weights.chunks import CorruptSnapshot
-from kuberl.common.weights.engine import ApplyFn, EngineClient, LoadFn
-from kuberl.common.weights.manifest import (
-    Manifest,
-    ManifestBuilder,
-    TensorEntry,
-    dtype_name,
-    plan,
-    safetensors_header,
-    torch_dtype,
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kuberl.common.weights.chunks import CorruptSnapshot
+    from kuberl.common.weights.engine import ApplyFn, EngineClient, LoadFn
+    from kuberl.common.weights.manifest import (
+        Manifest,
+        ManifestBuilder,
+        TensorEntry,
+        dtype_name,
+        plan,
+        safetensors_header,
+        torch_dtype,
+    )
+    from kuberl.common.weights.publisher import PublishResult, VersionConflict, WeightPublisher
+    from kuberl.common.weights.transports import make_receiver
+    from kuberl.common.weights.transports.snapshot import download_snapshot
+
+
+def lazy_exports(package: str, exports: Mapping[str, str]) -> Callable[[str], Any]:
+    """A package's `__getattr__` (PEP 562) importing each name from its module on first use:
+    the weight-sync service reads manifests and chunks without the torch that the engine and
+    publisher modules import."""
+
+    def __getattr__(name: str) -> Any:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{package}.{module}"), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    return __getattr__
+
+
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "ApplyFn": "engine",
+        "CorruptSnapshot": "chunks",
+        "EngineClient": "engine",
+        "LoadFn": "engine",
+        "Manifest": "manifest",
+        "ManifestBuilder": "manifest",
+        "PublishResult": "publisher",
+        "TensorEntry": "manifest",
+        "VersionConflict": "publisher",
+        "WeightPublisher": "publisher",
+        "download_snapshot": "transports.snapshot",
+        "dtype_name": "manifest",
+        "make_receiver": "transports",
+        "plan": "manifest",
+        "safetensors_header": "manifest",
+        "torch_dtype": "manifest",
+    },
 )
-from kuberl.common.weights.publisher import PublishResult, VersionConflict, WeightPublisher
-from kuberl.common.weights.transports import make_receiver
-from kuberl.common.weights.transports.snapshot import download_snapshot
 
 __all__ = [
     "ApplyFn",

@@ -15,10 +15,12 @@ import math
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
+
+if TYPE_CHECKING:
+    import torch
 
 #: dtype name on the wire (torch's name without "torch.") -> safetensors' name.
 SAFETENSORS_DTYPES = {
@@ -35,6 +37,22 @@ SAFETENSORS_DTYPES = {
     "float8_e4m3fn": "F8_E4M3",
     "float8_e5m2": "F8_E5M2",
 }
+#: Bytes per element of each dtype above: a manifest is checked without importing torch (the
+#: weight-sync service never builds a tensor).
+ITEMSIZES = {
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -45,10 +63,18 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+def itemsize(name: str) -> int:
+    """ "bfloat16" -> 2; ValueError naming the supported dtypes otherwise."""
+    if name not in ITEMSIZES:
+        raise ValueError(f"unknown dtype {name!r}; supported: {sorted(SAFETENSORS_DTYPES)}")
+    return ITEMSIZES[name]
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """ "bfloat16" -> torch.bfloat16; ValueError naming the supported dtypes otherwise."""
-    if name not in SAFETENSORS_DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; supported: {sorted(SAFETENSORS_DTYPES)}")
+    import torch
+
+    itemsize(name)
     dtype = getattr(torch, name)
     assert isinstance(dtype, torch.dtype)
     return dtype
@@ -102,6 +128,8 @@ class Manifest:
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Named tensors over a flat uint8 payload [total_bytes]: views where the byte offset is
         aligned for the dtype, copies otherwise (torch cannot view unaligned memory)."""
+        import torch
+
         if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() != self.total_bytes:
             raise ValueError(
                 f"payload must be a flat uint8 tensor of {self.total_bytes} bytes, got "
@@ -146,10 +174,10 @@ class Manifest:
             if not spec.name or spec.name in names:
                 raise ValueError(f"{where}: names must be non-empty and unique")
             names.add(spec.name)
-            itemsize = torch_dtype(spec.dtype).itemsize
+            size = itemsize(spec.dtype)
             if any(d < 0 for d in spec.shape):
                 raise ValueError(f"{where}: negative dimension in shape {list(spec.shape)}")
-            expected = math.prod(spec.shape) * itemsize
+            expected = math.prod(spec.shape) * size
             if spec.nbytes != expected:
                 raise ValueError(f"{where}: nbytes {spec.nbytes} != {expected} for its shape/dtype")
             if spec.bucket == len(sizes):
@@ -208,12 +236,12 @@ class ManifestBuilder:
         if name in self._names:
             raise ValueError(f"tensor {name!r} given twice")
         dname = dtype if isinstance(dtype, str) else dtype_name(dtype)
-        itemsize = torch_dtype(dname).itemsize
-        nbytes = math.prod(shape) * itemsize
+        size = itemsize(dname)
+        nbytes = math.prod(shape) * size
         if (
             not self._sizes
             or (self._sizes[-1] and self._sizes[-1] + nbytes > self.bucket_bytes)
-            or self._sizes[-1] % itemsize
+            or self._sizes[-1] % size
         ):
             self._sizes.append(0)
         bucket, offset = len(self._sizes) - 1, self._sizes[-1]

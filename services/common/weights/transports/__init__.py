@@ -7,20 +7,25 @@ sending side needs. `make_receiver(transport)` is the factory the engine client 
 whatever `UpdateInstruction` the service sends.
 """
 
-from kuberl.common.weights.chunks import DEFAULT_CHUNK_BYTES
-from kuberl.common.weights.transports.base import (
-    TRANSPORT_NAMES,
-    Allocator,
-    BufferPool,
-    Receiver,
-    fresh_buffer,
-    transport_name,
-    transport_value,
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kuberl.common.weights import lazy_exports
+from kuberl.common.weights.transports.names import TRANSPORT_NAMES, transport_name, transport_value
+
+if TYPE_CHECKING:
+    from kuberl.common.weights.transports.base import (
+        Allocator,
+        BufferPool,
+        Receiver,
+        fresh_buffer,
+    )
+
+__getattr__ = lazy_exports(
+    __name__,
+    {"Allocator": "base", "BufferPool": "base", "Receiver": "base", "fresh_buffer": "base"},
 )
-from kuberl.common.weights.transports.broadcast import BroadcastReceiver
-from kuberl.common.weights.transports.cuda_ipc import CudaIpcReceiver
-from kuberl.common.weights.transports.shm import ShmReceiver
-from kuberl.common.weights.transports.snapshot import SnapshotReceiver
 
 __all__ = [
     "TRANSPORT_NAMES",
@@ -45,6 +50,12 @@ def make_receiver(
 ) -> Receiver:
     """The receiver for a transport name or `pb.Transport` value (`address`: the weight-sync
     service, for snapshots whose instruction names no other endpoint)."""
+    from kuberl.common.weights.chunks import DEFAULT_CHUNK_BYTES
+    from kuberl.common.weights.transports.broadcast import BroadcastReceiver
+    from kuberl.common.weights.transports.cuda_ipc import CudaIpcReceiver
+    from kuberl.common.weights.transports.shm import ShmReceiver
+    from kuberl.common.weights.transports.snapshot import SnapshotReceiver
+
     name = transport_name(transport_value(transport))
     if name in ("gloo", "nccl"):
         return BroadcastReceiver(device if name == "nccl" else "cpu")

@@ -1,4 +1,4 @@
-"""What every transport shares: the transport names, the `Receiver` interface and the buffer a
+"""What every transport shares: the `Receiver` interface and the buffer a
 receiver writes one version's flat payload into (`Allocator`; `BufferPool` double-buffers an
 engine so that nothing is allocated after the first two versions).
 """
@@ -14,32 +14,8 @@ import torch
 from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
 from kuberl.common.weights.manifest import Manifest
 
-TRANSPORT_NAMES: dict[str, int] = {
-    "nccl": pb.TRANSPORT_NCCL,
-    "gloo": pb.TRANSPORT_GLOO,
-    "cuda_ipc": pb.TRANSPORT_CUDA_IPC,
-    "snapshot": pb.TRANSPORT_SNAPSHOT,
-    "shm": pb.TRANSPORT_SHM,
-}
-_BY_VALUE: dict[int, str] = {v: k for k, v in TRANSPORT_NAMES.items()}
-
 #: `allocate(nbytes, device)`: the flat uint8 buffer a receiver writes one version into.
 Allocator = Callable[[int, str], torch.Tensor]
-
-
-def transport_value(name: str | int) -> int:
-    """ "gloo" -> pb.TRANSPORT_GLOO (ints pass through after a check)."""
-    if isinstance(name, int):
-        if name not in _BY_VALUE:
-            raise ValueError(f"unknown transport {name}")
-        return name
-    if name not in TRANSPORT_NAMES:
-        raise ValueError(f"unknown transport {name!r}; expected one of {sorted(TRANSPORT_NAMES)}")
-    return TRANSPORT_NAMES[name]
-
-
-def transport_name(value: int) -> str:
-    return _BY_VALUE.get(value, "unspecified")
 
 
 def fresh_buffer(nbytes: int, device: str) -> torch.Tensor:
