@@ -31,6 +31,7 @@ SERVING, so engines that register get it and `Publish` keeps refusing versions n
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import os
 import socket
@@ -207,6 +208,13 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        torch_transports = {pb.TRANSPORT_GLOO, pb.TRANSPORT_NCCL, pb.TRANSPORT_CUDA_IPC}
+        if torch_transports & set(self.offered):
+            # Their modules need torch: imported now, off the loop, rather than by the first
+            # update that uses them, which would stall every heartbeat for a second or two.
+            for module in ("broadcast", "cuda_ipc"):
+                name = f"kuberl.common.weights.transports.{module}"
+                await asyncio.to_thread(importlib.import_module, name)
         # Hashing what a crashed predecessor left takes ~1 s per GB: in a thread, while health
         # still says NOT_SERVING.
         self.store = await asyncio.to_thread(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +59,29 @@ def test_the_weights_package_still_exports_its_api_by_name() -> None:
     assert weights.EngineClient is EngineClient
     with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
         weights.Nothing  # noqa: B018
+
+
+def test_weight_sync_imports_torch_at_start_when_it_offers_a_broadcast(tmp_path: Path) -> None:
+    probe = (
+        "import asyncio, sys\n"
+        "from kuberl.common.config import parse_job_config\n"
+        "from kuberl.weight_sync.server import create_service\n"
+        "doc = {'job': {'name': 'probe'}, 'model': {'path': sys.argv[1]},\n"
+        "       'weight_sync': {'transports': sys.argv[2].split(','),\n"
+        "                       'snapshot_dir': sys.argv[1]}}\n"
+        "service = create_service(parse_job_config(doc, env={}, source='probe'))\n"
+        "async def main():\n"
+        "    await service.start()\n"
+        "    await service.stop()\n"
+        "asyncio.run(main())\n"
+        "print('torch' in sys.modules)\n"
+    )
+
+    def torch_after_start(transports: str) -> bool:
+        out = subprocess.run(
+            [sys.executable, "-c", probe, str(tmp_path), transports],
+            cwd=REPO, capture_output=True, text=True, check=True, timeout=120,
+        )  # fmt: skip
+        return out.stdout.strip().splitlines()[-1] == "True"
+
+    assert (torch_after_start("shm,snapshot"), torch_after_start("gloo,snapshot")) == (False, True)
