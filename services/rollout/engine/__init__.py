@@ -32,8 +32,9 @@ __all__ = [
 ]
 
 
-def create_engine(config: JobConfig, model_path: Path) -> Engine:
-    """The engine of `config.rollout.engine` serving the model at `model_path`."""
+def create_engine(config: JobConfig, model_path: Path, replica_id: str = "") -> Engine:
+    """The engine of `config.rollout.engine` serving the model at `model_path` for the rollout
+    replica `replica_id` (the simulated engine draws its own lengths per replica)."""
     engine = config.rollout.engine
     if engine.kind == "torch":
         import torch
@@ -56,7 +57,7 @@ def create_engine(config: JobConfig, model_path: Path) -> Engine:
     if engine.kind == "simulated":
         from kuberl.rollout.engine.simulated import SimulatedEngine
 
-        return SimulatedEngine(engine, seed=config.job.seed)
+        return SimulatedEngine(engine, seed=config.job.seed, stream=replica_id)
     from kuberl.rollout.engine.sglang import SGLangEngine
 
     return SGLangEngine(engine, model_path=str(model_path), lora=config.model.lora)
