@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -34,6 +33,7 @@ from kuberl.common import metrics
 from kuberl.common import tls as transport
 from kuberl.common.config import ServerConfig, TLSConfig
 from kuberl.common.errors import InvalidArgument, ServiceError, Unavailable
+from kuberl.common.files import write_atomic
 from kuberl.common.logs import get_logger
 from kuberl.common.roles import RoleCheck, identity_source
 
@@ -385,9 +385,7 @@ async def _leave_start_behind(executor: ThreadPoolExecutor) -> None:
 
 
 def _write_port_file(path: str, ports: dict[str, int]) -> None:
-    tmp = Path(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(ports))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(ports))
 
 
 async def serve(

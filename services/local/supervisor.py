@@ -36,6 +36,7 @@ from kuberl.common.config import (
     load_job_config,
     parse_job_config,
 )
+from kuberl.common.files import write_atomic
 from kuberl.common.logs import get_logger
 from kuberl.common.redis_server import PortReservation
 from kuberl.local.procs import (
@@ -342,13 +343,11 @@ class Supervisor:
     def _write_job(self, doc: dict[str, Any], name: str = "job.yaml") -> Path:
         config = parse_job_config(doc, env={}, source=name)  # every value we set is checked
         path = self.run_dir / name
-        # Written aside and renamed: services and watchers read it while the job starts.
-        partial = path.with_name(f".{name}.partial")
-        partial.write_text(
+        write_atomic(  # services and watchers read it while the job starts
+            path,
             "# Written by `kuberl run`: the job as the services read it (see docs/local.md).\n"
-            + dump_job_config(config)
+            + dump_job_config(config),
         )
-        partial.replace(path)
         return path
 
     @property

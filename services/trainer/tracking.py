@@ -30,6 +30,7 @@ from kuberl.common.config import (
     TrackerConfig,
     WandbTracking,
 )
+from kuberl.common.files import write_atomic
 from kuberl.common.logs import get_logger
 from kuberl.common.trajectory import Group
 from kuberl.trainer.batch import Batch
@@ -62,9 +63,7 @@ class Runs:
 
     def write(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".{RUNS_FILE}.tmp"
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, folder / RUNS_FILE)
+        write_atomic(folder / RUNS_FILE, json.dumps(asdict(self)))
 
 
 def warm_up_folder() -> Path | None:

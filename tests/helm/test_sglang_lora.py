@@ -46,3 +46,34 @@ def test_a_lora_job_gives_the_weight_sync_relay_no_gpu() -> None:
         return yaml.safe_load(config["data"]["job.yaml"])["weight_sync"].get("device")
 
     assert (device({}), device({"model": {"lora": {}}})) == ("cuda", None)
+
+
+@pytest.mark.parametrize(
+    ("extra", "names"),
+    [
+        (["--max-lora-rank", "64"], "job.model.lora.rank"),
+        (["--lora-target-modules=q_proj"], "job.model.lora.target_modules"),
+        (["--max-loras-per-batch", "1"], "two adapters per batch"),
+        (["--tp-size", "2"], "rollout.sglang.tpSize"),
+        (["--port=31000"], "rollout.sglang.port"),
+    ],
+)
+def test_extra_args_may_not_override_a_flag_the_chart_sets(extra: list[str], names: str) -> None:
+    from helm_python import HelmRenderError
+
+    flag = extra[0].split("=")[0]
+    with pytest.raises(HelmRenderError, match=f"extraArgs: {flag} is set by the chart.*{names}"):
+        render("defaults", job={"model": {"lora": {}}}, rollout={"sglang": {"extraArgs": extra}})
+
+
+def test_other_extra_args_reach_sglang_after_the_charts_own() -> None:
+    extra = ["--chunked-prefill-size", "4096", "--disable-radix-cache"]
+    rendered = render(
+        "defaults", job={"model": {"lora": {}}}, rollout={"sglang": {"extraArgs": extra}}
+    )
+    container = next(
+        c
+        for c in pod_spec(rendered.get("Deployment", "rollout"))["containers"]
+        if c["name"] == "sglang"
+    )
+    assert [str(a) for a in container["args"]][-3:] == extra

@@ -285,3 +285,35 @@ def test_a_tracker_that_fails_mid_run_is_dropped_and_the_others_go_on(tmp_path: 
     tracking.close()
     (b,) = tensorboard_runs(tmp_path / "b").values()
     assert tensorboard_scalars(b, "loss/total") == [(1, 1.0), (2, 2.0)]
+
+
+def test_every_tracker_has_a_step_before_the_metrics_file_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A trainer killed between the two writes must not leave a step in metrics.jsonl (what
+    # `kuberl run` and the tests watch) that a tracker never had: the restart resumes past it.
+    from kuberl.trainer.telemetry import METRICS_JSONL_ENV
+    from kuberl.trainer.tracking import Tracker
+
+    metrics_file = tmp_path / "metrics.jsonl"
+    monkeypatch.setenv(METRICS_JSONL_ENV, str(metrics_file))
+    in_file_when_tracked: list[bool] = []
+
+    class Probe(Tracker):
+        run_id = "probe"
+
+        def config(self, config: dict[str, Any], step: int) -> None: ...
+
+        def metrics(self, values: dict[str, float], step: int) -> None:
+            in_file_when_tracked.append(metrics_file.exists() and bool(metrics_file.read_text()))
+
+        def samples(self, name: str, rows: Any, step: int) -> None: ...
+
+        def close(self) -> None: ...
+
+    config = job(tmp_path, {"backend": "tensorboard", "dir": "tb"})
+    reporter = Reporter(DistInfo(0, 1, 0, torch.device("cpu")), total_steps=1)
+    reporter.tracking = Tracking([(config.job.tracking[0], Probe())], decode)
+    reporter.step({"loss/total": 1.0}, "rl", 1, version=1)
+    assert in_file_when_tracked == [False]
+    assert json.loads(metrics_file.read_text())["step"] == 1

@@ -248,6 +248,21 @@ its target modules, two adapters per batch (the version served and the one befor
 {{- end }}
 {{- end }}
 
+{{/*
+rollout.sglang.extraArgs may not repeat a flag the chart sets from its own values: SGLang takes
+the last one given, so a repeat would silently override (a LoRA rank or target list the trainer
+does not use, a port the replica does not call).
+*/}}
+{{- define "kuberl.sglangExtraArgsCheck" -}}
+{{- $owned := dict "--model-path" "rollout.sglang.model (or model.path)" "--tp-size" "rollout.sglang.tpSize" "--mem-fraction-static" "rollout.sglang.memFractionStatic" "--host" "nothing: the chart listens on 0.0.0.0" "--port" "rollout.sglang.port" "--enable-metrics" "rollout.sglang.metrics" "--enable-lora" "job.model.lora" "--max-lora-rank" "job.model.lora.rank" "--lora-target-modules" "job.model.lora.target_modules" "--max-loras-per-batch" "nothing: kuberl keeps two adapters per batch, the version served and the one before" }}
+{{- range .Values.rollout.sglang.extraArgs }}
+{{- $flag := index (splitList "=" (toString .)) 0 }}
+{{- if hasKey $owned $flag }}
+{{- fail (printf "rollout.sglang.extraArgs: %s is set by the chart; remove it from extraArgs and set %s" $flag (get $owned $flag)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* The model SGLang serves. */}}
 {{- define "kuberl.sglangModel" -}}
 {{- $model := default (include "kuberl.modelPath" .) .Values.rollout.sglang.model }}
