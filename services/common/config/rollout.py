@@ -30,7 +30,11 @@ class TorchEngineConfig(Section):
     kind: Literal["torch"] = "torch"
     device: str = Field("cpu", description="cpu or cuda[:N].")
     max_batch_size: int = Field(64, ge=1, description="Sequences generated together.")
-    seed: int | None = Field(None, description="Seed of the sampling generator (null: job.seed).")
+    seed: int | None = Field(
+        None,
+        description="Seed of the sampling generator (null: job.seed), mixed with the replica "
+        "id: each replica samples its own draws, reproducibly.",
+    )
     attn_implementation: Literal["sdpa", "eager"] = Field(
         "sdpa", description="transformers attention kernel."
     )

@@ -12,7 +12,6 @@ run for real around it. Hundreds of these fit in one process (a sleeping corouti
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,13 +46,11 @@ class SimulatedEngine(Engine):
 
     kind = "simulated"
 
-    def __init__(self, config: SimulatedEngineConfig, seed: int = 0, stream: str = "") -> None:
-        """`stream` (the replica id) picks this engine's own draws from the seed: replicas that
-        drew the same lengths would finish every batch together and call the buffer in waves."""
+    def __init__(self, config: SimulatedEngineConfig, seed: int = 0) -> None:
+        """`seed` is the replica's own (`replica_seed`): replicas that drew the same lengths
+        would finish every batch together and call the buffer in waves."""
         self.config = config
-        base = seed if config.seed is None else config.seed
-        entropy = [base, int.from_bytes(hashlib.blake2b(stream.encode()).digest()[:8], "little")]
-        self._rng = np.random.default_rng(entropy if stream else base)
+        self._rng = np.random.default_rng(seed)
         self._version = 0
         self._paused = False
         self._resumed = asyncio.Event()
