@@ -984,6 +984,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-saturate", action="store_true", help="skip the 1 vs 2 buffers phase")
     parser.add_argument(
+        "--no-fan-out",
+        action="store_true",
+        help="skip every fan-out (after each N and the fan-out phase): latency and CPU only",
+    )
+    parser.add_argument(
         "--fan-out-mb", type=float, default=0.5, help="weights of one version, fan-out phase"
     )
     parser.add_argument(
@@ -1033,31 +1038,38 @@ def main(argv: list[str] | None = None) -> int:
         stack.profile_dir, stack.pool, stack.idle_seconds = args.profile, pool, args.idle_seconds
         try:
             for n in args.replicas:
-                run = measure(stack, n, args.seconds, args.payload_mb, work)
+                run = measure(
+                    stack, n, args.seconds, args.payload_mb, work, fan_out=not args.no_fan_out
+                )
                 runs.append(run)
+                fanned = f"fan-out {run['fan_out']['seconds']} s " if "fan_out" in run else ""
                 print(
                     f"N={n}: {run['traj_per_s']} traj/s, lease p99 {run['lease_ms']['p99']} ms, "
-                    f"put p99 {run['put_ms']['p99']} ms, fan-out {run['fan_out']['seconds']} s "
+                    f"put p99 {run['put_ms']['p99']} ms, {fanned}"
                     f"(load {os.getloadavg()[0]:.1f})",
                     file=sys.stderr,
                 )
             fan: dict[str, Any] = {}
-            # One engine, no cap: what one snapshot stream moves on this machine.
-            one = fan_out_phase(stack, 1, 8 * args.payload_mb, 0, work, 0.0)
-            fan["single_stream_mb_per_s"] = round(one["payload_bytes"] / one["seconds"] / 1e6, 1)
-            for name, k in (("star", 0), ("relay", args.relay_fanout)):
-                fan[name] = {}
-                for n in args.replicas:
-                    if k == 0 and n > args.star_up_to:
-                        continue  # N x size / the cap: predictable, and long
-                    x = fan_out_phase(stack, n, args.fan_out_mb, k, work, args.pod_mb_per_s * 1e6)
-                    fan[name][str(n)] = x
-                    print(
-                        f"fan-out {name} to {n}: {x['seconds']} s, weight-sync sent "
-                        f"{x['weight_sync_bytes_sent'] / 1e6:.0f} MB "
-                        f"(load {os.getloadavg()[0]:.1f})",
-                        file=sys.stderr,
-                    )
+            if not args.no_fan_out:
+                # One engine, no cap: what one snapshot stream moves on this machine.
+                one = fan_out_phase(stack, 1, 8 * args.payload_mb, 0, work, 0.0)
+                mb_per_s = one["payload_bytes"] / one["seconds"] / 1e6
+                fan["single_stream_mb_per_s"] = round(mb_per_s, 1)
+                for name, k in (("star", 0), ("relay", args.relay_fanout)):
+                    fan[name] = {}
+                    for n in args.replicas:
+                        if k == 0 and n > args.star_up_to:
+                            continue  # N x size / the cap: predictable, and long
+                        x = fan_out_phase(
+                            stack, n, args.fan_out_mb, k, work, args.pod_mb_per_s * 1e6
+                        )
+                        fan[name][str(n)] = x
+                        print(
+                            f"fan-out {name} to {n}: {x['seconds']} s, weight-sync sent "
+                            f"{x['weight_sync_bytes_sent'] / 1e6:.0f} MB "
+                            f"(load {os.getloadavg()[0]:.1f})",
+                            file=sys.stderr,
+                        )
             if not args.no_saturate:
                 # The buffer as the bound: engines 50x faster than above.
                 fast = Workload(

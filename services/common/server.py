@@ -221,7 +221,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             f"kuberl_{service}_rpc_errors_total", "gRPC calls that failed", ["method", "code"]
         )
         self.latency = metrics.histogram(
-            f"kuberl_{service}_rpc_seconds", "gRPC call latency", ["method"]
+            f"kuberl_{service}_rpc_seconds",
+            "gRPC call latency",
+            ["method"],
+            buckets=metrics.RPC_SECONDS_BUCKETS,
         )
 
     def _record(self, method: str, code: grpc.StatusCode, started: float) -> None:

@@ -149,7 +149,7 @@ class RolloutService(Service):
         config = self.config
         model_path = await asyncio.to_thread(resolve_model, config)
         tokenizer = await asyncio.to_thread(load_tokenizer, model_path)
-        self.engine = await asyncio.to_thread(create_engine, config, model_path)
+        self.engine = await asyncio.to_thread(create_engine, config, model_path, self.replica_id)
         await self.engine.start()
         log.info(
             "replica.engine_ready",

@@ -34,3 +34,20 @@ def test_scale_runs_two_replicas_end_to_end_and_the_report_reads_its_line() -> N
     assert relay["weight_sync_bytes_sent"] + relay["relayed_bytes"] == 2 * relay["payload_bytes"]
     assert result["machine"]["loadavg_1m_at_start"] >= 0
     assert load("report").ROWS["scale"]({"benchmark": "scale", **result})
+
+
+def test_no_fan_out_measures_latency_and_cpu_without_publishing_a_version() -> None:
+    args = [
+        "--replicas", "2", "--hosts", "1", "--seconds", "2", "--idle-seconds", "1",
+        "--tokens-per-second", "2000", "--no-saturate", "--no-fan-out",
+    ]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "scale.py"), *args],
+        capture_output=True, text=True, timeout=240, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    [run] = result["runs"]
+    assert run["lease_ms"]["calls"] > 0 and run["put_ms"]["calls"] > 0
+    assert "fan_out" not in run and result["fan_out"] == {}
+    assert "fan-out" not in done.stderr

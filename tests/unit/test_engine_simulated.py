@@ -38,6 +38,24 @@ def test_a_batch_takes_as_long_as_its_longest_sample_at_the_set_rate() -> None:
     assert 0.25 <= seconds < 0.6  # 100 tokens at 400/s, sequences in parallel
 
 
+def test_each_replica_draws_its_own_lengths_and_the_same_replica_the_same_again(
+    tmp_path: Path,
+) -> None:
+    # Replicas that drew the same lengths finished every batch together and called the buffer
+    # in waves of N calls (docs/scale.md).
+    config = JobConfig.model_validate(
+        {"job": {"seed": 7}, "rollout": {"engine": {"kind": "simulated", "length_sigma": 0.3}}}
+    )
+
+    def lengths(replica: str) -> list[int]:
+        built = create_engine(config, tmp_path, replica)
+        assert isinstance(built, SimulatedEngine)
+        return built.lengths(64, max_new_tokens=4096).tolist()
+
+    assert lengths("r0") == lengths("r0")
+    assert len({tuple(lengths(f"r{i}")) for i in range(8)}) == 8
+
+
 def test_lengths_follow_the_log_normal_around_the_median_and_respect_max_new_tokens() -> None:
     sim = engine(response_tokens=200, length_sigma=0.5)
     lengths = sim.lengths(20_000, max_new_tokens=100_000)

@@ -133,6 +133,29 @@ def test_sampling_with_the_same_seed_repeats_and_another_seed_differs(model, tok
     assert (first == second, first != other) == (True, True)
 
 
+def test_each_replica_samples_from_its_own_seed_and_the_same_replica_repeats(
+    tmp_path: Path, tokenizer
+) -> None:
+    # Replicas seeded alike drew the same random numbers: the same samples for the same prompt.
+    from kuberl.common.config import JobConfig
+    from kuberl.rollout.engine import create_engine
+
+    save_tiny_model(tmp_path / "model")
+    config = JobConfig.model_validate(
+        {"job": {"seed": 3}, "rollout": {"engine": {"kind": "torch"}}}
+    )
+    prompts = _ids(tokenizer, PROMPTS)
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, n=2)
+
+    def run(replica: str) -> list[list[int]]:
+        built = create_engine(config, tmp_path / "model", replica)
+        assert isinstance(built, TorchEngine)
+        return [c.token_ids for s in _generate(built, prompts, params) for c in s]
+
+    first, again, other = run("rollout-0"), run("rollout-0"), run("rollout-1")
+    assert (first == again, first != other) == (True, True)
+
+
 def test_a_stop_token_id_ends_the_response_and_is_kept(engine, tokenizer) -> None:
     prompt = _ids(tokenizer, ["What is 2+3?"])
     free = _generate(

@@ -30,7 +30,11 @@ class TorchEngineConfig(Section):
     kind: Literal["torch"] = "torch"
     device: str = Field("cpu", description="cpu or cuda[:N].")
     max_batch_size: int = Field(64, ge=1, description="Sequences generated together.")
-    seed: int | None = Field(None, description="Seed of the sampling generator (null: job.seed).")
+    seed: int | None = Field(
+        None,
+        description="Seed of the sampling generator (null: job.seed), mixed with the replica "
+        "id: each replica samples its own draws, reproducibly.",
+    )
     attn_implementation: Literal["sdpa", "eager"] = Field(
         "sdpa", description="transformers attention kernel."
     )
@@ -104,7 +108,11 @@ class SimulatedEngineConfig(Section):
         0.5, ge=0, description="Log-normal spread of response lengths (0: all the same)."
     )
     vocab_size: int = Field(32_000, ge=2, description="Token ids are drawn below this.")
-    seed: int | None = Field(None, description="Seed of the draws (null: job.seed).")
+    seed: int | None = Field(
+        None,
+        description="Seed of the draws (null: job.seed), mixed with the replica id: each "
+        "replica draws its own lengths, reproducibly.",
+    )
 
 
 def _engine_kind(value: Any) -> str:

@@ -7,6 +7,7 @@ dependencies (torch, transformers, httpx) only when built.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from kuberl.common.config import JobConfig
@@ -32,8 +33,18 @@ __all__ = [
 ]
 
 
-def create_engine(config: JobConfig, model_path: Path) -> Engine:
-    """The engine of `config.rollout.engine` serving the model at `model_path`."""
+def replica_seed(seed: int, replica_id: str) -> int:
+    """A replica's own sampling seed: replicas seeded alike would draw the same random numbers
+    (the same samples for the same prompt, and in the simulation batches that end together)."""
+    if not replica_id:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{replica_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # torch.Generator takes < 2**63
+
+
+def create_engine(config: JobConfig, model_path: Path, replica_id: str = "") -> Engine:
+    """The engine of `config.rollout.engine` serving the model at `model_path` for the rollout
+    replica `replica_id`, which draws from its own seed (`replica_seed`)."""
     engine = config.rollout.engine
     if engine.kind == "torch":
         import torch
@@ -48,7 +59,7 @@ def create_engine(config: JobConfig, model_path: Path) -> Engine:
             device=engine.device,
             dtype=config.model.dtype,
             max_batch_size=engine.max_batch_size,
-            seed=config.job.seed if engine.seed is None else engine.seed,
+            seed=replica_seed(config.job.seed if engine.seed is None else engine.seed, replica_id),
             attn_implementation=engine.attn_implementation,
             batch_wait_seconds=engine.batch_wait_seconds,
             adapters=config.model.lora,
@@ -56,7 +67,8 @@ def create_engine(config: JobConfig, model_path: Path) -> Engine:
     if engine.kind == "simulated":
         from kuberl.rollout.engine.simulated import SimulatedEngine
 
-        return SimulatedEngine(engine, seed=config.job.seed)
+        base = config.job.seed if engine.seed is None else engine.seed
+        return SimulatedEngine(engine, seed=replica_seed(base, replica_id))
     from kuberl.rollout.engine.sglang import SGLangEngine
 
     return SGLangEngine(engine, model_path=str(model_path), lora=config.model.lora)

@@ -47,8 +47,10 @@ class SimulatedEngine(Engine):
     kind = "simulated"
 
     def __init__(self, config: SimulatedEngineConfig, seed: int = 0) -> None:
+        """`seed` is the replica's own (`replica_seed`): replicas that drew the same lengths
+        would finish every batch together and call the buffer in waves."""
         self.config = config
-        self._rng = np.random.default_rng(seed if config.seed is None else config.seed)
+        self._rng = np.random.default_rng(seed)
         self._version = 0
         self._paused = False
         self._resumed = asyncio.Event()
