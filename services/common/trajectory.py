@@ -16,21 +16,11 @@ from typing import Any
 import numpy as np
 
 from kuberl.api.common.v1 import trajectory_pb2 as pb
+from kuberl.common.dtypes import ITEMSIZES
 
 # Dtypes allowed on the wire. bfloat16 has no numpy dtype: it is carried as raw 2-byte words and
 # decoded by torch (`torch.frombuffer(..., dtype=torch.bfloat16)`).
-_ITEMSIZE = {
-    "bool": 1,
-    "uint8": 1,
-    "int8": 1,
-    "int16": 2,
-    "int32": 4,
-    "int64": 8,
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float64": 8,
-}
+_ITEMSIZE = {k: v for k, v in ITEMSIZES.items() if not k.startswith("float8")}
 
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,

@@ -148,7 +148,8 @@ def test_a_consistent_but_wrong_payload_fails_the_final_sha256() -> None:
 
 
 def test_every_syncable_dtype_has_torchs_element_size() -> None:
-    from kuberl.common.weights.manifest import ITEMSIZES, SAFETENSORS_DTYPES, torch_dtype
+    from kuberl.common.dtypes import ITEMSIZES
+    from kuberl.common.weights.manifest import SAFETENSORS_DTYPES, torch_dtype
 
     assert set(ITEMSIZES) == set(SAFETENSORS_DTYPES)
     assert {n: torch_dtype(n).itemsize for n in ITEMSIZES} == ITEMSIZES

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kuberl.api.weight_sync.v1 import weight_sync_pb2 as pb
+from kuberl.common.dtypes import ITEMSIZES
 
 if TYPE_CHECKING:
     import torch
@@ -36,22 +37,6 @@ SAFETENSORS_DTYPES = {
     "float64": "F64",
     "float8_e4m3fn": "F8_E4M3",
     "float8_e5m2": "F8_E5M2",
-}
-#: Bytes per element of each dtype above: a manifest is checked without importing torch (the
-#: weight-sync service never builds a tensor).
-ITEMSIZES = {
-    "bool": 1,
-    "uint8": 1,
-    "int8": 1,
-    "int16": 2,
-    "int32": 4,
-    "int64": 8,
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float64": 8,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
 }
 
 
