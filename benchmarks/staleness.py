@@ -2,8 +2,10 @@
 
 Every arm trains the demo of `examples/demo.yaml` (`kuberl run`: buffer, reward, weight-sync, two
 rollout replicas, the trainer) for the same RL steps from the same warm start (built once, as in
-`vs_trl.py`), so all arms train the same number of samples. An arm is a `trainer.max_staleness`
-and a policy loss with its importance correction:
+`vs_trl.py`), so all arms train the same number of samples. `--task long` trains the demo's
+generation-heavy variant instead (`vs_trl.long_task`: worked-step additions, up to 128 new tokens,
+`vs_trl.LONG_TASK`'s batch, steps and warm start). An arm is a `trainer.max_staleness` and a
+policy loss with its importance correction:
 
     s0            max_staleness 0 (strictly on-policy), the demo's loss: ppo + TIS (cap 2)
     s1, s2        max_staleness 1 / 2, the same loss (its TIS weight is pi_prox / pi_behav:
@@ -23,11 +25,13 @@ per stale arm the paired differences from s0 (mean, standard error, median), the
 being |s1 - s0| <= 0.005.
 
 The script appends one JSON line per finished run to `--results` (default
-docs/staleness-experiments.jsonl) and skips the (arm, seed) runs already there with the same
-settings, so it can be stopped and resumed, or run for more seeds later:
+docs/staleness-experiments.jsonl, for the long task docs/staleness-long-experiments.jsonl) and
+skips the (arm, seed) runs already there with the same settings (the task among them), so it can
+be stopped and resumed, or run for more seeds later:
 
     .venv/bin/python benchmarks/staleness.py --seeds 8               # every arm, seeds 0-7
     .venv/bin/python benchmarks/staleness.py --seeds 2 --arms s0,s1  # a quick subset
+    .venv/bin/python benchmarks/staleness.py --task long --seeds 2 --arms s0,s1,s1-decoupled
     .venv/bin/python benchmarks/staleness.py --summary               # only summarise the file
 
 The last line printed is one JSON object: the per-arm figures, the paired differences and the
@@ -55,6 +59,7 @@ from vs_trl import (
     REPO,
     Evaluator,
     load_demo,
+    long_task,
     machine,
     read_jsonl,
     rl_settings,
@@ -63,7 +68,10 @@ from vs_trl import (
     warm_start,
 )
 
-RESULTS = REPO / "docs" / "staleness-experiments.jsonl"
+RESULTS = {
+    "demo": REPO / "docs" / "staleness-experiments.jsonl",
+    "long": REPO / "docs" / "staleness-long-experiments.jsonl",
+}
 BASELINE = "s0"
 GOAL = 0.005
 
@@ -148,6 +156,7 @@ def run_arm(
     late = [float(p["accuracy"]) for p in curve if p["step"] > half] or [curve[-1]["accuracy"]]
     return {
         "benchmark": "staleness",
+        "task": settings["task"],
         "arm": arm,
         "seed": seed,
         "overrides": ARMS[arm],
@@ -170,12 +179,41 @@ def run_arm(
     }
 
 
+def task_job(
+    task: str, work: Path, rl_steps: int | None = None, eval_every: int | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The job every arm of `task` starts from (the long task's data generated into `work`) and
+    the settings a run is recorded with: RL steps (default the job's), warm-start steps, the
+    steps between saved policies (default a tenth of the RL steps), batch, learning rate."""
+    doc = load_demo(DEMO)
+    if task == "long":
+        doc = long_task(doc, work)
+    job = rl_settings(doc)
+    steps = rl_steps or job["rl_steps"]
+    settings = {
+        "task": task,
+        "rl_steps": steps,
+        "sft_steps": job["sft_steps"],
+        "eval_every": eval_every or max(1, steps // 10),
+        "group_size": job["group_size"],
+        "groups_per_step": job["groups_per_step"],
+        "lr": job["lr"],
+    }
+    return doc, settings
+
+
+def run_settings(row: dict[str, Any]) -> dict[str, Any] | None:
+    """A results line's settings, the task included (lines from before `--task` are the demo's)."""
+    settings = row.get("settings")
+    return {"task": "demo", **settings} if settings is not None else None
+
+
 def pending_runs(
     rows: list[dict[str, Any]], arms: list[str], seeds: range, settings: dict[str, Any]
 ) -> list[tuple[str, int]]:
     """The (arm, seed) runs still to do, seed by seed, each seed's arms in an order rotated by
     one from the previous seed's; a run in `rows` with the same settings is done."""
-    done = {(r["arm"], int(r["seed"])) for r in rows if r.get("settings") == settings}
+    done = {(r["arm"], int(r["seed"])) for r in rows if run_settings(r) == settings}
     todo = []
     for i, seed in enumerate(seeds):
         order = arms[i % len(arms) :] + arms[: i % len(arms)]
@@ -247,6 +285,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     s1 = arms.get("s1", {}).get("vs_on_policy", {}).get("final_accuracy")
     return {
         "benchmark": "staleness",
+        "tasks": sorted({(run_settings(r) or {}).get("task", "demo") for r in rows}),
         "runs": len(rows),
         "arms": arms,
         "goal": f"final accuracy at equal samples, s1 - s0 within +-{GOAL}",
@@ -290,16 +329,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=8, help="seeds first-seed ... + seeds - 1")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"of {', '.join(ARMS)}")
+    parser.add_argument(
+        "--task",
+        choices=tuple(RESULTS),
+        default="demo",
+        help="demo: the demo job; long: its generation-heavy variant (vs_trl's `long_task`)",
+    )
     parser.add_argument("--rl-steps", type=int, help="RL steps (default: the job's)")
-    parser.add_argument("--eval-every", type=int, default=20, help="steps between saved policies")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="JSON lines, appended")
+    parser.add_argument(
+        "--eval-every", type=int, help="steps between saved policies (default: a tenth of them)"
+    )
+    parser.add_argument(
+        "--results", type=Path, help="JSON lines, appended (default: the task's file in docs/)"
+    )
     parser.add_argument("--work", type=Path, default=Path("/tmp/kuberl-staleness"))
     parser.add_argument("--warm-start", type=Path, help="reuse this warm-start HF folder")
     parser.add_argument("--timeout", type=float, default=1800.0, help="per run, seconds")
     parser.add_argument("--summary", action="store_true", help="only summarise --results")
     args = parser.parse_args(argv)
 
-    rows = read_jsonl(args.results) if args.results.exists() else []
+    results: Path = args.results or RESULTS[args.task]
+    rows = read_jsonl(results) if results.exists() else []
     if args.summary:
         summary = summarize(rows)
         print(markdown(summary))
@@ -309,35 +359,29 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         parser.error(f"unknown arms {unknown}; expected some of {', '.join(ARMS)}")
-    doc = load_demo(DEMO)
-    demo = rl_settings(doc)
-    settings = {
-        "rl_steps": args.rl_steps or demo["rl_steps"],
-        "sft_steps": demo["sft_steps"],
-        "eval_every": args.eval_every,
-        "group_size": demo["group_size"],
-        "groups_per_step": demo["groups_per_step"],
-        "lr": demo["lr"],
-    }
-    args.work.mkdir(parents=True, exist_ok=True)
+    # Each task its own work folder: its warm start is reused only by runs of the same task.
+    work = args.work if args.task == "demo" else args.work / args.task
+    work.mkdir(parents=True, exist_ok=True)
+    doc, settings = task_job(args.task, work, args.rl_steps, args.eval_every)
+    job = rl_settings(doc)
     model = args.warm_start
     if model is None:
-        exported = args.work / "warm-start" / "checkpoints"
+        exported = work / "warm-start" / "checkpoints"
         latest = exported / "latest"
         if latest.exists():
             model = exported / latest.read_text().strip() / "hf"
         else:
-            model = warm_start(doc, settings["sft_steps"], args.work / "warm-start", args.timeout)
-    ev = Evaluator(model, Path(demo["eval_file"]), demo["max_new_tokens"])
+            model = warm_start(doc, settings["sft_steps"], work / "warm-start", args.timeout)
+    ev = Evaluator(model, Path(job["eval_file"]), job["max_new_tokens"])
     start_acc = ev.accuracy()
     print(f"warm start {model}: greedy accuracy {start_acc}", file=sys.stderr)
     for arm, seed in pending_runs(
         rows, arms, range(args.first_seed, args.first_seed + args.seeds), settings
     ):
         t = time.time()
-        row = run_arm(doc, arm, seed, model, ev, start_acc, settings, args.work, args.timeout)
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        with args.results.open("a") as f:
+        row = run_arm(doc, arm, seed, model, ev, start_acc, settings, work, args.timeout)
+        results.parent.mkdir(parents=True, exist_ok=True)
+        with results.open("a") as f:
             f.write(json.dumps(row) + "\n")
         rows.append(row)
         print(
@@ -346,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             f"({time.time() - t:.0f} s)",
             file=sys.stderr,
         )
-    print(json.dumps(summarize([r for r in rows if r.get("settings") == settings])))
+    print(json.dumps(summarize([r for r in rows if run_settings(r) == settings])))
     return 0
 
 

@@ -3,6 +3,7 @@ bound; runs already in the results file are skipped; the summary pairs arms by s
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ from kuberl.common.config import parse_job_config
 from tests.benchmarks import load
 
 staleness = load("staleness")
-SETTINGS = {"rl_steps": 200, "eval_every": 20}
+SETTINGS = {"task": "demo", "rl_steps": 200, "eval_every": 20}
 
 
 @pytest.mark.parametrize("arm", sorted(staleness.ARMS))
@@ -63,3 +64,29 @@ def test_the_markdown_table_has_a_row_per_arm_with_its_paired_difference() -> No
     table = staleness.markdown(staleness.summarize(rows)).splitlines()
     assert len(table) == 4
     assert table[3].startswith("| s1 | 1 | 0.920") and "+0.020 (median +0.020)" in table[3]
+
+
+def test_the_long_task_builds_vs_trls_long_job_and_records_its_runs_apart(tmp_path: Path) -> None:
+    doc, settings = staleness.task_job("long", tmp_path)
+    long = load("vs_trl").LONG_TASK
+    assert settings == {
+        "task": "long",
+        "rl_steps": long["rl_steps"],
+        "sft_steps": long["sft_steps"],
+        "eval_every": long["rl_steps"] // 10,
+        "group_size": 8,
+        "groups_per_step": long["groups_per_step"],
+        "lr": 1e-4,
+    }
+    job = parse_job_config(staleness.arm_job(doc, "s1"), env={})
+    assert job.rollout.sampling.max_new_tokens == long["max_new_tokens"]
+    assert job.buffer.max_inflight_groups == long["groups_per_step"] * 2
+    assert job.data.train[0].path == str(tmp_path / "data-long" / "train.jsonl")
+    assert (tmp_path / "data-long" / "sft.jsonl").exists()
+    assert staleness.RESULTS["long"] != staleness.RESULTS["demo"]
+    # A demo run recorded before `--task` existed (no task in its settings) is the demo's: done
+    # for the demo, not for the long task with the same arm and seed.
+    _, demo = staleness.task_job("demo", tmp_path)
+    old = {**_row("s1", 0, 0.9, 0.9), "settings": {k: v for k, v in demo.items() if k != "task"}}
+    assert staleness.pending_runs([old], ["s1"], range(1), demo) == []
+    assert staleness.pending_runs([old], ["s1"], range(1), settings) == [("s1", 0)]
