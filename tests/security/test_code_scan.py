@@ -212,6 +212,12 @@ LOADERS = {
     ),
     ("services/cli.py", "_cmd_serve"): "kuberl.<service>.server, service from argparse choices",
     ("services/cli.py", "build_parser"): "kuberl.<provider>.cli from a fixed tuple",
+    ("services/common/weights/__init__.py", "lazy_exports"): (
+        "the package's own submodules, from its fixed export table"
+    ),
+    ("services/common/weights/__init__.py", "lazy_exports.__getattr__"): (
+        "the package's own submodules, from its fixed export table"
+    ),
 }
 LOADING_CALLS = {"load_plugin", "import_module", "__import__"}
 
