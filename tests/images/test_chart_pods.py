@@ -34,7 +34,9 @@ pytestmark = [
 
 NAMESPACE = "kuberl-test"
 RELEASE = "rl"
-TOTAL_STEPS = 4
+# Steps enough that the trainer is still serving when the health pod runs: groups made while
+# the trainer starts (max_inflight_groups: 4 steps of them) are trained within a second or two.
+TOTAL_STEPS = 40
 TRAINED_JSONL = "/checkpoints/trained.jsonl"
 COMPONENTS = ["redis", "buffer", "reward", "weight-sync", "rollout", "trainer"]
 
