@@ -31,7 +31,6 @@ SERVING, so engines that register get it and `Publish` keeps refusing versions n
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import os
 import socket
@@ -65,6 +64,12 @@ if TYPE_CHECKING:
     from kuberl.common.weights.transports.broadcast import BroadcastSender
 
 log = get_logger(__name__)
+
+
+def _import_torch_transports() -> None:
+    """Load the transports that move tensors (and with them torch)."""
+    from kuberl.common.weights.transports import broadcast, cuda_ipc  # noqa: F401
+
 
 SERVICE_NAME = "kuberl.weight_sync.v1.WeightSyncService"
 #: Longest a heartbeat long poll is held, whatever the engine asks.
@@ -212,9 +217,7 @@ class WeightSyncService(Service, pb_grpc.WeightSyncServiceServicer):
         if torch_transports & set(self.offered):
             # Their modules need torch: imported now, off the loop, rather than by the first
             # update that uses them, which would stall every heartbeat for a second or two.
-            for module in ("broadcast", "cuda_ipc"):
-                name = f"kuberl.common.weights.transports.{module}"
-                await asyncio.to_thread(importlib.import_module, name)
+            await asyncio.to_thread(_import_torch_transports)
         # Hashing what a crashed predecessor left takes ~1 s per GB: in a thread, while health
         # still says NOT_SERVING.
         self.store = await asyncio.to_thread(
