@@ -22,6 +22,7 @@ def test_every_arm_is_a_valid_demo_job_with_its_staleness_and_in_flight_bound(ar
     assert job.trainer.max_staleness == want["max_staleness"]
     assert job.buffer.max_inflight_groups == 16 * (want["max_staleness"] + 1)
     assert job.trainer.algorithm.policy_loss == want.get("algorithm", {}).get("policy_loss", "ppo")
+    assert job.trainer.optimizer.lr == pytest.approx(1e-4 * want.get("lr_scale", 1.0))
 
 
 def _row(arm: str, seed: int, final: float, half: float, wall: float = 100.0) -> dict[str, Any]:
