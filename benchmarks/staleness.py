@@ -188,10 +188,11 @@ def run_arm(
 
 def task_job(
     task: str, work: Path, rl_steps: int | None = None, eval_every: int | None = None
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The job every arm of `task` starts from (the long task's data generated into `work`) and
-    the settings a run is recorded with: RL steps (default the job's), warm-start steps, the
-    steps between saved policies (default a tenth of the RL steps), batch, learning rate."""
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The job every arm of `task` starts from (the long task's data generated into `work`), its
+    validated RL settings (`rl_settings`), and the settings a run is recorded with: RL steps
+    (default the job's), warm-start steps, the steps between saved policies (default a tenth of
+    the RL steps), batch, learning rate."""
     doc = load_demo(DEMO)
     if task == "long":
         doc = long_task(doc, work)
@@ -206,7 +207,7 @@ def task_job(
         "groups_per_step": job["groups_per_step"],
         "lr": job["lr"],
     }
-    return doc, settings
+    return doc, job, settings
 
 
 def run_settings(row: dict[str, Any]) -> dict[str, Any] | None:
@@ -369,8 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     # Each task its own work folder: its warm start is reused only by runs of the same task.
     work = args.work if args.task == "demo" else args.work / args.task
     work.mkdir(parents=True, exist_ok=True)
-    doc, settings = task_job(args.task, work, args.rl_steps, args.eval_every)
-    job = rl_settings(doc)
+    doc, job, settings = task_job(args.task, work, args.rl_steps, args.eval_every)
     model = args.warm_start
     if model is None:
         exported = work / "warm-start" / "checkpoints"

@@ -68,7 +68,7 @@ def test_the_markdown_table_has_a_row_per_arm_with_its_paired_difference() -> No
 
 
 def test_the_long_task_builds_vs_trls_long_job_and_records_its_runs_apart(tmp_path: Path) -> None:
-    doc, settings = staleness.task_job("long", tmp_path)
+    doc, _, settings = staleness.task_job("long", tmp_path)
     long = load("vs_trl").LONG_TASK
     assert settings == {
         "task": "long",
@@ -87,7 +87,7 @@ def test_the_long_task_builds_vs_trls_long_job_and_records_its_runs_apart(tmp_pa
     assert staleness.RESULTS["long"] != staleness.RESULTS["demo"]
     # A demo run recorded before `--task` existed (no task in its settings) is the demo's: done
     # for the demo, not for the long task with the same arm and seed.
-    _, demo = staleness.task_job("demo", tmp_path)
+    _, _, demo = staleness.task_job("demo", tmp_path)
     old = {**_row("s1", 0, 0.9, 0.9), "settings": {k: v for k, v in demo.items() if k != "task"}}
     assert staleness.pending_runs([old], ["s1"], range(1), demo) == []
     assert staleness.pending_runs([old], ["s1"], range(1), settings) == [("s1", 0)]
