@@ -432,3 +432,44 @@ def test_the_long_task_rows_name_the_response_length_generation_share_and_its_go
         "yes",
     ]
     assert all(r.startswith("| long-response GRPO (") for r in rows) and len(rows) == 7
+
+
+def test_the_staleness_rows_name_the_long_task_and_hold_it_to_no_demo_goal() -> None:
+    staleness = load("staleness")
+    row = {
+        "settings": {"task": "demo"},
+        "wall_seconds": 100.0,
+        "staleness_max": 0.0,
+        "machine": "t",
+    }
+    lines = [
+        {**row, "arm": "s0", "seed": s, "final_accuracy": 0.95, "second_half_accuracy": 0.94}
+        for s in (0, 1)
+    ]
+    lines += [
+        {**row, "arm": "s1", "seed": s, "final_accuracy": f, "second_half_accuracy": 0.9}
+        for s, f in ((0, 0.90), (1, 0.92))
+    ]
+    long = [{**r, "settings": {"task": "long"}} for r in lines]
+    results = {}
+    for rows in (lines, long):
+        summary = staleness.summarize(rows)
+        results[summary["benchmark"]] = {**summary, **RUN}
+    assert set(results) == {"staleness", "staleness_long"}
+    table = [r for r in report.render(results, {}, note="").splitlines() if "staleness" in r]
+    cells = [r.split(" | ")[:6] for r in table]
+    # s1 - s0 by seed: -0.05, -0.03: mean -0.040, stderr 0.010
+    assert cells == [
+        [
+            f"| staleness{task}: final held-out accuracy at equal samples, s1 (2 seeded pairs)",
+            "0.910 (median)",
+            "0.950 (on-policy, s0)",
+            "-0.040 ± 0.010 (paired difference)",
+            goal,
+            met,
+        ]
+        for task, goal, met in (
+            ("", "within ±0.005", "**no**"),
+            (" (long-response task)", "-", "-"),
+        )
+    ]
