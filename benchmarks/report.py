@@ -62,7 +62,7 @@ BENCHMARKS: dict[str, list[str]] = {
     # Runs only the seeded runs docs/staleness-experiments.jsonl lacks (about 2 min each), then
     # summarises them all.
     "staleness": ["--seeds", "8"],
-    "staleness_long": ["--task", "long", "--seeds", "8", "--arms", "s0,s1,s1-decoupled"],
+    "staleness_long": ["--task", "long", "--seeds", "8", "--arms", "s0,s1"],
     "trainer_mfu": [],
 }
 

@@ -75,8 +75,7 @@ RESULTS = {
 BASELINE = "s0"
 GOAL = 0.005
 
-#: Each arm's overrides of the demo job: trainer.max_staleness, trainer.algorithm fields and
-#: `lr_scale`, a factor on the job's learning rate.
+#: Each arm's overrides of the demo job: trainer.max_staleness and trainer.algorithm fields.
 ARMS: dict[str, dict[str, Any]] = {
     "s0": {"max_staleness": 0},
     "s1": {"max_staleness": 1},
@@ -99,10 +98,6 @@ ARMS: dict[str, dict[str, Any]] = {
     },
     "s1-none": {"max_staleness": 1, "algorithm": {"importance": {"mode": "none"}}},
     "s2-none": {"max_staleness": 2, "algorithm": {"importance": {"mode": "none"}}},
-    # With one update per batch nothing bounds a stale step but the importance weight: these ask
-    # whether a smaller step keeps staleness 1 stable where the job's learning rate oscillates.
-    "s1-lr0.5": {"max_staleness": 1, "lr_scale": 0.5},
-    "s0-lr0.5": {"max_staleness": 0, "lr_scale": 0.5},
 }
 DEFAULT_ARMS = ("s0", "s1", "s2", "s1-decoupled", "s2-decoupled")
 
@@ -128,8 +123,6 @@ def arm_job(doc: dict[str, Any], arm: str) -> dict[str, Any]:
     tc = job["trainer"]
     tc["max_staleness"] = overrides["max_staleness"]
     tc["algorithm"] = merge(tc.get("algorithm", {}), overrides.get("algorithm", {}))
-    if "lr_scale" in overrides:
-        tc["optimizer"]["lr"] = float(tc["optimizer"]["lr"]) * overrides["lr_scale"]
     job["buffer"]["max_inflight_groups"] = tc["groups_per_step"] * (overrides["max_staleness"] + 1)
     return job
 

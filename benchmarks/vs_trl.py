@@ -82,6 +82,9 @@ LONG_TASK = {
     "max_inflight_groups": 16,
     "rl_steps": 100,
     "sft_steps": 300,
+    # Half the demo's: at 1e-4 a step moves a 97-token response by 0.1-0.4 nats and both sides'
+    # accuracy swings (docs/benchmarks.md, "Staleness on the long task").
+    "lr": 5e-5,
 }
 
 
@@ -104,7 +107,7 @@ def long_task(doc: dict[str, Any], out: Path) -> dict[str, Any]:
     """The demo job turned generation-heavy (`--task long`): three-digit additions whose SFT
     responses are a worked trace (`kuberl.local.arith.worked_steps`, 80-108 tokens), the same
     `gsm8k` verifier on the final `####` number, up to 128 new tokens, and `LONG_TASK`'s batch,
-    steps and warm start. The data are generated (seeded) into `out`."""
+    steps, learning rate and warm start. The data are generated (seeded) into `out`."""
     from kuberl.local import arith
 
     data = out / "data-long"
@@ -122,6 +125,7 @@ def long_task(doc: dict[str, Any], out: Path) -> dict[str, Any]:
         groups_per_step=LONG_TASK["groups_per_step"],
         total_steps=LONG_TASK["rl_steps"],
     )
+    tc["optimizer"]["lr"] = LONG_TASK["lr"]
     return job
 
 

@@ -22,7 +22,6 @@ def test_every_arm_is_a_valid_demo_job_with_its_staleness_and_in_flight_bound(ar
     assert job.trainer.max_staleness == want["max_staleness"]
     assert job.buffer.max_inflight_groups == 16 * (want["max_staleness"] + 1)
     assert job.trainer.algorithm.policy_loss == want.get("algorithm", {}).get("policy_loss", "ppo")
-    assert job.trainer.optimizer.lr == pytest.approx(1e-4 * want.get("lr_scale", 1.0))
 
 
 def _row(arm: str, seed: int, final: float, half: float, wall: float = 100.0) -> dict[str, Any]:
@@ -77,7 +76,7 @@ def test_the_long_task_builds_vs_trls_long_job_and_records_its_runs_apart(tmp_pa
         "eval_every": long["rl_steps"] // 10,
         "group_size": 8,
         "groups_per_step": long["groups_per_step"],
-        "lr": 1e-4,
+        "lr": 5e-5,
     }
     job = parse_job_config(staleness.arm_job(doc, "s1"), env={})
     assert job.rollout.sampling.max_new_tokens == long["max_new_tokens"]

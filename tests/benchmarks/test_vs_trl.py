@@ -299,11 +299,12 @@ def test_the_long_task_gives_both_sides_long_worked_traces_and_the_same_settings
     sft = vs_trl.read_jsonl(Path(doc["trainer"]["sft_data"]))
     tok = build_tokenizer("digits")
     lengths = [len(tok.encode(r["response"], add_special_tokens=False)) + 1 for r in sft]  # EOS
-    assert (settings["max_new_tokens"], settings["groups_per_step"], settings["group_size"]) == (
-        128,
-        8,
-        8,
-    )
+    assert (
+        settings["max_new_tokens"],
+        settings["groups_per_step"],
+        settings["group_size"],
+        settings["lr"],
+    ) == (128, 8, 8, 5e-5)
     assert min(lengths) >= 48 and max(lengths) <= settings["max_new_tokens"]
     assert Path(settings["train_file"]).parent == tmp_path / "data-long"
     # Two steps ahead, as the demo's window is at its 16 groups per step.
