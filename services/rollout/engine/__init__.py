@@ -46,7 +46,10 @@ def create_engine(config: JobConfig, model_path: Path, replica_id: str = "") -> 
     """The engine of `config.rollout.engine` serving the model at `model_path` for the rollout
     replica `replica_id`, which draws from its own seed (`replica_seed`)."""
     engine = config.rollout.engine
-    seed = replica_seed(config.job.seed if engine.seed is None else engine.seed, replica_id)
+
+    def seed(engine_seed: int | None) -> int:  # the engine's own seed, else the job's
+        return replica_seed(config.job.seed if engine_seed is None else engine_seed, replica_id)
+
     if engine.kind == "torch":
         import torch
 
@@ -60,7 +63,7 @@ def create_engine(config: JobConfig, model_path: Path, replica_id: str = "") -> 
             device=engine.device,
             dtype=config.model.dtype,
             max_batch_size=engine.max_batch_size,
-            seed=seed,
+            seed=seed(engine.seed),
             attn_implementation=engine.attn_implementation,
             batch_wait_seconds=engine.batch_wait_seconds,
             adapters=config.model.lora,
@@ -68,7 +71,7 @@ def create_engine(config: JobConfig, model_path: Path, replica_id: str = "") -> 
     if engine.kind == "simulated":
         from kuberl.rollout.engine.simulated import SimulatedEngine
 
-        return SimulatedEngine(engine, seed=seed)
+        return SimulatedEngine(engine, seed=seed(engine.seed))
     from kuberl.rollout.engine.sglang import SGLangEngine
 
     return SGLangEngine(engine, model_path=str(model_path), lora=config.model.lora)
