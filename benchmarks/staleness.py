@@ -353,8 +353,12 @@ def main(argv: list[str] | None = None) -> int:
 
     results: Path = args.results or RESULTS[args.task]
     rows = read_jsonl(results) if results.exists() else []
-    if args.summary:
-        summary = summarize(rows)
+    # Each task its own work folder: its warm start is reused only by runs of the same task.
+    work = args.work if args.task == "demo" else args.work / args.task
+    work.mkdir(parents=True, exist_ok=True)
+    doc, job, settings = task_job(args.task, work, args.rl_steps, args.eval_every)
+    if args.summary:  # the runs of today's settings: older ones (another lr, say) stay recorded
+        summary = summarize([r for r in rows if run_settings(r) == settings])
         print(markdown(summary))
         print(json.dumps(summary))
         return 0
@@ -362,10 +366,6 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         parser.error(f"unknown arms {unknown}; expected some of {', '.join(ARMS)}")
-    # Each task its own work folder: its warm start is reused only by runs of the same task.
-    work = args.work if args.task == "demo" else args.work / args.task
-    work.mkdir(parents=True, exist_ok=True)
-    doc, job, settings = task_job(args.task, work, args.rl_steps, args.eval_every)
     model = args.warm_start
     if model is None:
         exported = work / "warm-start" / "checkpoints"

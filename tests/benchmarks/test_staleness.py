@@ -3,6 +3,7 @@ bound; runs already in the results file are skipped; the summary pairs arms by s
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +91,15 @@ def test_the_long_task_builds_vs_trls_long_job_and_records_its_runs_apart(tmp_pa
     old = {**_row("s1", 0, 0.9, 0.9), "settings": {k: v for k, v in demo.items() if k != "task"}}
     assert staleness.pending_runs([old], ["s1"], range(1), demo) == []
     assert staleness.pending_runs([old], ["s1"], range(1), settings) == [("s1", 0)]
+
+
+def test_the_summary_counts_only_the_runs_of_todays_settings(tmp_path: Path, capsys) -> None:
+    _, _, demo = staleness.task_job("demo", tmp_path)
+    now = [{**_row(arm, 0, 0.9, 0.9), "settings": demo} for arm in ("s0", "s1")]
+    older = [{**r, "settings": {**demo, "lr": demo["lr"] * 2}, "seed": 1} for r in now]
+    results = tmp_path / "runs.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in now + older))
+    argv = ["--summary", "--results", str(results), "--work", str(tmp_path)]
+    assert staleness.main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert (summary["runs"], summary["arms"]["s1"]["seeds"]) == (2, [0])
