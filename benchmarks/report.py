@@ -59,8 +59,9 @@ BENCHMARKS: dict[str, list[str]] = {
     "weight_sync": [],
     "lora_sync": [],
     "scale": [],
-    # Runs only the seeded runs docs/staleness-experiments.jsonl lacks (about 2 min each), then
-    # summarises them all.
+    # Each runs only the seeded runs its results file (docs/staleness-experiments.jsonl, the
+    # long task's docs/staleness-long-experiments.jsonl) lacks, about 2 min each, then
+    # summarises the runs of today's settings.
     "staleness": ["--seeds", "8"],
     "staleness_long": ["--task", "long", "--seeds", "8", "--arms", "s0,s1"],
     "trainer_mfu": [],
