@@ -790,7 +790,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rl-steps", type=int, help="RL steps (default: the job's)")
     parser.add_argument("--sft-steps", type=int, help="warm-start steps (default: the job's)")
     parser.add_argument("--eval-every", type=int, help="steps between saved policies")
-    parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of TRL")
+    parser.add_argument(
+        "--trl-threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="torch threads of TRL (default: one per core, torch's own default, as a TRL user "
+        "runs it; kuberl's services share the same cores)",
+    )
     parser.add_argument(
         "--rollout-replicas", type=int, help="kuberl's rollout replicas (default: the job's)"
     )
