@@ -444,11 +444,14 @@ def rows_vs_trl(r: dict[str, Any]) -> list[Row]:
         if share is not None and tokens is not None:
             task += f" ({tokens:.0f}-token responses, generation {share:.0%} of TRL's loop)"
     goal = re.search(r"<= ([0-9.]+)x", str(r.get("goal", "")))
+    # Lines from before 2026-11-28 14:20 UTC ran TRL at one thread and do not say so.
+    threads = t.get("torch_threads") or 1
     return [
         Row(
             f"{task}: time to TRL's final {acc} ({t['final_accuracy']:.3f})",
             f"{reach:.0f} s" if reach is not None else "not reached",
-            f"{t['wall_seconds']:.0f} s (TRL GRPOTrainer)",
+            f"{t['wall_seconds']:.0f} s (TRL GRPOTrainer, {threads} torch "
+            f"thread{'s' if threads > 1 else ''})",
             f"{ratio:.2f}x" if ratio is not None else "n/a",
             f"<= {goal.group(1)}x" if goal else "<= 0.7x",
             _yes(r.get("goal_met")),

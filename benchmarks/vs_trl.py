@@ -768,6 +768,7 @@ def summarize(pairs: list[dict[str, Any]], goal: float = GOAL_RATIO) -> dict[str
         out[side]["samples"] = int(out[side]["samples"] or 0)
     ratio = out["ratio_kuberl_time_to_trl_final_over_trl_wall"]
     out["trl"]["version"] = pairs[0]["trl"]["version"]
+    out["trl"]["torch_threads"] = pairs[0]["trl"].get("torch_threads")
     out["pair_ratios"] = [p["ratio_kuberl_time_to_trl_final_over_trl_wall"] for p in pairs]
     out["learning_per_sample"] = learning_per_sample(pairs)
     for key in ("generation_share_of_training_loop", "mean_completion_tokens"):

@@ -258,7 +258,7 @@ def test_the_trl_headline_row_says_not_reached_when_kuberl_never_got_there() -> 
     row = next(line for line in text.splitlines() if "time to TRL's final" in line)
     assert row.split(" | ")[1:6] == [
         "not reached",
-        "90 s (TRL GRPOTrainer)",
+        "90 s (TRL GRPOTrainer, 1 torch thread)",  # lines from before TRL said its threads
         "n/a",
         "<= 0.7x",
         "**no**",
@@ -412,7 +412,9 @@ def test_a_gpu_checks_run_is_merged_with_its_commands_device_and_mfu_variants(
 
 def test_the_long_task_rows_name_the_response_length_generation_share_and_its_goal() -> None:
     line = json.loads(json.dumps(LINES["vs_trl"]))
-    line["trl"].update(generation_share_of_training_loop=0.64, mean_completion_tokens=97.2)
+    line["trl"].update(
+        generation_share_of_training_loop=0.64, mean_completion_tokens=97.2, torch_threads=2
+    )
     line.update(
         task="long",
         kuberl_seconds_to_trl_final_accuracy=45.0,
@@ -426,7 +428,7 @@ def test_the_long_task_rows_name_the_response_length_generation_share_and_its_go
         "| long-response GRPO (97-token responses, generation 64% of TRL's loop): time to "
         "TRL's final greedy held-out accuracy (0.900)",
         "45 s",
-        "90 s (TRL GRPOTrainer)",
+        "90 s (TRL GRPOTrainer, 2 torch threads)",
         "0.50x",
         "<= 0.6x",
         "yes",
