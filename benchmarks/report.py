@@ -444,7 +444,7 @@ def rows_vs_trl(r: dict[str, Any]) -> list[Row]:
         if share is not None and tokens is not None:
             task += f" ({tokens:.0f}-token responses, generation {share:.0%} of TRL's loop)"
     goal = re.search(r"<= ([0-9.]+)x", str(r.get("goal", "")))
-    # Lines from before 2026-11-28 14:20 UTC ran TRL at one thread and do not say so.
+    # Lines from before 2026-11-28 13:55 UTC ran TRL at one thread and do not say so.
     threads = t.get("torch_threads") or 1
     return [
         Row(
