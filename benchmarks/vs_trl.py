@@ -795,8 +795,8 @@ def main(argv: list[str] | None = None) -> int:
         "--trl-threads",
         type=int,
         default=len(os.sched_getaffinity(0)),
-        help="torch threads of TRL (default: one per core, torch's own default, as a TRL user "
-        "runs it; kuberl's services share the same cores)",
+        help="torch threads of TRL (default: one per CPU this process may use, as torch "
+        "defaults to on a VM without SMT and a TRL user runs it; kuberl shares the same CPUs)",
     )
     parser.add_argument(
         "--rollout-replicas", type=int, help="kuberl's rollout replicas (default: the job's)"
