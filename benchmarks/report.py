@@ -607,6 +607,7 @@ def run_one(name: str, argv: list[str], timeout: float, log_dir: Path) -> dict[s
     started = time.time()
     load = os.getloadavg()[0]
     print(f"[bench] {name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
     try:
         proc = subprocess.run(

@@ -222,6 +222,15 @@ def pending_runs(
     return todo
 
 
+def task_warm_start(doc: dict[str, Any], sft_steps: int, work: Path, timeout: float) -> Path:
+    """The warm start kept in `work` if it took `sft_steps` SFT steps, else a new one: a kept
+    export of another length (the task's changed since) would start every arm elsewhere."""
+    kept = work / "warm-start" / "checkpoints" / f"step-{sft_steps:06d}" / "hf"
+    if (kept / "config.json").exists():
+        return kept
+    return warm_start(doc, sft_steps, work / "warm-start", timeout)
+
+
 # ---------------------------------------------------------------------------- summary
 
 
@@ -366,14 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         parser.error(f"unknown arms {unknown}; expected some of {', '.join(ARMS)}")
-    model = args.warm_start
-    if model is None:
-        exported = work / "warm-start" / "checkpoints"
-        latest = exported / "latest"
-        if latest.exists():
-            model = exported / latest.read_text().strip() / "hf"
-        else:
-            model = warm_start(doc, settings["sft_steps"], work / "warm-start", args.timeout)
+    model = args.warm_start or task_warm_start(doc, settings["sft_steps"], work, args.timeout)
     ev = Evaluator(model, Path(job["eval_file"]), job["max_new_tokens"])
     start_acc = ev.accuracy()
     print(f"warm start {model}: greedy accuracy {start_acc}", file=sys.stderr)

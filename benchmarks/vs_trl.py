@@ -76,15 +76,19 @@ GOAL_RATIO_LONG = 0.6
 #: What `--task long` changes in the demo job (everything else, both sides, is the demo's).
 LONG_TASK = {
     "max_new_tokens": 128,  # the traces are 80-108 characters, one token each, plus EOS
-    "groups_per_step": 8,  # 64 completions per step, one rollout batch of 8 prompts
-    # The demo's window of two steps ahead (32 groups at its 16 per step); the demo's 32 here
-    # would be four steps ahead, and with max_staleness 1 most of that is dropped as stale.
-    "max_inflight_groups": 16,
-    "rl_steps": 100,
-    "sft_steps": 300,
-    # Half the demo's: at 1e-4 a step moves a 97-token response by 0.1-0.4 nats and both sides'
-    # accuracy swings (docs/benchmarks.md, "Staleness on the long task").
-    "lr": 5e-5,
+    # 24 completions per step: decoding is then 62-65% of TRL's step, against about half at 64
+    # (docs/benchmarks.md, "The generation-heavy task").
+    "groups_per_step": 3,
+    # Two steps ahead, as the demo's window is at its 16 groups per step; each replica leases one
+    # step's prompts per batch.
+    "max_inflight_groups": 6,
+    "rl_steps": 160,
+    # The SFT checkpoint whose greedy accuracy (0.595) RL raises over the run; at 300 steps SFT
+    # sits in a dip (0.57) that RL undoes in under ten steps, leaving nothing to race on.
+    "sft_steps": 225,
+    # A fifth of the demo's: at 24 completions a step, 5e-5 swings both sides' accuracy by up to
+    # 0.4 between neighbouring policies; 2e-5 climbs steadily (docs/benchmarks.md).
+    "lr": 2e-5,
 }
 
 
@@ -118,6 +122,7 @@ def long_task(doc: dict[str, Any], out: Path) -> dict[str, Any]:
     job["data"]["eval"] = [{"path": str(data / "eval.jsonl"), "name": "arith-steps-heldout"}]
     job["rollout"]["sampling"]["max_new_tokens"] = LONG_TASK["max_new_tokens"]
     job["buffer"]["max_inflight_groups"] = LONG_TASK["max_inflight_groups"]
+    job["rollout"]["prompts_per_batch"] = LONG_TASK["groups_per_step"]
     tc = job["trainer"]
     tc.update(
         sft_data=str(data / "sft.jsonl"),

@@ -475,3 +475,11 @@ def test_the_staleness_rows_name_the_long_task_and_hold_it_to_no_demo_goal() -> 
             (" (long-response task)", "-", "-"),
         )
     ]
+
+
+def test_run_one_makes_its_log_folder_and_records_a_failed_run(tmp_path: Path) -> None:
+    logs = tmp_path / "not-yet" / "logs"
+    # `report.py --help` prints usage, not a JSON line: a failed run, recorded, not a crash.
+    result = report.run_one("report", ["--help"], 120, logs)
+    assert "error" in result and result["_run"]["command"] == "python benchmarks/report.py --help"
+    assert "usage" in (logs / "report.log").read_text()

@@ -77,7 +77,7 @@ def test_the_long_task_builds_vs_trls_long_job_and_records_its_runs_apart(tmp_pa
         "eval_every": long["rl_steps"] // 10,
         "group_size": 8,
         "groups_per_step": long["groups_per_step"],
-        "lr": 5e-5,
+        "lr": long["lr"],
     }
     job = parse_job_config(staleness.arm_job(doc, "s1"), env={})
     assert job.rollout.sampling.max_new_tokens == long["max_new_tokens"]
@@ -103,3 +103,24 @@ def test_the_summary_counts_only_the_runs_of_todays_settings(tmp_path: Path, cap
     assert staleness.main(argv) == 0
     summary = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert (summary["runs"], summary["arms"]["s1"]["seeds"]) == (2, [0])
+
+
+def test_a_kept_warm_start_is_reused_only_with_the_tasks_sft_steps(
+    tmp_path: Path, monkeypatch
+) -> None:
+    made: list[int] = []
+
+    def fake_warm_start(doc: dict[str, Any], steps: int, out: Path, timeout: float) -> Path:
+        made.append(steps)
+        return out / "checkpoints" / f"step-{steps:06d}" / "hf"
+
+    monkeypatch.setattr(staleness, "warm_start", fake_warm_start)
+    old = tmp_path / "warm-start" / "checkpoints" / "step-000300" / "hf"
+    old.mkdir(parents=True)
+    (old / "config.json").write_text("{}")
+    (old.parents[1] / "latest").write_text("step-000300")
+    assert staleness.task_warm_start({}, 300, tmp_path, 1.0) == old
+    assert made == []
+    # The task now takes 225 SFT steps: the kept export of 300 is not its warm start.
+    assert staleness.task_warm_start({}, 225, tmp_path, 1.0).parent.name == "step-000225"
+    assert made == [225]

@@ -304,10 +304,11 @@ def test_the_long_task_gives_both_sides_long_worked_traces_and_the_same_settings
         settings["groups_per_step"],
         settings["group_size"],
         settings["lr"],
-    ) == (128, 8, 8, 5e-5)
+    ) == (128, 3, 8, 2e-5)
     assert min(lengths) >= 48 and max(lengths) <= settings["max_new_tokens"]
     assert Path(settings["train_file"]).parent == tmp_path / "data-long"
     # Two steps ahead, as the demo's window is at its 16 groups per step.
     assert doc["buffer"]["max_inflight_groups"] == 2 * settings["groups_per_step"]
+    assert doc["rollout"]["prompts_per_batch"] == settings["groups_per_step"]
     eval_prompts = {r["prompt"] for r in vs_trl.read_jsonl(Path(settings["eval_file"]))}
     assert not eval_prompts & {r["prompt"] for r in sft}
