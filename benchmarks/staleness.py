@@ -225,7 +225,9 @@ def pending_runs(
 def task_warm_start(doc: dict[str, Any], sft_steps: int, work: Path, timeout: float) -> Path:
     """The warm start kept in `work` if it took `sft_steps` SFT steps, else a new one: a kept
     export of another length (the task's changed since) would start every arm elsewhere."""
-    kept = work / "warm-start" / "checkpoints" / f"step-{sft_steps:06d}" / "hf"
+    from kuberl.trainer.checkpoint import tag_for
+
+    kept = work / "warm-start" / "checkpoints" / tag_for(sft_steps) / "hf"
     if (kept / "config.json").exists():
         return kept
     return warm_start(doc, sft_steps, work / "warm-start", timeout)

@@ -76,12 +76,9 @@ GOAL_RATIO_LONG = 0.6
 #: What `--task long` changes in the demo job (everything else, both sides, is the demo's).
 LONG_TASK = {
     "max_new_tokens": 128,  # the traces are 80-108 characters, one token each, plus EOS
-    # 24 completions per step: decoding is then 62-65% of TRL's step, against about half at 64
+    # 24 completions per step: decoding is then 61-67% of TRL's step, against about half at 64
     # (docs/benchmarks.md, "The generation-heavy task").
     "groups_per_step": 3,
-    # Two steps ahead, as the demo's window is at its 16 groups per step; each replica leases one
-    # step's prompts per batch.
-    "max_inflight_groups": 6,
     "rl_steps": 160,
     # The SFT checkpoint whose greedy accuracy (0.595) RL raises over the run; at 300 steps SFT
     # sits in a dip (0.57) that RL undoes in under ten steps, leaving nothing to race on.
@@ -121,7 +118,9 @@ def long_task(doc: dict[str, Any], out: Path) -> dict[str, Any]:
     job["data"]["train"] = [{"path": str(data / "train.jsonl"), "name": "arith-steps"}]
     job["data"]["eval"] = [{"path": str(data / "eval.jsonl"), "name": "arith-steps-heldout"}]
     job["rollout"]["sampling"]["max_new_tokens"] = LONG_TASK["max_new_tokens"]
-    job["buffer"]["max_inflight_groups"] = LONG_TASK["max_inflight_groups"]
+    # Two steps ahead, as the demo's window is at its 16 groups per step; each replica leases one
+    # step's prompts per batch.
+    job["buffer"]["max_inflight_groups"] = 2 * LONG_TASK["groups_per_step"]
     job["rollout"]["prompts_per_batch"] = LONG_TASK["groups_per_step"]
     tc = job["trainer"]
     tc.update(
